@@ -1,0 +1,34 @@
+"""memmode: one string decides where a diffusion pipeline's weights live, how they are stored, and
+where offloaded weights wait.
+
+    import memmode_core as memmode
+    handle = memmode.apply(pipe, "model_group_offload_and_qfloat8", weight_dtype=torch.bfloat16)
+    image = pipe(prompt).images[0]
+    print(handle.report())
+    handle.remove()
+
+Placements, quantizers and storages are plugins (entry-point group ``memmode``); see ``memmode list``.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .api import Handle, apply, remove
+from .errors import (DuplicatePluginError, IncompatibleModeError, InvalidOptionError, MemmodeError,
+                     PluginLoadError, PluginNotInstalledError, StorageUnavailableError, UnknownModeError)
+from .grammar import Mode, parse_mode
+from .hookspecs import hookimpl
+from .ledger import Report
+from .options import Option
+from .placement import Placement
+from .plugins import PluginInfo, list_plugins, temporary_plugin
+from .quantizer import Quantizer
+from .storage import Storage, StorageSession
+
+__all__ = [
+    "apply", "remove", "Handle", "Report", "parse_mode", "Mode", "list_plugins", "PluginInfo", "hookimpl",
+    "temporary_plugin", "Placement", "Quantizer", "Storage", "StorageSession", "Option",
+    "MemmodeError", "UnknownModeError", "PluginNotInstalledError", "PluginLoadError", "IncompatibleModeError",
+    "StorageUnavailableError", "DuplicatePluginError", "InvalidOptionError", "__version__",
+]

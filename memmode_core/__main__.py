@@ -1,0 +1,7 @@
+"""``python -m memmode_core`` is the ``memmode`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

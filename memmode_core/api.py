@@ -1,0 +1,248 @@
+"""``apply`` and ``remove``: the orchestration of one mode on one target.
+
+The order is the contract: resolve and validate everything first (the target is untouched if
+anything is refused), then quantize, then place. Applying a mode to a target that already has one
+replaces the placement cleanly: the old one is removed (weights back in ordinary memory) only after
+the new one has been fully validated.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from . import pipeline_hooks
+from .engine.runtime import Runtime
+from .errors import IncompatibleModeError, InvalidOptionError
+from .grammar import Resolved, resolve
+from .ledger import Ledger, Report
+from .options import resolve_options
+from .plugins import current
+from .targets import Target, refuse_compiled
+
+logger = logging.getLogger("memmode")
+
+#: attribute set on a pipeline / module (and on each placed component) that points to its handle
+HANDLE_ATTRIBUTE = "_memmode_handle"
+
+
+class Handle:
+    """What ``apply`` returns: the applied mode, its ledger, and the way back."""
+
+    def __init__(self, target: Target, resolved: Resolved, device: torch.device, runtime: Runtime,
+                 ledger: Ledger, quantized: dict[str, Any]) -> None:
+        self._target = weakref.ref(target.obj) if _weakrefable(target.obj) else (lambda obj=target.obj: obj)
+        self._components = target.components
+        self.mode = str(resolved.mode)
+        self.placement = resolved.placement.name
+        self.quantizer = resolved.quantizer.name if resolved.quantizer else None
+        self.storage = resolved.storage.name if resolved.storage else None
+        self.device = device
+        #: component name -> the quantizer's summary of what it did there
+        self.quantized = quantized
+        self._runtime = runtime
+        self._ledger = ledger
+        self._removed = False
+
+    @property
+    def target(self) -> Any:
+        return self._target()
+
+    @property
+    def active(self) -> bool:
+        return not self._removed
+
+    def report(self) -> Report:
+        session = self._runtime.session
+        return Report(
+            mode=self.mode,
+            storage=self.storage,
+            device=str(self.device),
+            peak_device_bytes=self._ledger.peak,
+            resident_device_bytes=self._ledger.resident,
+            bytes_transferred=self._ledger.transferred,
+            transfer_seconds=self._ledger.seconds,
+            onloads=self._ledger.onloads,
+            offloads=self._ledger.offloads,
+            storage_bytes=session.stats() if session is not None else {},
+        )
+
+    def reset_stats(self) -> None:
+        """Start counting afresh (the peak restarts from what is resident now)."""
+        self._ledger.reset_peak()
+
+    def remove(self) -> None:
+        """Take every hook off and leave the weights in ordinary CPU memory. Idempotent."""
+        if self._removed:
+            return
+        self._removed = True
+        self._runtime.remove()
+        pipeline_hooks.uninstall(self._components)
+        target = self.target
+        for obj in [target, *self._components.values()]:
+            if obj is not None and getattr(obj, HANDLE_ATTRIBUTE, None) is self:
+                delattr(obj, HANDLE_ATTRIBUTE)
+        if self.quantized:
+            logger.warning("memmode: removed %s; quantization of %s (%s) is not undone, the weights stay quantized",
+                           self.mode, ", ".join(self.quantized), self.quantizer)
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "removed"
+        return f"<memmode.Handle {self.mode} storage={self.storage} device={self.device} {state}>"
+
+
+def _weakrefable(obj: Any) -> bool:
+    try:
+        weakref.ref(obj)
+        return True
+    except TypeError:
+        return False
+
+
+def resolve_device(device: Any) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidOptionError(f"device={device!r} is not a torch device: {exc}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidOptionError(f"device={device!r}: CUDA is not available on this machine")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type == "meta":
+        raise InvalidOptionError("device='meta' cannot compute anything")
+    return dev
+
+
+def _check_dtype(weight_dtype: Any) -> None:
+    if weight_dtype is not None and not (isinstance(weight_dtype, torch.dtype) and weight_dtype.is_floating_point):
+        raise InvalidOptionError(f"weight_dtype={weight_dtype!r} must be a floating torch.dtype such as torch.bfloat16")
+
+
+def _names(value: Any, what: str) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return (value,)
+    try:
+        values = tuple(value)
+    except TypeError:
+        raise InvalidOptionError(f"{what}= must be a string or a list of strings") from None
+    if not all(isinstance(v, str) for v in values):
+        raise InvalidOptionError(f"{what}= must be a string or a list of strings")
+    return values
+
+
+def handle_of(target: Any) -> Handle | None:
+    handle = getattr(target, HANDLE_ATTRIBUTE, None)
+    return handle if isinstance(handle, Handle) and handle.active else None
+
+
+def apply(target: Any, mode: str, *, device: Any = None, weight_dtype: torch.dtype | None = None,
+          storage: str | None = None, offload_dir: str | None = None, components: Iterable[str] | None = None,
+          exclude: Iterable[str] | None = None, **options: Any) -> Handle:
+    """Put ``target`` (a diffusers pipeline or an ``nn.Module``) into ``mode``; see the user guide."""
+    # -- resolve and validate: nothing is touched until all of this has passed ----------------------
+    if not isinstance(mode, str):
+        raise TypeError(f"mode must be a string such as 'model_cpu_offload_and_qfloat8', not {type(mode).__name__}")
+    tgt = Target.of(target)
+    dev = resolve_device(device)
+    _check_dtype(weight_dtype)
+    if storage is not None and not isinstance(storage, str):
+        raise TypeError(f"storage must be a storage name such as 'ram', not {type(storage).__name__}")
+    if offload_dir is not None and not isinstance(offload_dir, (str, bytes)) and not hasattr(offload_dir, "__fspath__"):
+        raise TypeError("offload_dir must be a path")
+    component_names = _names(components, "components")
+    excluded = _names(exclude, "exclude") or ()
+    resolved = resolve(mode, storage=storage, device=dev, plugins=current(), storage_given=storage is not None)
+    placement = resolved.placement.obj
+    quantizer = resolved.quantizer.obj if resolved.quantizer else None
+    storage_obj = resolved.storage.obj if resolved.storage else None
+
+    declared = [(f"placement {placement.name}", placement.options)]
+    if storage_obj is not None:
+        declared.append((f"storage {storage_obj.name}", storage_obj.options))
+    if quantizer is not None:
+        declared.append((f"quantizer {quantizer.name}", quantizer.options))
+    routed = resolve_options(declared, options)
+    placement_options = routed[f"placement {placement.name}"]
+    storage_options = routed.get(f"storage {storage_obj.name}", {}) if storage_obj is not None else {}
+    quantizer_options = routed.get(f"quantizer {quantizer.name}", {}) if quantizer is not None else {}
+
+    if quantizer is None and (component_names is not None or excluded):
+        raise InvalidOptionError(
+            f"components= and exclude= choose what a quantizer touches, and mode {mode!r} has no quantizer"
+        )
+    if offload_dir is not None and not getattr(storage_obj, "uses_offload_dir", False):
+        raise InvalidOptionError(
+            f"offload_dir= is for storages that write files (disk, mmap); storage "
+            f"{resolved.storage.name if resolved.storage else None!r} does not use it"
+        )
+    quantize_targets = tgt.select(component_names) if quantizer is not None else {}
+    if quantizer is not None:
+        if not quantize_targets:
+            raise InvalidOptionError(
+                f"{tgt.label} has no transformer or transformer_2 component to quantize; "
+                f"name the components with components=[...] (it has {', '.join(tgt.components)})"
+            )
+        refuse_compiled(quantize_targets, f"quantize with {quantizer.name}")
+    if tgt.is_pipeline:
+        pipeline_hooks.refuse_foreign_offloading(tgt.components)
+    previous = handle_of(target)
+    _refuse_foreign_handles(tgt, previous)
+    placement.check(tgt, placement_options, dev)
+    specs = placement.layout(tgt, placement_options)
+    if quantizer is not None:
+        quantizer.check(quantize_targets, weight_dtype=weight_dtype, exclude=excluded, options=quantizer_options)
+    session = storage_obj.open(device=dev, offload_dir=offload_dir, options=storage_options) if storage_obj else None
+
+    # -- act: replace the old placement, quantize, place -------------------------------------------
+    try:
+        if previous is not None:
+            previous.remove()
+        quantized = {}
+        if quantizer is not None:
+            for name, module in quantize_targets.items():
+                quantized[name] = quantizer.quantize(module, weight_dtype=weight_dtype, exclude=excluded,
+                                                     options=quantizer_options)
+        ledger = Ledger()
+        runtime = Runtime(tgt.components, specs, device=dev, session=session, ledger=ledger,
+                          prefetch=placement.prefetch(placement_options, dev))
+        runtime.install()
+    except BaseException:
+        if session is not None:
+            session.close()
+        raise
+    handle = Handle(tgt, resolved, dev, runtime, ledger, quantized)
+    if tgt.is_pipeline:
+        pipeline_hooks.install(tgt.components, dev, handle.remove)
+    for obj in [target, *tgt.components.values()]:
+        setattr(obj, HANDLE_ATTRIBUTE, handle)
+    return handle
+
+
+def _refuse_foreign_handles(tgt: Target, previous: Handle | None) -> None:
+    """A component placed through another target (a pipeline sharing it) cannot be placed twice."""
+    for name, module in tgt.components.items():
+        other = getattr(module, HANDLE_ATTRIBUTE, None)
+        if isinstance(other, Handle) and other.active and other is not previous:
+            owner = other.target
+            raise IncompatibleModeError(
+                f"component {name!r} is already placed by memmode mode {other.mode!r} applied to "
+                f"{type(owner).__name__}; call remove() on that first"
+            )
+
+
+def remove(target: Any) -> bool:
+    """Remove memmode from ``target``; returns whether there was anything to remove."""
+    handle = handle_of(target)
+    if handle is None:
+        return False
+    handle.remove()
+    return True

@@ -1,0 +1,138 @@
+"""The placements built into memmode-core, registered through the same hook as any plugin.
+
+Each one only describes groups (see :mod:`memmode_core.engine.layout`); the engine moves them.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from ..engine.layout import GroupSpec, Policy, block_groups, leaf_groups, whole_component
+from ..errors import IncompatibleModeError, InvalidOptionError
+from ..hookspecs import hookimpl
+from ..options import Option, boolean_or_none, names_list, one_of, positive_int
+from ..placement import Placement
+from ..targets import Target, is_fsdp_wrapped
+
+TEXT_ENCODER_PREFIX = "text_encoder"
+
+#: Name fragments of small tensors that are read on every step and cost more in copy latency than
+#: they save in memory: RoPE frequency tables and modulation / scale-shift tables.
+SMALL_TABLES = ("rope", "freqs", "modulation", "scale_shift_table")
+
+
+class ModelFullLoad(Placement):
+    name = "model_full_load"
+    description = "every component on the device, all the time (the fastest, and the most memory)"
+    offloads = False
+
+    def layout(self, target: Target, options: Mapping[str, object]) -> list[GroupSpec]:
+        return [whole_component(name, module, Policy.RESIDENT) for name, module in target.components.items()]
+
+
+class ModelCpuOffload(Placement):
+    name = "model_cpu_offload"
+    description = "one whole component on the device at a time; it stays until another one is called"
+
+    def layout(self, target: Target, options: Mapping[str, object]) -> list[GroupSpec]:
+        return [whole_component(name, module, Policy.EXCLUSIVE) for name, module in target.components.items()]
+
+
+class ModelGroupOffload(Placement):
+    name = "model_group_offload"
+    description = "every component streamed in groups of blocks (or leaf modules), prefetched on CUDA"
+    options = (
+        Option("offload_type", "block_level", "'block_level' (runs of blocks) or 'leaf_level' (single modules)",
+               one_of("block_level", "leaf_level")),
+        Option("num_blocks_per_group", 1, "blocks that move together at block level", positive_int),
+        Option("block_modules", None, "submodule names treated as block containers (default: the "
+               "component's _group_offload_block_modules, e.g. a VAE's encoder and decoder)",
+               lambda v: None if v is None else names_list(v)),
+        Option("use_stream", None, "copy the next group on a CUDA side stream while the current one computes "
+               "(default: on when computing on CUDA)", boolean_or_none),
+    )
+
+    def check(self, target: Target, options: Mapping[str, object], device: torch.device) -> None:
+        if options["use_stream"] and device.type != "cuda":
+            raise InvalidOptionError(f"use_stream=True needs a CUDA device; the compute device is {device}")
+
+    def prefetch(self, options: Mapping[str, object], device: torch.device) -> bool:
+        return device.type == "cuda" if options["use_stream"] is None else bool(options["use_stream"])
+
+    def layout(self, target: Target, options: Mapping[str, object]) -> list[GroupSpec]:
+        specs: list[GroupSpec] = []
+        for name, module in target.components.items():
+            if options["offload_type"] == "leaf_level":
+                specs += leaf_groups(name, module)
+            else:
+                block_modules = options["block_modules"]
+                if block_modules is None:
+                    block_modules = getattr(module, "_group_offload_block_modules", None) or ()
+                specs += block_groups(name, module, num_blocks_per_group=options["num_blocks_per_group"],
+                                      block_modules=block_modules)
+        return specs
+
+
+def _small_table_filter(fragments: tuple[str, ...]):
+    def keep(path: str, module: nn.Module) -> bool:
+        names = [path.rsplit(".", 1)[-1], *module._parameters, *module._buffers]
+        return any(fragment in name for name in names for fragment in fragments)
+    return keep
+
+
+class SequentialCpuOffload(Placement):
+    name = "sequential_cpu_offload"
+    description = "one leaf module on the device at a time, synchronously (the least memory, the slowest)"
+    options = (
+        Option("keep_resident", SMALL_TABLES, "name fragments of small tables kept on the device "
+               "(RoPE frequencies, modulation / scale-shift tables)", names_list),
+    )
+
+    def layout(self, target: Target, options: Mapping[str, object]) -> list[GroupSpec]:
+        keep = _small_table_filter(tuple(options["keep_resident"]))
+        return [g for name, module in target.components.items() for g in leaf_groups(name, module, keep)]
+
+
+class TextEncoderOffload(Placement):
+    name = "text_encoder_offload"
+    description = "everything resident except the text encoders, which stream module by module for their one pass"
+
+    def _encoders(self, target: Target) -> dict[str, nn.Module]:
+        return {n: m for n, m in target.components.items() if n.startswith(TEXT_ENCODER_PREFIX)}
+
+    def check(self, target: Target, options: Mapping[str, object], device: torch.device) -> None:
+        encoders = self._encoders(target)
+        if not encoders:
+            raise IncompatibleModeError(
+                f"text_encoder_offload streams the '{TEXT_ENCODER_PREFIX}*' components, and {target.label} has none "
+                f"(it has {', '.join(target.components)}); use model_full_load or model_cpu_offload"
+            )
+        for name, module in encoders.items():
+            if is_fsdp_wrapped(module):
+                raise IncompatibleModeError(
+                    f"text_encoder_offload cannot stream {name!r}: it is FSDP-wrapped, and only FSDP can move its "
+                    f"shards. Leave the text encoder unsharded so memmode can stream it, or shard it with FSDP's "
+                    f"own CPU offload and use model_full_load for the rest"
+                )
+
+    def layout(self, target: Target, options: Mapping[str, object]) -> list[GroupSpec]:
+        encoders = self._encoders(target)
+        specs: list[GroupSpec] = []
+        for name, module in target.components.items():
+            if name in encoders:
+                specs += leaf_groups(name, module)
+            else:
+                specs.append(whole_component(name, module, Policy.RESIDENT))
+        return specs
+
+
+PLACEMENTS = (ModelFullLoad, ModelCpuOffload, ModelGroupOffload, SequentialCpuOffload, TextEncoderOffload)
+
+
+@hookimpl
+def memmode_register_placements(register):
+    for placement in PLACEMENTS:
+        register(placement())

@@ -1,0 +1,60 @@
+"""The ``ram`` storage: offloaded weights wait in ordinary (pageable) CPU memory.
+
+The copy it keeps is the tensor the model already had when that lives on the CPU, so applying a
+mode to a model built on the CPU costs no memory at all. Copies to a GPU from pageable memory are
+synchronous; the ``pinned`` storage plugin is the asynchronous one.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from ..hookspecs import hookimpl
+from ..storage import Storage, StorageSession, Tensors, host_copy, to_device
+
+
+class RamSession(StorageSession):
+    def __init__(self) -> None:
+        self._groups: dict[str, Tensors] = {}
+
+    def put(self, key: str, tensors: Tensors, readable: frozenset[str] = frozenset()) -> Tensors:
+        copies = {name: host_copy(t) for name, t in tensors.items()}
+        self._groups[key] = copies
+        return copies
+
+    def fetch(self, key: str, device: torch.device, stream=None) -> Tensors:
+        return to_device(self._groups[key], device)
+
+    def restore(self, key: str) -> Tensors:
+        return self._groups[key]
+
+    def discard(self, key: str) -> None:
+        self._groups.pop(key, None)
+
+    def close(self) -> None:
+        self._groups.clear()
+
+    def stats(self) -> dict[str, int]:
+        seen: set[int] = set()
+        total = 0
+        for tensors in self._groups.values():
+            for t in tensors.values():
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    total += t.numel() * t.element_size()
+        return {"pageable_bytes": total}
+
+
+class RamStorage(Storage):
+    name = "ram"
+    description = "pageable CPU memory (synchronous copies; always available)"
+
+    def open(self, *, device: torch.device, offload_dir: str | None, options: Mapping[str, object]) -> StorageSession:
+        return RamSession()
+
+
+@hookimpl
+def memmode_register_storages(register):
+    register(RamStorage())

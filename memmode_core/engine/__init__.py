@@ -1,0 +1,1 @@
+"""The group engine: layouts (what moves together), the runtime (moving it), input handling."""

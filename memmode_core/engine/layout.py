@@ -1,0 +1,170 @@
+"""How a component is cut into groups: sets of weights that move together.
+
+A placement describes *what* moves as a list of :class:`GroupSpec`; the runtime decides nothing
+about structure. The planner reads the same specs, so its predictions and the ledger of a real
+call are computed from one structure.
+
+Every module that owns tensors directly (its own parameters and buffers, not its children's)
+belongs to exactly one group. A group is onloaded when one of its *entry* modules starts its
+forward and, for streaming groups, offloaded when one of its *exit* modules finishes. Whatever a
+component leaves resident when its own forward returns is offloaded then, so a group whose exit
+module was skipped never stays on the device.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+from torch import nn
+
+from ..errors import InvalidOptionError
+
+
+class Policy(enum.Enum):
+    #: onloaded when the placement is applied, stays until it is removed
+    RESIDENT = "resident"
+    #: onloaded when entered, offloaded when an exit module's forward returns
+    STREAM = "stream"
+    #: onloaded when entered, stays until a group of another component needs the device
+    EXCLUSIVE = "exclusive"
+
+
+@dataclass(eq=False)
+class GroupSpec:
+    key: str
+    component: str
+    owners: list[nn.Module]
+    entries: list[nn.Module] = field(default_factory=list)
+    exits: list[nn.Module] = field(default_factory=list)
+    policy: Policy = Policy.STREAM
+    #: whether the group takes part in prefetching (a component's rest group is entered first anyway)
+    prefetchable: bool = True
+
+
+#: ``(path, module) -> True`` for modules whose tensors must stay on the device
+KeepResident = Callable[[str, nn.Module], bool]
+
+
+def owns_tensors(module: nn.Module) -> bool:
+    return any(t is not None for t in module._parameters.values()) or any(
+        t is not None for t in module._buffers.values()
+    )
+
+
+def _owners(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    return [m for m in modules if owns_tensors(m)]
+
+
+def _key(component: str, path: str) -> str:
+    return f"{component}/{path}" if path else component
+
+
+def _is_container(module: nn.Module) -> bool:
+    return isinstance(module, (nn.ModuleList, nn.Sequential))
+
+
+def _component_entries(module: nn.Module) -> list[nn.Module]:
+    """The component and its direct children: methods other than ``forward`` (a VAE's ``decode``
+    calls ``post_quant_conv`` and ``decoder``) enter the component through one of these."""
+    return [module, *(c for c in module.children() if not _is_container(c))]
+
+
+def whole_component(component: str, module: nn.Module, policy: Policy) -> GroupSpec:
+    """One group for the whole component (model_cpu_offload, full load)."""
+    return GroupSpec(
+        key=component,
+        component=component,
+        owners=_owners(module.modules()),
+        entries=_component_entries(module) if policy is not Policy.RESIDENT else [],
+        policy=policy,
+        prefetchable=False,
+    )
+
+
+def leaf_groups(component: str, module: nn.Module, keep_resident: KeepResident | None = None) -> list[GroupSpec]:
+    """One streaming group per module that owns tensors directly: leaves with weights, and parents
+    with loose parameters or buffers. Modules ``keep_resident`` selects form one resident group."""
+    groups: list[GroupSpec] = []
+    kept: list[nn.Module] = []
+    for path, sub in module.named_modules():
+        if not owns_tensors(sub):
+            continue
+        if keep_resident is not None and keep_resident(path, sub):
+            kept.append(sub)
+            continue
+        groups.append(GroupSpec(_key(component, path or "<root>"), component, [sub], [sub], [sub]))
+    if kept:
+        groups.insert(0, GroupSpec(_key(component, "<resident>"), component, kept, policy=Policy.RESIDENT,
+                                   prefetchable=False))
+    return groups
+
+
+def block_groups(component: str, module: nn.Module, *, num_blocks_per_group: int = 1,
+                 block_modules: Iterable[str] = ()) -> list[GroupSpec]:
+    """Runs of blocks plus one "rest" group per scope.
+
+    A scope is the component itself, or a submodule named in ``block_modules`` (diffusers' convention
+    for a VAE's encoder and decoder). Inside a scope, the outermost ``ModuleList``/``Sequential``
+    containers are found at any depth (a text encoder keeps its layers in ``encoder.layer``) and
+    their children are chunked into groups of ``num_blocks_per_group``. Everything else in the scope
+    forms the scope's rest group, onloaded when the scope is entered and offloaded when its forward
+    returns.
+    """
+    named = dict(module.named_modules())
+    missing = [p for p in block_modules if p not in named]
+    if missing:
+        raise InvalidOptionError(
+            f"block_modules: component {component!r} has no submodule {', '.join(map(repr, missing))}"
+        )
+    scopes = [""] + [p for p in dict.fromkeys(block_modules) if p]
+    scope_ids = {id(named[p]) for p in scopes}
+    groups: list[GroupSpec] = []
+    for scope in scopes:
+        root = named[scope]
+        rest: list[nn.Module] = []
+        containers: list[tuple[str, nn.Module]] = []
+        _walk_scope(root, scope, scope_ids, rest, containers, top=True)
+        groups.append(GroupSpec(
+            key=_key(component, scope or "<rest>"),
+            component=component,
+            owners=_owners(rest),
+            entries=_component_entries(root) if not scope else [root],
+            exits=[root],
+            prefetchable=False,
+        ))
+        for path, container in containers:
+            children = list(container.named_children())
+            for start in range(0, len(children), num_blocks_per_group):
+                chunk = children[start:start + num_blocks_per_group]
+                blocks = [m for _, m in chunk]
+                first, last = chunk[0][0], chunk[-1][0]
+                groups.append(GroupSpec(
+                    key=_key(component, f"{path}.{first}" + ("" if first == last else f"-{last}")),
+                    component=component,
+                    owners=_owners(m for b in blocks for m in _modules_within(b, scope_ids)),
+                    entries=blocks,
+                    exits=[blocks[-1]],
+                ))
+    return [g for g in groups if g.owners]
+
+
+def _walk_scope(module: nn.Module, path: str, scope_ids: set[int], rest: list[nn.Module],
+                containers: list[tuple[str, nn.Module]], top: bool = False) -> None:
+    if not top and id(module) in scope_ids:
+        return  # a nested scope has groups of its own
+    if not top and _is_container(module):
+        containers.append((path, module))
+        return
+    rest.append(module)
+    for name, child in module.named_children():
+        _walk_scope(child, f"{path}.{name}" if path else name, scope_ids, rest, containers)
+
+
+def _modules_within(block: nn.Module, scope_ids: set[int]) -> Iterator[nn.Module]:
+    """A block's modules, minus any nested scope."""
+    yield block
+    for child in block.children():
+        if id(child) not in scope_ids:
+            yield from _modules_within(child, scope_ids)

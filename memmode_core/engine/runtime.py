@@ -1,0 +1,369 @@
+"""The group engine: onloads and offloads groups around forwards, and keeps the ledger.
+
+One :class:`Runtime` serves one ``apply``. It turns the placement's :class:`GroupSpec` list into
+:class:`Group` objects holding the actual tensors, stores the offloaded copies through the storage
+session, installs forward hooks on entry and exit modules, and undoes all of it on ``remove``.
+
+Weights are swapped through ``tensor.data``, so parameters and buffers keep their identity: code
+that holds a reference to a parameter (an optimizer, an adapter, a tied weight) keeps seeing it.
+
+Prefetching (CUDA only): during a component's first call the order in which its groups are
+onloaded is recorded. From then on, onloading a group also starts copying the next one in that
+order on a side stream; an event recorded after those copies is what the compute stream waits on
+before the next group's modules run, and every prefetched tensor is marked as used by the compute
+stream (``record_stream``) so the caching allocator never hands its memory to a new copy while a
+kernel may still read it. A group that was not prefetched (first call, a layer skipped or called
+out of order) is simply onloaded on the compute stream when it is entered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ..ledger import Ledger, clock
+from ..storage import StorageSession, Tensors
+from .inputs import move_inputs
+from .layout import GroupSpec, Policy
+
+
+@dataclass(eq=False)
+class Slot:
+    """One parameter or buffer: the tensor object whose ``.data`` is swapped, and a stable name."""
+
+    name: str
+    tensor: torch.Tensor
+    is_buffer: bool
+
+
+class Group:
+    __slots__ = ("key", "component", "policy", "entries", "exits", "slots", "nbytes", "resident",
+                 "at_rest", "prefetchable", "ready_event", "next", "readable")
+
+    def __init__(self, spec: GroupSpec) -> None:
+        self.key = spec.key
+        self.component = spec.component
+        self.policy = spec.policy
+        self.entries = list(spec.entries)
+        self.exits = list(spec.exits)
+        self.prefetchable = spec.prefetchable
+        self.slots: list[Slot] = []
+        self.nbytes = 0
+        #: the device copy is assigned (it may still be in flight: see ``ready_event``)
+        self.resident = False
+        self.at_rest: Tensors = {}
+        #: CUDA event the compute stream must wait on before using a prefetched group
+        self.ready_event: torch.cuda.Event | None = None
+        #: the group that followed this one in the recorded execution order
+        self.next: Group | None = None
+        #: slot names whose at-rest value must stay readable (buffers)
+        self.readable: frozenset[str] = frozenset()
+
+    def tensors(self) -> Tensors:
+        return {slot.name: slot.tensor.data for slot in self.slots}
+
+    def assign(self, tensors: Tensors) -> None:
+        for slot in self.slots:
+            slot.tensor.data = tensors[slot.name]
+
+    def __repr__(self) -> str:
+        return f"<group {self.key} {self.policy.value} {self.nbytes}B{' resident' if self.resident else ''}>"
+
+
+class Runtime:
+    def __init__(self, components: dict[str, nn.Module], specs: Iterable[GroupSpec], *, device: torch.device,
+                 session: StorageSession | None, ledger: Ledger, prefetch: bool = False) -> None:
+        self.components = components
+        self.device = device
+        self.session = session
+        self.ledger = ledger
+        self.groups = _claim(components, list(specs))
+        self.active: str | None = None
+        self._depth: dict[str, int] = {name: 0 for name in components}
+        self._resident: dict[str, list[Group]] = {name: [] for name in components}
+        self._handles: list = []
+        self._cuda = device.type == "cuda"
+        #: where prefetches are copied; without CUDA a prefetch is a synchronous early onload
+        self._copy_stream = torch.cuda.Stream(device) if prefetch and self._cuda else None
+        #: component -> groups in the order of their first onload during the component's first call
+        self._recording: dict[str, list[Group]] = {name: [] for name in components} if prefetch else {}
+        #: CUDA (start, end) events of copies whose duration is not yet added to the ledger
+        self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    # -- install / remove ---------------------------------------------------------------------------
+
+    def install(self) -> None:
+        """Store the offloaded copies, then release the originals and hook the modules.
+
+        Everything that can fail (space, permissions, memory for copies) happens in the first phase,
+        while the model still holds its own tensors; a failure there leaves the model as it was.
+        """
+        stored = [g for g in self.groups if g.policy is not Policy.RESIDENT]
+        if stored and self.session is None:
+            raise RuntimeError("a placement that offloads needs a storage session")
+        try:
+            if stored:
+                self.session.reserve({g.key: g.nbytes for g in stored})
+                for group in stored:
+                    group.at_rest = self.session.put(group.key, group.tensors(), group.readable)
+        except BaseException:
+            if self.session is not None:
+                self.session.close()
+            raise
+        for group in stored:
+            group.assign(group.at_rest)
+        for group in self.groups:
+            if group.policy is Policy.RESIDENT:
+                self._onload_resident(group)
+        self._install_hooks()
+
+    def remove(self) -> None:
+        """Unhook, and leave every weight in ordinary CPU memory."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        for group in self.groups:
+            if group.policy is Policy.RESIDENT:
+                group.assign({n: t.to("cpu") for n, t in group.tensors().items()})
+            else:
+                group.assign(self.session.restore(group.key))
+            if group.resident:
+                group.resident = False
+                group.ready_event = None
+                self.ledger.offloaded(group.nbytes, 0.0)
+        for resident in self._resident.values():
+            resident.clear()
+        if self.session is not None:
+            self.session.close()
+
+    # -- moving -------------------------------------------------------------------------------------
+
+    def _onload_resident(self, group: Group) -> None:
+        start = clock()
+        group.assign({n: t.to(self.device) for n, t in group.tensors().items()})
+        group.resident = True
+        self.ledger.onloaded(group.nbytes, clock() - start)
+
+    def ensure(self, group: Group) -> None:
+        """Make ``group`` usable by the compute stream: onload it, or wait for its prefetch."""
+        if group.resident:
+            event = group.ready_event
+            if event is not None:
+                stream = torch.cuda.current_stream(self.device)
+                stream.wait_event(event)
+                for slot in group.slots:
+                    slot.tensor.data.record_stream(stream)
+                group.ready_event = None
+        else:
+            if group.component != self.active:
+                self._switch_to(group.component)
+            self._fetch(group, None)
+        if self._recording and group.component in self._recording:
+            self._record(group)
+        nxt = group.next
+        if nxt is not None and not nxt.resident:
+            self._fetch(nxt, self._copy_stream)
+
+    def _fetch(self, group: Group, stream: "torch.cuda.Stream | None") -> None:
+        if self._cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+                start.record()
+                tensors = self.session.fetch(group.key, self.device, stream)
+                end.record()
+            self._timings.append((start, end))
+            group.ready_event = end if stream is not None else None
+            seconds = 0.0
+        else:
+            began = clock()
+            tensors = self.session.fetch(group.key, self.device, None)
+            seconds = clock() - began
+        group.assign(tensors)
+        group.resident = True
+        self._resident[group.component].append(group)
+        self.ledger.onloaded(group.nbytes, seconds)
+
+    def offload(self, group: Group) -> None:
+        start = clock()
+        group.assign(group.at_rest)
+        group.resident = False
+        group.ready_event = None
+        self._resident[group.component].remove(group)
+        self.ledger.offloaded(group.nbytes, clock() - start)
+
+    def _switch_to(self, component: str) -> None:
+        """Another component needs the device: offload what idle components left resident."""
+        for name, resident in self._resident.items():
+            if name != component and resident and self._depth[name] == 0:
+                for group in list(resident):
+                    self.offload(group)
+        self.active = component
+
+    def settle(self) -> None:
+        """Add the measured duration of finished asynchronous copies to the ledger."""
+        if not self._timings:
+            return
+        pending = []
+        for start, end in self._timings:
+            if end.query():
+                self.ledger.seconds += start.elapsed_time(end) / 1000.0
+            else:
+                pending.append((start, end))
+        self._timings = pending
+
+    # -- execution order (prefetch) ------------------------------------------------------------------
+
+    def _record(self, group: Group) -> None:
+        order = self._recording[group.component]
+        if group not in order:
+            order.append(group)
+
+    def _finish_recording(self, component: str) -> None:
+        """After a component's first call: link each group to the next prefetchable one."""
+        order = self._recording.pop(component, None)
+        if not order:
+            return
+        following: Group | None = None
+        for group in reversed(order):
+            group.next = following
+            if group.prefetchable and group.policy is Policy.STREAM:
+                following = group
+
+    # -- hooks --------------------------------------------------------------------------------------
+
+    def _install_hooks(self) -> None:
+        entered: dict[int, tuple[nn.Module, list[Group]]] = {}
+        exited: dict[int, tuple[nn.Module, list[Group]]] = {}
+        for group in self.groups:
+            if group.policy is Policy.RESIDENT:
+                continue
+            for module in group.entries:
+                entered.setdefault(id(module), (module, []))[1].append(group)
+            if group.policy is Policy.STREAM:
+                for module in group.exits:
+                    exited.setdefault(id(module), (module, []))[1].append(group)
+        roots = {id(m) for m in self.components.values()}
+        for module, groups in entered.values():
+            self._handles.append(module.register_forward_pre_hook(
+                self._entry_hook(groups), with_kwargs=True, prepend=True))
+        for module_id, (module, groups) in exited.items():
+            if module_id not in roots:  # a component's own exit is handled by its leave hook
+                self._handles.append(module.register_forward_hook(self._exit_hook(groups), always_call=True))
+        for name, module in self.components.items():
+            self._handles.append(module.register_forward_pre_hook(self._enter_component_hook(name), prepend=True))
+            self._handles.append(module.register_forward_hook(self._leave_component_hook(name), always_call=True))
+
+    def _entry_hook(self, groups: list[Group]):
+        device = self.device
+        ensure = self.ensure
+        if len(groups) == 1:
+            (group,) = groups
+
+            def pre_forward(module, args, kwargs):
+                if not group.resident or group.ready_event is not None:
+                    ensure(group)
+                return move_inputs(args, kwargs, device)
+        else:
+            def pre_forward(module, args, kwargs):
+                for group in groups:
+                    if not group.resident or group.ready_event is not None:
+                        ensure(group)
+                return move_inputs(args, kwargs, device)
+        return pre_forward
+
+    def _exit_hook(self, groups: list[Group]):
+        offload = self.offload
+
+        def post_forward(module, args, output):
+            for group in groups:
+                if group.resident and group.ready_event is None:
+                    offload(group)
+        return post_forward
+
+    def _enter_component_hook(self, name: str):
+        depth = self._depth
+
+        def pre_forward(module, args):
+            depth[name] += 1
+        return pre_forward
+
+    def _leave_component_hook(self, name: str):
+        depth = self._depth
+        resident = self._resident[name]
+
+        def post_forward(module, args, output):
+            depth[name] -= 1
+            if depth[name] == 0:
+                for group in list(resident):
+                    if group.policy is Policy.STREAM:
+                        self.offload(group)
+                if name in self._recording:
+                    self._finish_recording(name)
+                if self._timings:
+                    self.settle()
+        return post_forward
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _claim(components: dict[str, nn.Module], specs: list[GroupSpec]) -> list[Group]:
+    """Turn specs into groups that hold each tensor exactly once.
+
+    A tensor reachable from several groups (a tied weight, a module shared between two places)
+    must move with all of them at once, so groups that share a tensor are merged.
+    """
+    paths = {id(m): (f"{comp}." if len(components) > 1 else "") + path
+             for comp, root in components.items() for path, m in root.named_modules()}
+    owner_of: dict[int, int] = {}
+    parent = list(range(len(specs)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    claimed: list[list[Slot]] = [[] for _ in specs]
+    for index, spec in enumerate(specs):
+        for module in spec.owners:
+            prefix = paths.get(id(module), type(module).__name__)
+            tensors = [(a, t, False) for a, t in module._parameters.items()]
+            tensors += [(a, t, True) for a, t in module._buffers.items()]
+            for attr, tensor, is_buffer in tensors:
+                if tensor is None:
+                    continue
+                first = owner_of.setdefault(id(tensor), index)
+                if first == index:
+                    claimed[index].append(Slot(f"{prefix}.{attr}" if prefix else attr, tensor, is_buffer))
+                else:
+                    parent[find(index)] = find(first)
+    merged: dict[int, Group] = {}
+    order: list[Group] = []
+    for index, spec in enumerate(specs):
+        root = find(index)
+        group = merged.get(root)
+        if group is None:
+            group = merged[root] = Group(spec)
+            order.append(group)
+        else:
+            group.entries += [m for m in spec.entries if m not in group.entries]
+            group.exits += [m for m in spec.exits if m not in group.exits]
+            if Policy.RESIDENT in (spec.policy, group.policy):
+                group.policy = Policy.RESIDENT
+        for slot in claimed[index]:
+            group.slots.append(slot)
+            group.nbytes += slot.tensor.numel() * slot.tensor.element_size()
+    for group in order:
+        group.readable = frozenset(slot.name for slot in group.slots if slot.is_buffer)
+    return [g for g in order if g.slots]

@@ -1,0 +1,41 @@
+"""The errors memmode raises.
+
+Every refusal is typed, so that scripts can catch exactly what they mean to, and every one is raised
+before anything on the target is touched. All of them are ``ValueError``s (through ``MemmodeError``)
+because they are all "the argument you gave cannot be honoured"; the ones about argument *names or
+types* are also ``TypeError``s.
+"""
+
+from __future__ import annotations
+
+
+class MemmodeError(ValueError):
+    """Base class of every error memmode raises on purpose."""
+
+
+class UnknownModeError(MemmodeError):
+    """A mode, placement, quantizer or storage name that nothing installed provides."""
+
+
+class PluginNotInstalledError(UnknownModeError):
+    """A first-party name whose distribution is not installed; the message says what to install."""
+
+
+class PluginLoadError(UnknownModeError):
+    """A name that could come from a plugin which failed to import or to register."""
+
+
+class IncompatibleModeError(MemmodeError):
+    """A mode that cannot be honoured on this target as it is (compiled, sharded, already quantized...)."""
+
+
+class StorageUnavailableError(MemmodeError):
+    """A storage that is installed but cannot work here (no CUDA for pinned memory, unwritable folder...)."""
+
+
+class DuplicatePluginError(MemmodeError):
+    """Two plugins register the same name within one kind."""
+
+
+class InvalidOptionError(MemmodeError, TypeError):
+    """An option or argument whose name is unknown or whose value is not acceptable."""

@@ -1,0 +1,139 @@
+"""The mode grammar and name resolution.
+
+A mode is ``<placement>`` or ``<placement>_and_<quantizer>``, split on the **last** ``_and_`` —
+the spellings that existing scripts use (``model_cpu_offload_and_qfloat8``). The storage is not
+part of the string; it is ``apply``'s ``storage=`` argument. Names resolve against what is
+installed at call time, and a name that does not resolve is always an error, never a fallback.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+import torch
+
+from .errors import (IncompatibleModeError, PluginLoadError, PluginNotInstalledError, StorageUnavailableError,
+                     UnknownModeError)
+from .plugins import DISABLE_ENV, PluginSet, Registration, disabled_names, normalize
+
+SEPARATOR = "_and_"
+
+#: First-party names and the distribution that provides each.
+FIRST_PARTY: dict[tuple[str, str], str] = {
+    ("quantizer", "qfloat8"): "memmode-qfloat8",
+    ("quantizer", "qfloat8_preconverted"): "memmode-qfloat8",
+    ("quantizer", "qfloat4"): "memmode-qfloat4",
+    ("storage", "pinned"): "memmode-storage-pinned",
+    ("storage", "disk"): "memmode-storage-disk",
+    ("storage", "mmap"): "memmode-storage-mmap",
+    **{("placement", name): "memmode-core" for name in (
+        "model_full_load", "model_cpu_offload", "model_group_offload", "sequential_cpu_offload",
+        "text_encoder_offload", "auto")},
+    ("storage", "ram"): "memmode-core",
+}
+
+
+@dataclass(frozen=True)
+class Mode:
+    placement: str
+    quantizer: str | None = None
+
+    def __str__(self) -> str:
+        return self.placement if self.quantizer is None else f"{self.placement}{SEPARATOR}{self.quantizer}"
+
+
+def parse_mode(mode: object) -> Mode:
+    """Split a mode string into its placement and quantizer names (no installation check)."""
+    if not isinstance(mode, str):
+        raise TypeError(f"a memmode mode is a string such as 'model_cpu_offload_and_qfloat8', "
+                        f"not {type(mode).__name__}")
+    placement, separator, quantizer = mode.rpartition(SEPARATOR)
+    if not separator:
+        placement, quantizer = mode, None
+    if not placement or (separator and not quantizer) or mode != mode.strip():
+        raise UnknownModeError(f"{mode!r} is not a mode: write '<placement>' or '<placement>{SEPARATOR}<quantizer>'")
+    return Mode(placement, quantizer)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    mode: Mode
+    placement: Registration
+    quantizer: Registration | None
+    storage: Registration | None
+
+
+def resolve(mode: str, *, storage: str | None, device: torch.device, plugins: PluginSet,
+            storage_given: bool) -> Resolved:
+    parsed = parse_mode(mode)
+    placement = lookup(plugins, "placement", parsed.placement, mode=mode)
+    quantizer = lookup(plugins, "quantizer", parsed.quantizer, mode=mode) if parsed.quantizer else None
+    for reg in (placement, quantizer):
+        if reg is not None and (reason := reg.unavailable_reason()):
+            raise IncompatibleModeError(f"the {reg.kind} {reg.name!r} ({reg.distribution}) cannot run here: {reason}")
+    storage_reg = None
+    if getattr(placement.obj, "offloads", True):
+        name = storage if storage is not None else default_storage(device, plugins)
+        storage_reg = lookup(plugins, "storage", name, mode=None)
+        reason = storage_reg.obj.unavailable_reason(device)
+        if reason:
+            raise StorageUnavailableError(f"storage {name!r} ({storage_reg.distribution}) is unavailable: {reason}")
+    elif storage_given and storage is not None:
+        raise IncompatibleModeError(
+            f"{parsed.placement!r} keeps every weight on the device, so storage={storage!r} would hold nothing; "
+            f"leave storage unset or choose an offloading placement"
+        )
+    return Resolved(parsed, placement, quantizer, storage_reg)
+
+
+def default_storage(device: torch.device, plugins: PluginSet) -> str:
+    """``pinned`` when computing on CUDA and that plugin is installed and usable, else ``ram``."""
+    pinned = plugins.get("storage", "pinned")
+    if device.type == "cuda" and pinned is not None and pinned.obj.unavailable_reason(device) is None:
+        return "pinned"
+    return "ram"
+
+
+def lookup(plugins: PluginSet, kind: str, name: str, *, mode: str | None) -> Registration:
+    """The registration for ``name``, or the most useful error about why there is none."""
+    if not isinstance(name, str):
+        raise TypeError(f"a {kind} name is a string, not {type(name).__name__}")
+    reg = plugins.get(kind, name)
+    if reg is not None:
+        return reg
+    subject = f"{kind} {name!r}" + (f" (in mode {mode!r})" if mode and mode != name else "")
+    distribution = FIRST_PARTY.get((kind, name))
+    if distribution is not None:
+        failed = [f for f in plugins.failures if normalize(f.distribution) == normalize(distribution)]
+        if failed:
+            raise PluginLoadError(f"{subject} comes from {distribution}, which is installed but failed to load: "
+                                  f"{failed[0].error}")
+        if any(normalize(s.distribution) == normalize(distribution) or normalize(s.name) == normalize(name)
+               for s in plugins.disabled) or normalize(name) in disabled_names():
+            raise UnknownModeError(f"{subject} is provided by {distribution}, which is disabled by {DISABLE_ENV}")
+        raise PluginNotInstalledError(f"{subject} is provided by {distribution}, which is not installed: "
+                                      f"pip install {distribution}")
+    installed = plugins.names(kind)
+    message = f"unknown {subject}. Installed {kind}s: {', '.join(installed) or 'none'}."
+    suggestion = _closest(plugins, kind, name, mode)
+    if suggestion:
+        message += f" Did you mean {suggestion!r}?"
+    if plugins.failures:
+        broken = "; ".join(f"{f.distribution} ({f.error})" for f in plugins.failures)
+        raise PluginLoadError(f"{message} Plugins that failed to load, and may provide it: {broken}")
+    raise UnknownModeError(message)
+
+
+def _closest(plugins: PluginSet, kind: str, name: str, mode: str | None) -> str | None:
+    """The nearest spelling: of the whole mode when a mode was given, else of the name."""
+    known_quantizers = sorted(set(plugins.names("quantizer")) | {n for k, n in FIRST_PARTY if k == "quantizer"})
+    if mode is not None:
+        candidates = list(plugins.names("placement"))
+        candidates += [f"{p}{SEPARATOR}{q}" for p in plugins.names("placement") for q in known_quantizers]
+        match = difflib.get_close_matches(mode, candidates, n=1, cutoff=0.6)
+        if match:
+            return match[0]
+    pool = plugins.names(kind) + [n for k, n in FIRST_PARTY if k == kind]
+    match = difflib.get_close_matches(name, sorted(set(pool)), n=1, cutoff=0.6)
+    return match[0] if match else None

@@ -1,0 +1,81 @@
+"""The ledger: what the engine actually moved, counted as it happens.
+
+It counts weight bytes resident on the compute device (now and at peak), bytes moved onto it,
+and seconds spent moving, for every placement and on every device — on a CPU "device" too, where
+onloading is a change of residency rather than a copy, so that the same figures can be compared
+and predicted everywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Report:
+    """A snapshot of a handle's ledger (``handle.report()``)."""
+
+    mode: str
+    storage: str | None
+    device: str
+    #: most weight bytes resident on the compute device at once
+    peak_device_bytes: int
+    #: weight bytes resident on the compute device now
+    resident_device_bytes: int
+    #: bytes copied onto the compute device (each onload of a group counts its bytes)
+    bytes_transferred: int
+    #: seconds spent onloading and offloading
+    transfer_seconds: float
+    onloads: int
+    offloads: int
+    #: bytes the storage holds, by place (pageable, pinned, disk)
+    storage_bytes: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        from .units import format_bytes
+
+        return (
+            f"{self.mode} ({self.storage or 'no storage'}) on {self.device}: peak {format_bytes(self.peak_device_bytes)} "
+            f"on device, {format_bytes(self.bytes_transferred)} moved in {self.transfer_seconds:.3f}s "
+            f"({self.onloads} onloads)"
+        )
+
+
+class Ledger:
+    __slots__ = ("resident", "peak", "transferred", "seconds", "onloads", "offloads")
+
+    def __init__(self) -> None:
+        self.resident = 0
+        self.peak = 0
+        self.transferred = 0
+        self.seconds = 0.0
+        self.onloads = 0
+        self.offloads = 0
+
+    def onloaded(self, nbytes: int, seconds: float) -> None:
+        self.resident += nbytes
+        if self.resident > self.peak:
+            self.peak = self.resident
+        self.transferred += nbytes
+        self.seconds += seconds
+        self.onloads += 1
+
+    def offloaded(self, nbytes: int, seconds: float) -> None:
+        self.resident -= nbytes
+        self.seconds += seconds
+        self.offloads += 1
+
+    def reset_peak(self) -> None:
+        """Start a new measurement: peak restarts from what is resident now, counters from zero."""
+        self.peak = self.resident
+        self.transferred = 0
+        self.seconds = 0.0
+        self.onloads = 0
+        self.offloads = 0
+
+
+clock = time.perf_counter

@@ -1,0 +1,366 @@
+"""Plugin discovery: which placements, quantizers and storages exist, and who provides them.
+
+Discovery runs on first use, not at import, and is cached until its inputs change (the two
+environment variables below, or the set of in-process plugins). Each run builds a fresh pluggy
+manager — nothing global is mutated — registers the built-in plugins and the ``memmode`` entry
+points, and calls each plugin's register hooks on its own, so that every registration knows its
+distribution and version, and so that one broken plugin (an import error, a hook that raises, two
+names that clash with nothing) is recorded and isolated instead of taking the others down.
+
+- ``MEMMODE_DISABLE_PLUGIN_AUTOLOAD=1`` skips entry points (the built-ins still register).
+- ``MEMMODE_DISABLE_PLUGINS=a,b`` skips plugins by plugin name, distribution name, or the name of
+  a single registration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+import traceback
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Iterator
+
+import pluggy
+
+from . import hookspecs
+from .errors import DuplicatePluginError, MemmodeError
+from .placement import Placement
+from .quantizer import Quantizer
+from .storage import Storage
+
+ENTRY_POINT_GROUP = "memmode"
+AUTOLOAD_ENV = "MEMMODE_DISABLE_PLUGIN_AUTOLOAD"
+DISABLE_ENV = "MEMMODE_DISABLE_PLUGINS"
+CORE_DISTRIBUTION = "memmode-core"
+
+KINDS = ("placement", "quantizer", "storage")
+_BASES = {"placement": Placement, "quantizer": Quantizer, "storage": Storage}
+_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def normalize(name: str) -> str:
+    """Distribution names compare as PEP 503 does: case and runs of ``-_.`` don't matter."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@dataclass(frozen=True)
+class Registration:
+    kind: str
+    name: str
+    obj: Any
+    plugin: str
+    distribution: str
+    version: str | None
+
+    @property
+    def description(self) -> str:
+        return getattr(self.obj, "description", "") or ""
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            return self.obj.unavailable_reason()
+        except Exception as exc:  # a plugin's own check must not break listing
+            return f"availability check failed: {type(exc).__name__}: {exc}"
+
+
+@dataclass(frozen=True)
+class PluginFailure:
+    """A plugin that could not be imported or whose hooks raised."""
+
+    plugin: str
+    distribution: str
+    version: str | None
+    error: str
+
+
+@dataclass(frozen=True)
+class PluginSource:
+    """Something to register: a module or object with hook implementations."""
+
+    name: str
+    obj: Any
+    distribution: str
+    version: str | None
+
+
+@dataclass
+class PluginSet:
+    """The outcome of one discovery."""
+
+    registrations: dict[str, dict[str, Registration]] = field(default_factory=lambda: {k: {} for k in KINDS})
+    failures: list[PluginFailure] = field(default_factory=list)
+    disabled: list[PluginSource] = field(default_factory=list)
+
+    def get(self, kind: str, name: str) -> Registration | None:
+        return self.registrations[kind].get(name)
+
+    def names(self, kind: str) -> list[str]:
+        return list(self.registrations[kind])
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """One row of ``memmode list``."""
+
+    kind: str
+    name: str
+    distribution: str
+    version: str | None
+    available: bool
+    reason: str | None
+    description: str
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in
+                ("kind", "name", "distribution", "version", "available", "reason", "description")}
+
+
+# -- sources -------------------------------------------------------------------------------------
+
+
+def core_version() -> str:
+    try:
+        return metadata.version(CORE_DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        from . import __version__
+
+        return __version__
+
+
+def builtin_sources() -> list[PluginSource]:
+    from .builtin import placements, ram
+
+    version = core_version()
+    return [
+        PluginSource("memmode-core.placements", placements, CORE_DISTRIBUTION, version),
+        PluginSource("memmode-core.ram", ram, CORE_DISTRIBUTION, version),
+    ]
+
+
+@dataclass(frozen=True)
+class _EntryPoint:
+    name: str
+    distribution: str
+    version: str | None
+    entry_point: Any
+
+
+def _entry_points() -> list[_EntryPoint]:
+    """Entry points of group ``memmode``, one distribution counted once even if found twice on the path."""
+    found: list[_EntryPoint] = []
+    seen: set[str] = set()
+    for dist in list(metadata.distributions()):
+        dist_name = dist.metadata["Name"] or "<unnamed>"
+        key = normalize(dist_name)
+        if key in seen:
+            continue
+        seen.add(key)
+        for ep in dist.entry_points:
+            if ep.group == ENTRY_POINT_GROUP:
+                found.append(_EntryPoint(ep.name, dist_name, dist.version, ep))
+    return found
+
+
+# -- in-process plugins (tests, notebooks) ---------------------------------------------------------
+
+_temporary: list[PluginSource] = []
+_lock = threading.RLock()
+
+
+@contextlib.contextmanager
+def temporary_plugin(obj: Any, *, name: str | None = None, distribution: str = "<in-process>",
+                     version: str | None = None) -> Iterator[PluginSource]:
+    """Register ``obj`` (a module or object with ``@hookimpl`` functions) for the duration of a block.
+
+    Nothing is installed and nothing outlives the block: the next discovery after it no longer
+    sees the plugin.
+    """
+    source = PluginSource(name or getattr(obj, "__name__", None) or f"in-process-{id(obj):x}", obj,
+                          distribution, version)
+    with _lock:
+        _temporary.append(source)
+    try:
+        yield source
+    finally:
+        with _lock:
+            _temporary.remove(source)
+
+
+# -- discovery -----------------------------------------------------------------------------------
+
+
+def disabled_names() -> set[str]:
+    raw = os.environ.get(DISABLE_ENV, "")
+    return {normalize(part.strip()) for part in raw.split(",") if part.strip()}
+
+
+def _autoload() -> bool:
+    return os.environ.get(AUTOLOAD_ENV, "").strip().lower() not in ("1", "true", "yes", "on")
+
+
+def discover() -> PluginSet:
+    """One uncached discovery (see the module docstring)."""
+    result = PluginSet()
+    disabled = disabled_names()
+    manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    manager.add_hookspecs(hookspecs)
+
+    def is_disabled(source_name: str, distribution: str) -> bool:
+        return normalize(source_name) in disabled or normalize(distribution) in disabled
+
+    sources: list[PluginSource] = []
+    for source in builtin_sources():
+        (result.disabled if is_disabled(source.name, source.distribution) else sources).append(source)
+    if _autoload():
+        for ep in _entry_points():
+            placeholder = PluginSource(ep.name, None, ep.distribution, ep.version)
+            if is_disabled(ep.name, ep.distribution):
+                result.disabled.append(placeholder)
+                continue
+            try:
+                obj = ep.entry_point.load()
+            except Exception as exc:
+                result.failures.append(_failure(placeholder, "failed to import", exc))
+                continue
+            sources.append(PluginSource(ep.name, obj, ep.distribution, ep.version))
+    with _lock:
+        temporary = list(_temporary)
+    for source in temporary:
+        (result.disabled if is_disabled(source.name, source.distribution) else sources).append(source)
+
+    owners: dict[tuple[str, str], Registration] = {}
+    for source in sources:
+        staged = _register_one(manager, source, result)
+        for reg in staged:
+            if normalize(reg.name) in disabled:
+                continue
+            clash = owners.get((reg.kind, reg.name))
+            if clash is not None:
+                raise DuplicatePluginError(
+                    f"two plugins register the {reg.kind} {reg.name!r}: {clash.distribution} "
+                    f"(plugin {clash.plugin}) and {reg.distribution} (plugin {reg.plugin}). Uninstall one, "
+                    f"or skip one with {DISABLE_ENV}={reg.plugin}."
+                )
+            owners[(reg.kind, reg.name)] = reg
+            result.registrations[reg.kind][reg.name] = reg
+    return result
+
+
+def _register_one(manager: pluggy.PluginManager, source: PluginSource, result: PluginSet) -> list[Registration]:
+    """Register one plugin and call its hooks; on any failure, record it and keep nothing of it."""
+    plugin_name = source.name
+    if manager.has_plugin(plugin_name):
+        plugin_name = f"{source.name}@{source.distribution}"
+    try:
+        manager.register(source.obj, name=plugin_name)
+        _check_hooks(manager, source.obj)
+    except Exception as exc:
+        if manager.is_registered(source.obj):
+            manager.unregister(source.obj)
+        result.failures.append(_failure(source, "has invalid hooks", exc))
+        return []
+    staged: list[Registration] = []
+    try:
+        for kind, hook_name in hookspecs.HOOK_FOR_KIND.items():
+            for impl in getattr(manager.hook, hook_name).get_hookimpls():
+                if impl.plugin is source.obj:
+                    impl.function(register=_registrar(kind, source, staged))
+        names = [(r.kind, r.name) for r in staged]
+        repeated = {n for n in names if names.count(n) > 1}
+        if repeated:
+            kind, name = sorted(repeated)[0]
+            raise DuplicatePluginError(f"it registers the {kind} {name!r} twice")
+    except Exception as exc:
+        manager.unregister(source.obj)
+        result.failures.append(_failure(source, "failed to register", exc))
+        return []
+    return staged
+
+
+def _check_hooks(manager: pluggy.PluginManager, obj: Any) -> None:
+    """Hook implementations whose name matches no hook (a typo) make the plugin invalid."""
+    marker = f"{hookspecs.PROJECT_NAME}_impl"
+    for name in dir(obj):
+        if not hasattr(getattr(obj, name, None), marker):
+            continue
+        caller = getattr(manager.hook, name, None)
+        if caller is None or caller.spec is None:
+            raise pluggy.PluginValidationError(obj, f"unknown hook {name!r}; memmode's hooks are "
+                                               f"{', '.join(hookspecs.HOOK_FOR_KIND.values())}")
+
+
+def _registrar(kind: str, source: PluginSource, staged: list[Registration]):
+    base = _BASES[kind]
+
+    def register(obj: Any) -> None:
+        if not isinstance(obj, base):
+            raise TypeError(f"register() in the {kind} hook takes a memmode_core.{base.__name__}, "
+                            f"got {type(obj).__name__}")
+        name = getattr(obj, "name", "")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ValueError(f"{kind} name {name!r} must be lowercase letters, digits and underscores")
+        if kind != "storage" and "_and_" in name:
+            raise ValueError(f"{kind} name {name!r} must not contain '_and_', the mode separator")
+        staged.append(Registration(kind, name, obj, source.name, source.distribution, source.version))
+
+    return register
+
+
+def _failure(source: PluginSource, what: str, exc: BaseException) -> PluginFailure:
+    where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    location = f" ({where.filename}:{where.lineno})" if where else ""
+    return PluginFailure(source.name, source.distribution, source.version,
+                         f"{what}: {type(exc).__name__}: {exc}{location}")
+
+
+# -- the cached view -----------------------------------------------------------------------------
+
+_cache: tuple[tuple, PluginSet] | None = None
+
+
+def _cache_key() -> tuple:
+    with _lock:
+        temporary = tuple(id(s) for s in _temporary)
+    return (os.environ.get(AUTOLOAD_ENV), os.environ.get(DISABLE_ENV), temporary)
+
+
+def current() -> PluginSet:
+    """The plugins in effect now: discovered on first use, cached until the inputs change."""
+    global _cache
+    key = _cache_key()
+    with _lock:
+        if _cache is None or _cache[0] != key:
+            _cache = (key, discover())
+        return _cache[1]
+
+
+def reset() -> None:
+    """Forget the cached discovery (after installing or removing a distribution in-process)."""
+    global _cache
+    with _lock:
+        _cache = None
+
+
+def list_plugins() -> list[PluginInfo]:
+    """Every registration, plus one row per plugin that failed or was disabled."""
+    plugins = current()
+    rows: list[PluginInfo] = []
+    for kind in KINDS:
+        for reg in plugins.registrations[kind].values():
+            reason = reg.unavailable_reason()
+            rows.append(PluginInfo(kind, reg.name, reg.distribution, reg.version, reason is None, reason,
+                                   reg.description))
+    for failure in plugins.failures:
+        rows.append(PluginInfo("plugin", failure.plugin, failure.distribution, failure.version, False,
+                               failure.error, "a plugin that could not be loaded"))
+    for source in plugins.disabled:
+        rows.append(PluginInfo("plugin", source.name, source.distribution, source.version, False,
+                               f"disabled by {DISABLE_ENV}", "a plugin that was not loaded"))
+    return rows
+
+
+__all__ = ["Registration", "PluginFailure", "PluginInfo", "PluginSet", "current", "discover", "list_plugins",
+           "reset", "temporary_plugin", "MemmodeError"]

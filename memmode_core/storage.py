@@ -1,0 +1,104 @@
+"""The storage contract: where an offloaded group's weights wait while they are not on the device.
+
+A :class:`Storage` is what a plugin registers; ``open`` gives a :class:`StorageSession` for one
+``apply``. The engine talks to the session in group-sized units, keyed by the group's stable key:
+
+1. ``reserve(sizes)`` before anything is released: refuse (``StorageUnavailableError``) if the
+   storage cannot hold the groups — the target is still untouched.
+2. ``put(key, tensors, readable)`` keeps the group's offloaded copy and returns what each tensor
+   holds at rest: the copy itself, a view of it, or — for parameters only — a
+   :func:`placeholder` without memory. Names in ``readable`` (the buffers) must hold real values at
+   rest, because pipelines read buffers outside any forward (a VAE's ``latents_mean``). ``put``
+   must not modify the tensors it is given: if a later ``put`` fails, the engine closes the
+   session and the model still holds its original weights.
+3. ``fetch(key, device, stream)`` returns the group's tensors on the compute device. With a
+   ``stream`` the copies are issued on that stream (asynchronously where the memory allows); the
+   engine makes the compute stream wait for them.
+4. ``restore(key)`` returns the tensors in ordinary CPU memory, for ``remove()``.
+5. ``close()`` releases whatever the session holds (memory, files it wrote).
+
+Tensors are passed as ``{slot_name: tensor}`` dicts; slot names are stable within a group.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from .options import Option
+
+Tensors = dict[str, torch.Tensor]
+
+
+class StorageSession:
+    def reserve(self, sizes: Mapping[str, int]) -> None:
+        """Check that groups of these byte sizes fit; raise ``StorageUnavailableError`` if not."""
+
+    def put(self, key: str, tensors: Tensors, readable: frozenset[str] = frozenset()) -> Tensors:
+        raise NotImplementedError
+
+    def fetch(self, key: str, device: torch.device, stream: "torch.cuda.Stream | None" = None) -> Tensors:
+        raise NotImplementedError
+
+    def restore(self, key: str) -> Tensors:
+        raise NotImplementedError
+
+    def discard(self, key: str) -> None:
+        """Forget a group (its weights changed and it will be put again)."""
+
+    def close(self) -> None:
+        """Release everything the session holds."""
+
+    def stats(self) -> dict[str, int]:
+        """Bytes held, by place: ``{"pageable_bytes": ..., "pinned_bytes": ..., "disk_bytes": ...}``."""
+        return {}
+
+
+class Storage:
+    """A registered storage kind. Subclasses set ``name`` and ``description`` and implement ``open``."""
+
+    name: str = ""
+    description: str = ""
+    options: tuple[Option, ...] = ()
+    #: whether ``apply(..., offload_dir=...)`` means something to this storage
+    uses_offload_dir: bool = False
+
+    def unavailable_reason(self, device: torch.device | None = None) -> str | None:
+        """Why this storage cannot be used (for ``device`` if given), or None when it can."""
+        return None
+
+    def open(self, *, device: torch.device, offload_dir: str | None, options: Mapping[str, object]) -> StorageSession:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<storage {self.name}>"
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor in pageable CPU memory: itself when it already lives there, else a copy."""
+    if tensor.device.type == "cpu":
+        return tensor
+    return tensor.to("cpu")
+
+
+def to_device(tensors: Tensors, device: torch.device, non_blocking: bool = False) -> Tensors:
+    """Copy to ``device`` (no copy when the tensors already live there)."""
+    return {name: t.to(device, non_blocking=non_blocking) for name, t in tensors.items()}
+
+
+def placeholder(tensor: torch.Tensor) -> torch.Tensor:
+    """What a parameter holds while its weights are elsewhere (on disk): no memory, same metadata.
+
+    A one-element tensor broadcast to the full shape on the CPU, so ``shape``, ``dtype`` and
+    ``device`` stay truthful for code that inspects them. It holds NaN (floats) or the largest
+    value (integers), so a weight used without being onloaded shows up as NaN or an index error,
+    and an in-place write to it raises, instead of computing with plausible numbers.
+    """
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+        fill: float | int | bool = float("nan")
+    elif tensor.dtype == torch.bool:
+        fill = False
+    else:
+        fill = torch.iinfo(tensor.dtype).max
+    return torch.full((), fill, dtype=tensor.dtype).expand(tensor.shape)

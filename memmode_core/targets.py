@@ -1,0 +1,100 @@
+"""What ``apply`` works on: a diffusers pipeline (its ``.components``) or a bare ``nn.Module``.
+
+Normalising both into one ``Target`` lets every placement reason about named components only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from .errors import IncompatibleModeError, InvalidOptionError
+
+#: The component name used for a bare ``nn.Module`` target.
+MODULE_COMPONENT = "module"
+
+#: Components a quantizer targets by default: the denoiser, and Wan 2.2's second expert.
+DEFAULT_QUANTIZED_COMPONENTS = ("transformer", "transformer_2")
+
+
+@dataclass(eq=False)
+class Target:
+    obj: Any
+    is_pipeline: bool
+    components: dict[str, nn.Module]
+
+    @classmethod
+    def of(cls, obj: Any) -> "Target":
+        if isinstance(obj, nn.Module):
+            return cls(obj, False, {MODULE_COMPONENT: obj})
+        components = getattr(obj, "components", None)
+        if isinstance(components, dict):
+            modules: dict[str, nn.Module] = {}
+            seen: set[int] = set()
+            for name, value in components.items():
+                if isinstance(value, nn.Module) and id(value) not in seen:
+                    seen.add(id(value))
+                    modules[name] = value
+            if not modules:
+                raise InvalidOptionError(f"{type(obj).__name__} has no torch.nn.Module components to place")
+            return cls(obj, True, modules)
+        raise TypeError(
+            f"memmode works on a diffusers pipeline (an object with a .components dict) or a torch.nn.Module, "
+            f"not {type(obj).__name__}"
+        )
+
+    @property
+    def label(self) -> str:
+        return type(self.obj).__name__
+
+    def select(self, names: Iterable[str] | None, *, default: Iterable[str] = DEFAULT_QUANTIZED_COMPONENTS) -> dict[str, nn.Module]:
+        """The components named by ``names``; by default the denoisers (or the module itself)."""
+        if not self.is_pipeline:
+            if names is not None and set(names) - {MODULE_COMPONENT}:
+                raise InvalidOptionError(
+                    f"components={list(names)!r}: a bare module has one component, {MODULE_COMPONENT!r}"
+                )
+            return dict(self.components)
+        if names is None:
+            chosen = {n: m for n, m in self.components.items() if n in default}
+            return chosen
+        names = [names] if isinstance(names, str) else list(names)
+        missing = [n for n in names if n not in self.components]
+        if missing:
+            raise InvalidOptionError(
+                f"components={names!r}: {self.label} has no module component named {', '.join(map(repr, missing))}; "
+                f"it has {', '.join(self.components)}"
+            )
+        return {n: self.components[n] for n in names}
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """True for the wrapper ``torch.compile(module)`` returns and for a module compiled in place."""
+    optimized = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    if optimized is not None and isinstance(module, optimized.OptimizedModule):
+        return True
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def refuse_compiled(components: dict[str, nn.Module], action: str) -> None:
+    for name, module in components.items():
+        if is_compiled(module):
+            raise IncompatibleModeError(
+                f"cannot {action} {name!r}: it was already torch.compile'd, and compiled graphs keep the weights "
+                f"they were traced with. Apply the memmode first, then call torch.compile."
+            )
+
+
+def is_fsdp_wrapped(module: nn.Module) -> bool:
+    """FSDP1 wrappers and FSDP2 (``fully_shard``) modules both own their parameters' storage."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    for sub in module.modules():
+        if isinstance(sub, FullyShardedDataParallel) or type(sub).__name__.startswith("FSDP"):
+            return True
+    return False

@@ -1,0 +1,98 @@
+"""Checks of the properties the memory-mode tests rely on in ``tiny_pipelines``."""
+
+import pytest
+import torch
+
+from tiny_pipelines import FAMILIES, make_pipeline, run
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request) -> str:
+    return request.param
+
+
+def _modules(pipe) -> dict[str, torch.nn.Module]:
+    return {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
+
+
+def test_build_is_deterministic_eval_and_on_cpu(family):
+    first, second = make_pipeline(family, seed=0), make_pipeline(family, seed=0)
+    assert _modules(first).keys() == _modules(second).keys()
+    for name, module in _modules(first).items():
+        assert not module.training, name
+        state, other = module.state_dict(), _modules(second)[name].state_dict()
+        assert state.keys() == other.keys()
+        for key, tensor in state.items():
+            assert tensor.device.type == "cpu", (name, key)
+            assert torch.equal(tensor, other[key]), (name, key)
+
+
+def test_build_does_not_touch_the_global_rng(family):
+    state = torch.get_rng_state()
+    make_pipeline(family)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_runs_are_deterministic_call_by_call(family):
+    first, second = make_pipeline(family, seed=0), make_pipeline(family, seed=0)
+    first_outputs = [run(first, family, seed=0), run(first, family, seed=0)]
+    second_outputs = [run(second, family, seed=0), run(second, family, seed=0)]
+    for a, b in zip(first_outputs, second_outputs):
+        assert torch.equal(a, b)
+
+
+def test_output_is_a_finite_nonconstant_float_image(family):
+    output = run(make_pipeline(family), family)
+    assert output.dtype == torch.float32 and output.device.type == "cpu"
+    assert output.shape[-3] == 3  # RGB, channels-first ("pt" output): (B, C, H, W) or (B, F, C, H, W)
+    assert torch.isfinite(output).all()
+    assert output.std() > 1e-2
+
+
+def test_output_depends_on_the_seeds(family):
+    reference = run(make_pipeline(family, seed=0), family, seed=0)
+    assert not torch.equal(reference, run(make_pipeline(family, seed=1), family, seed=0))
+    assert not torch.equal(reference, run(make_pipeline(family, seed=0), family, seed=1))
+
+
+def test_every_module_influences_the_output(family):
+    """Perturbing any one component's weights changes the output: none is idle or bypassed."""
+    reference = run(make_pipeline(family), family)
+    for name in _modules(make_pipeline(family)):
+        pipe = make_pipeline(family)
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for parameter in getattr(pipe, name).parameters():
+                parameter.mul_(1 + 0.2 * torch.randn(parameter.shape, generator=generator))
+        assert (run(pipe, family) - reference).abs().max() > 1e-4, name
+
+
+def test_transformers_have_at_least_two_blocks_per_block_list(family):
+    pipe = make_pipeline(family)
+    transformers = [m for name, m in _modules(pipe).items() if name.startswith("transformer")]
+    assert transformers
+    for transformer in transformers:
+        block_lists = [child for child in transformer.children() if isinstance(child, torch.nn.ModuleList)]
+        assert block_lists and all(len(blocks) >= 2 for blocks in block_lists)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_build_runs(family, dtype):
+    pipe = make_pipeline(family, dtype=dtype)
+    for name, module in _modules(pipe).items():
+        assert any(p.dtype == dtype for p in module.parameters()), name
+    assert torch.isfinite(run(pipe, family)).all()
+
+
+def test_wan22_runs_both_experts():
+    pipe = make_pipeline("wan22")
+    assert pipe.config.boundary_ratio is not None
+    assert isinstance(pipe.transformer_2, type(pipe.transformer))
+    assert not torch.equal(
+        next(pipe.transformer.parameters()), next(pipe.transformer_2.parameters())
+    ), "the two experts should hold different weights"
+    calls = {"transformer": 0, "transformer_2": 0}
+    for name in calls:
+        getattr(pipe, name).register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+    run(pipe, "wan22")
+    assert calls["transformer"] > 0 and calls["transformer_2"] > 0, calls
