@@ -1,0 +1,51 @@
+"""Plugins defined in the test suite, registered in-process with ``memmode_core.temporary_plugin``.
+
+``PoisonStorage`` keeps weights elsewhere and leaves a NaN placeholder in each parameter while it
+is offloaded, so a weight used without being onloaded turns the output into NaN. On a CPU-only
+machine, where "onloading" with the ``ram`` storage changes no data, this is what proves that the
+hooks onload every group before it computes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memmode_core import Storage, StorageSession, hookimpl
+from memmode_core.storage import placeholder
+
+
+class PoisonSession(StorageSession):
+    def __init__(self) -> None:
+        self.groups: dict[str, dict[str, torch.Tensor]] = {}
+        self.fetches = 0
+
+    def put(self, key, tensors, readable=frozenset()):
+        self.groups[key] = {name: t.detach().clone() for name, t in tensors.items()}
+        return {name: self.groups[key][name] if name in readable else placeholder(t) for name, t in tensors.items()}
+
+    def fetch(self, key, device, stream=None):
+        self.fetches += 1
+        return {name: t.clone().to(device) for name, t in self.groups[key].items()}
+
+    def restore(self, key):
+        return self.groups[key]
+
+    def discard(self, key):
+        self.groups.pop(key, None)
+
+    def close(self):
+        self.groups.clear()
+
+
+class PoisonStorage(Storage):
+    name = "poison"
+    description = "test storage: NaN placeholders while offloaded"
+
+    def open(self, *, device, offload_dir, options):
+        return PoisonSession()
+
+
+class PoisonPlugin:
+    @hookimpl
+    def memmode_register_storages(self, register):
+        register(PoisonStorage())
