@@ -69,6 +69,7 @@ class Handle:
             onloads=self._ledger.onloads,
             offloads=self._ledger.offloads,
             storage_bytes=session.stats() if session is not None else {},
+            quantization={name: _as_dict(summary) for name, summary in self.quantized.items()},
         )
 
     def reset_stats(self) -> None:
@@ -93,6 +94,12 @@ class Handle:
     def __repr__(self) -> str:
         state = "active" if self.active else "removed"
         return f"<memmode.Handle {self.mode} storage={self.storage} device={self.device} {state}>"
+
+
+def _as_dict(summary: Any) -> dict:
+    if hasattr(summary, "as_dict"):
+        return summary.as_dict()
+    return dict(summary) if isinstance(summary, dict) else {"summary": str(summary)}
 
 
 def _weakrefable(obj: Any) -> bool:

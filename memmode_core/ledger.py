@@ -31,6 +31,8 @@ class Report:
     offloads: int
     #: bytes the storage holds, by place (pageable, pinned, disk)
     storage_bytes: dict[str, int] = field(default_factory=dict)
+    #: component -> what the quantizer did there (layers packed, layers left at full precision, bytes)
+    quantization: dict[str, dict] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
