@@ -147,8 +147,11 @@ def _names(value: Any, what: str) -> tuple[str, ...] | None:
 
 
 def handle_of(target: Any) -> Handle | None:
+    """The active handle applied to ``target`` itself (not one applied to a pipeline it belongs to)."""
     handle = getattr(target, HANDLE_ATTRIBUTE, None)
-    return handle if isinstance(handle, Handle) and handle.active else None
+    if isinstance(handle, Handle) and handle.active and handle.target is target:
+        return handle
+    return None
 
 
 def apply(target: Any, mode: str, *, device: Any = None, weight_dtype: torch.dtype | None = None,

@@ -15,7 +15,7 @@ import torch
 
 from .errors import (IncompatibleModeError, PluginLoadError, PluginNotInstalledError, StorageUnavailableError,
                      UnknownModeError)
-from .plugins import DISABLE_ENV, PluginSet, Registration, disabled_names, normalize
+from .plugins import AUTOLOAD_ENV, DISABLE_ENV, PluginSet, Registration, autoload_enabled, disabled_names, normalize
 
 SEPARATOR = "_and_"
 
@@ -112,6 +112,10 @@ def lookup(plugins: PluginSet, kind: str, name: str, *, mode: str | None) -> Reg
         if any(normalize(s.distribution) == normalize(distribution) or normalize(s.name) == normalize(name)
                for s in plugins.disabled) or normalize(name) in disabled_names():
             raise UnknownModeError(f"{subject} is provided by {distribution}, which is disabled by {DISABLE_ENV}")
+        if not autoload_enabled():
+            raise PluginNotInstalledError(
+                f"{subject} is provided by {distribution}, and installed plugins are not loaded because "
+                f"{AUTOLOAD_ENV} is set; if it is not installed: pip install {distribution}")
         raise PluginNotInstalledError(f"{subject} is provided by {distribution}, which is not installed: "
                                       f"pip install {distribution}")
     installed = plugins.names(kind)

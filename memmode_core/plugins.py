@@ -197,7 +197,7 @@ def disabled_names() -> set[str]:
     return {normalize(part.strip()) for part in raw.split(",") if part.strip()}
 
 
-def _autoload() -> bool:
+def autoload_enabled() -> bool:
     return os.environ.get(AUTOLOAD_ENV, "").strip().lower() not in ("1", "true", "yes", "on")
 
 
@@ -214,7 +214,7 @@ def discover() -> PluginSet:
     sources: list[PluginSource] = []
     for source in builtin_sources():
         (result.disabled if is_disabled(source.name, source.distribution) else sources).append(source)
-    if _autoload():
+    if autoload_enabled():
         for ep in _entry_points():
             placeholder = PluginSource(ep.name, None, ep.distribution, ep.version)
             if is_disabled(ep.name, ep.distribution):

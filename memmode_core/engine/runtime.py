@@ -323,7 +323,7 @@ def _claim(components: dict[str, nn.Module], specs: list[GroupSpec]) -> list[Gro
     A tensor reachable from several groups (a tied weight, a module shared between two places)
     must move with all of them at once, so groups that share a tensor are merged.
     """
-    paths = {id(m): (f"{comp}." if len(components) > 1 else "") + path
+    paths = {id(m): ".".join(part for part in (comp if len(components) > 1 else "", path) if part)
              for comp, root in components.items() for path, m in root.named_modules()}
     owner_of: dict[int, int] = {}
     parent = list(range(len(specs)))

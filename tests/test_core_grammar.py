@@ -1,0 +1,102 @@
+"""The mode grammar and the errors of name resolution."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+
+import memmode_core as memmode
+from memmode_core import plugins
+from memmode_core.errors import (DuplicatePluginError, IncompatibleModeError, InvalidOptionError, MemmodeError,
+                                 PluginLoadError, PluginNotInstalledError, StorageUnavailableError, UnknownModeError)
+
+
+@pytest.fixture
+def nothing_installed(monkeypatch):
+    """Only memmode-core's built-ins: no distribution provides an entry point."""
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda: [])
+    plugins.reset()
+
+
+@pytest.mark.parametrize("mode, placement, quantizer", [
+    ("model_cpu_offload", "model_cpu_offload", None),
+    ("model_cpu_offload_and_qfloat8", "model_cpu_offload", "qfloat8"),
+    ("model_group_offload_and_qfloat8_preconverted", "model_group_offload", "qfloat8_preconverted"),
+    ("a_and_b_and_c", "a_and_b", "c"),  # split on the last separator
+])
+def test_parse_mode_splits_on_the_last_separator(mode, placement, quantizer):
+    parsed = memmode.parse_mode(mode)
+    assert (parsed.placement, parsed.quantizer) == (placement, quantizer)
+    assert str(parsed) == mode
+
+
+@pytest.mark.parametrize("mode", [None, 8, b"model_full_load", ["model_full_load"]])
+def test_a_non_string_mode_is_a_type_error(mode):
+    with pytest.raises(TypeError):
+        memmode.parse_mode(mode)
+    with pytest.raises(TypeError):
+        memmode.apply(torch.nn.Linear(2, 2), mode, device="cpu")
+
+
+@pytest.mark.parametrize("mode", ["", "_and_qfloat8", "model_full_load_and_", " model_full_load"])
+def test_malformed_modes_are_unknown(mode):
+    with pytest.raises(UnknownModeError):
+        memmode.parse_mode(mode)
+
+
+def test_every_error_is_a_memmode_value_error():
+    for error in (UnknownModeError, PluginNotInstalledError, PluginLoadError, IncompatibleModeError,
+                  StorageUnavailableError, DuplicatePluginError, InvalidOptionError):
+        assert issubclass(error, MemmodeError) and issubclass(error, ValueError)
+    assert issubclass(InvalidOptionError, TypeError)
+
+
+def test_unknown_placement_lists_what_is_installed_and_the_closest_spelling(nothing_installed):
+    with pytest.raises(UnknownModeError) as raised:
+        memmode.apply(torch.nn.Linear(2, 2), "model_cpu_ofload", device="cpu")
+    message = str(raised.value)
+    assert "model_full_load" in message and "model_group_offload" in message
+    assert "Did you mean 'model_cpu_offload'" in message
+
+
+def test_closest_spelling_of_a_whole_mode(nothing_installed):
+    with pytest.raises(UnknownModeError, match="Did you mean 'model_group_offload_and_qfloat8'"):
+        memmode.apply(torch.nn.Linear(2, 2), "model_group_offload_qfloat8", device="cpu")
+
+
+@pytest.mark.parametrize("mode, package", [
+    ("model_cpu_offload_and_qfloat8", "memmode-qfloat8"),
+    ("model_group_offload_and_qfloat8_preconverted", "memmode-qfloat8"),
+    ("sequential_cpu_offload_and_qfloat4", "memmode-qfloat4"),
+])
+def test_first_party_quantizer_not_installed(nothing_installed, mode, package):
+    with pytest.raises(PluginNotInstalledError, match=f"pip install {package}"):
+        memmode.apply(torch.nn.Linear(2, 2), mode, device="cpu")
+
+
+@pytest.mark.parametrize("storage, package", [
+    ("pinned", "memmode-storage-pinned"), ("disk", "memmode-storage-disk"), ("mmap", "memmode-storage-mmap"),
+])
+def test_first_party_storage_not_installed(nothing_installed, storage, package):
+    with pytest.raises(PluginNotInstalledError, match=f"pip install {package}"):
+        memmode.apply(torch.nn.Linear(2, 2), "model_cpu_offload", device="cpu", storage=storage)
+
+
+def test_not_installed_mentions_disabled_autoload(nothing_installed, monkeypatch):
+    monkeypatch.setenv(plugins.AUTOLOAD_ENV, "1")
+    with pytest.raises(PluginNotInstalledError, match=plugins.AUTOLOAD_ENV):
+        memmode.apply(torch.nn.Linear(2, 2), "model_cpu_offload_and_qfloat4", device="cpu")
+
+
+def test_unknown_quantizer_and_storage(nothing_installed):
+    with pytest.raises(UnknownModeError, match="unknown quantizer 'qint3'"):
+        memmode.apply(torch.nn.Linear(2, 2), "model_cpu_offload_and_qint3", device="cpu")
+    with pytest.raises(UnknownModeError, match="unknown storage 'ssd'.*Installed storages: ram"):
+        memmode.apply(torch.nn.Linear(2, 2), "model_cpu_offload", device="cpu", storage="ssd")
+
+
+def test_a_storage_for_a_placement_that_offloads_nothing_is_refused():
+    with pytest.raises(IncompatibleModeError, match="storage='ram' would hold nothing"):
+        memmode.apply(torch.nn.Linear(2, 2), "model_full_load", device="cpu", storage="ram")

@@ -1,0 +1,276 @@
+"""Plugin discovery: built-ins, entry points, isolation of broken plugins, duplicates, env vars."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import memmode_core as memmode
+from memmode_core import hookimpl, plugins
+from memmode_core.errors import DuplicatePluginError, PluginLoadError, UnknownModeError
+from memmode_core.storage import Storage
+
+from fakes import PoisonPlugin
+
+
+# -- fake distributions, as pytest's own tests fake them ------------------------------------------
+
+
+class FakeEntryPoint:
+    def __init__(self, name: str, obj=None, *, error: BaseException | None = None, group: str = "memmode"):
+        self.name, self.group, self._obj, self._error = name, group, obj, error
+        self.loaded = 0
+
+    def load(self):
+        self.loaded += 1
+        if self._error is not None:
+            raise self._error
+        return self._obj
+
+
+class FakeDistribution:
+    def __init__(self, name: str, version: str, entry_points):
+        self.metadata = {"Name": name}
+        self.version = version
+        self.entry_points = list(entry_points)
+
+
+def storage_plugin(*names: str, description: str = "fake"):
+    """A plugin module registering one fake storage per name."""
+    module = types.ModuleType(f"fake_plugin_{'_'.join(names)}")
+
+    class FakeStorage(Storage):
+        def open(self, *, device, offload_dir, options):
+            return memmode_core_ram_session()
+
+    def make(name):
+        storage = FakeStorage()
+        storage.name, storage.description = name, description
+        return storage
+
+    @hookimpl
+    def memmode_register_storages(register):
+        for name in names:
+            register(make(name))
+
+    module.memmode_register_storages = memmode_register_storages
+    return module
+
+
+def memmode_core_ram_session():
+    from memmode_core.builtin.ram import RamSession
+
+    return RamSession()
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """Replace the installed distributions by the given fakes."""
+
+    def install(*distributions):
+        monkeypatch.setattr(importlib.metadata, "distributions", lambda: list(distributions))
+        plugins.reset()
+
+    return install
+
+
+def rows(kind=None):
+    return [r for r in memmode.list_plugins() if kind is None or r.kind == kind]
+
+
+def row(name):
+    (found,) = [r for r in memmode.list_plugins() if r.name == name]
+    return found
+
+
+# -- built-ins --------------------------------------------------------------------------------------
+
+
+def test_builtins_register_through_the_hooks_with_the_core_distribution(installed):
+    installed()
+    names = {(r.kind, r.name) for r in rows()}
+    assert {("placement", n) for n in ("model_full_load", "model_cpu_offload", "model_group_offload",
+                                        "sequential_cpu_offload", "text_encoder_offload")} <= names
+    assert ("storage", "ram") in names
+    for r in rows():
+        assert r.distribution == "memmode-core"
+        assert r.version == importlib.metadata.version("memmode-core")
+        assert r.available and r.reason is None and r.description
+
+
+def test_discovery_is_lazy_and_imports_no_plugin_at_import_time():
+    code = (
+        "import sys, memmode_core\n"
+        "from memmode_core import plugins\n"
+        "assert plugins._cache is None, 'discovery ran at import'\n"
+        "loaded = [m for m in sys.modules if m.startswith('memmode_') and m != 'memmode_core' "
+        "and not m.startswith('memmode_core.')]\n"
+        "assert not loaded, loaded\n"
+        "assert 'diffusers' not in sys.modules and 'transformers' not in sys.modules\n"
+        "memmode_core.list_plugins()\n"
+        "assert plugins._cache is not None\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_discovery_is_cached_until_its_inputs_change(installed, monkeypatch):
+    installed()
+    first = plugins.current()
+    assert plugins.current() is first
+    monkeypatch.setenv(plugins.DISABLE_ENV, "nothing-by-this-name")
+    assert plugins.current() is not first
+
+
+# -- entry points -------------------------------------------------------------------------------------
+
+
+def test_entry_point_plugin_is_found_with_its_distribution_and_version(installed):
+    ep = FakeEntryPoint("fakestore", storage_plugin("fakestore"))
+    installed(FakeDistribution("memmode-fakestore", "1.2.3", [ep, FakeEntryPoint("other", None, group="other")]))
+    r = row("fakestore")
+    assert (r.kind, r.distribution, r.version, r.available) == ("storage", "memmode-fakestore", "1.2.3", True)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    handle = memmode.apply(net, "model_cpu_offload", device="cpu", storage="fakestore")
+    assert handle.storage == "fakestore"
+    handle.remove()
+
+
+def test_a_distribution_found_twice_on_the_path_counts_once(installed):
+    module = storage_plugin("fakestore")
+    installed(FakeDistribution("memmode-fakestore", "1.0", [FakeEntryPoint("fakestore", module)]),
+              FakeDistribution("memmode_FakeStore", "1.0", [FakeEntryPoint("fakestore", module)]))
+    assert len([r for r in rows() if r.name == "fakestore"]) == 1
+
+
+def test_a_plugin_that_fails_to_import_is_isolated_and_named(installed):
+    good = FakeEntryPoint("fakestore", storage_plugin("fakestore"))
+    bad = FakeEntryPoint("broken", error=ModuleNotFoundError("No module named 'missing_dependency'"))
+    installed(FakeDistribution("memmode-broken", "0.1", [bad]), FakeDistribution("memmode-fakestore", "1.0", [good]))
+    assert row("fakestore").available
+    broken = row("broken")
+    assert (broken.kind, broken.distribution, broken.available) == ("plugin", "memmode-broken", False)
+    assert "missing_dependency" in broken.reason
+    with pytest.raises(PluginLoadError, match="memmode-broken") as raised:
+        memmode.apply(torch.nn.Linear(2, 2), "model_cpu_offload", device="cpu", storage="whatever")
+    assert "missing_dependency" in str(raised.value)
+
+
+def test_a_broken_first_party_plugin_is_named_when_its_mode_is_used(installed):
+    bad = FakeEntryPoint("qfloat8", error=ImportError("cannot import name 'float8_e4m3fn'"))
+    installed(FakeDistribution("memmode-qfloat8", "0.1", [bad]))
+    with pytest.raises(PluginLoadError, match="memmode-qfloat8.*failed to load"):
+        memmode.apply(torch.nn.Linear(2, 2), "model_full_load_and_qfloat8", device="cpu")
+
+
+def test_a_hook_that_raises_isolates_its_plugin_and_keeps_nothing_of_it(installed):
+    module = types.ModuleType("half_broken")
+
+    class Good(Storage):
+        name, description = "halfgood", "registered before the failure"
+
+    @hookimpl
+    def memmode_register_storages(register):
+        register(Good())
+        raise RuntimeError("boom while registering")
+
+    module.memmode_register_storages = memmode_register_storages
+    installed(FakeDistribution("memmode-half", "2.0", [FakeEntryPoint("half", module)]))
+    assert not [r for r in rows() if r.name == "halfgood"]
+    failure = row("half")
+    assert not failure.available and "boom while registering" in failure.reason
+    assert row("ram").available
+
+
+@pytest.mark.parametrize("registered, message", [
+    (object(), "takes a memmode_core.Storage"),
+    ("bad name", "must be lowercase"),
+])
+def test_invalid_registrations_are_plugin_failures(installed, registered, message):
+    module = types.ModuleType("invalid")
+
+    class Named(Storage):
+        name = "bad name"
+
+    @hookimpl
+    def memmode_register_storages(register):
+        register(Named() if registered == "bad name" else registered)
+
+    module.memmode_register_storages = memmode_register_storages
+    installed(FakeDistribution("memmode-invalid", "1.0", [FakeEntryPoint("invalid", module)]))
+    assert message in row("invalid").reason
+
+
+def test_a_misspelt_hook_makes_the_plugin_invalid(installed):
+    module = types.ModuleType("typo")
+
+    @hookimpl
+    def memmode_register_storage(register):  # missing the final s
+        raise AssertionError("must not be called")
+
+    module.memmode_register_storage = memmode_register_storage
+    installed(FakeDistribution("memmode-typo", "1.0", [FakeEntryPoint("typo", module)]))
+    assert "unknown hook 'memmode_register_storage'" in row("typo").reason
+
+
+def test_duplicate_names_in_one_kind_name_both_distributions(installed):
+    installed(FakeDistribution("memmode-first", "1.0", [FakeEntryPoint("first", storage_plugin("twin"))]),
+              FakeDistribution("memmode-second", "1.0", [FakeEntryPoint("second", storage_plugin("twin"))]))
+    with pytest.raises(DuplicatePluginError) as raised:
+        memmode.list_plugins()
+    assert "memmode-first" in str(raised.value) and "memmode-second" in str(raised.value)
+    assert isinstance(raised.value, ValueError)
+
+
+def test_a_plugin_clashing_with_a_builtin_is_a_duplicate(installed):
+    installed(FakeDistribution("memmode-myram", "1.0", [FakeEntryPoint("myram", storage_plugin("ram"))]))
+    with pytest.raises(DuplicatePluginError, match="memmode-core.*memmode-myram"):
+        plugins.current()
+
+
+# -- environment variables -----------------------------------------------------------------------------
+
+
+def test_autoload_can_be_disabled(installed, monkeypatch):
+    ep = FakeEntryPoint("fakestore", storage_plugin("fakestore"))
+    installed(FakeDistribution("memmode-fakestore", "1.0", [ep]))
+    monkeypatch.setenv(plugins.AUTOLOAD_ENV, "1")
+    assert not [r for r in rows() if r.name == "fakestore"]
+    assert ep.loaded == 0
+    assert row("ram").available  # built-ins still register
+
+
+@pytest.mark.parametrize("blocked", ["fakestore", "memmode-fakestore", "memmode_FakeStore", "extra"])
+def test_plugins_can_be_disabled_by_plugin_distribution_or_registration_name(installed, monkeypatch, blocked):
+    ep = FakeEntryPoint("fakestore", storage_plugin("extra", "second"))
+    installed(FakeDistribution("memmode-fakestore", "1.0", [ep]))
+    monkeypatch.setenv(plugins.DISABLE_ENV, f"unrelated, {blocked}")
+    names = {r.name for r in rows("storage")}
+    assert "extra" not in names
+    if blocked == "extra":  # only that registration goes
+        assert "second" in names
+    else:
+        assert "second" not in names and ep.loaded == 0
+        assert "disabled" in row("fakestore").reason
+    with pytest.raises(UnknownModeError):
+        memmode.apply(torch.nn.Linear(2, 2), "model_cpu_offload", device="cpu", storage="extra")
+
+
+def test_builtins_can_be_disabled_too(installed, monkeypatch):
+    installed()
+    monkeypatch.setenv(plugins.DISABLE_ENV, "memmode-core.ram")
+    assert "ram" not in {r.name for r in rows("storage")}
+
+
+# -- in-process registration ------------------------------------------------------------------------------
+
+
+def test_temporary_plugins_do_not_leak(installed):
+    installed()
+    with memmode.temporary_plugin(PoisonPlugin(), name="poison", distribution="tests", version="0"):
+        assert row("poison").distribution == "tests"
+    assert not [r for r in rows() if r.name == "poison"]

@@ -1,0 +1,236 @@
+"""The streaming placements: every placement and offload type equals full load, call after call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import memmode_core as memmode
+from memmode_core.engine.layout import Policy, block_groups
+from memmode_core.engine.runtime import Runtime
+from memmode_core.errors import IncompatibleModeError
+from memmode_core.ledger import Ledger
+from memmode_core.targets import Target
+
+from conftest import assert_same_outputs, full_load_outputs, requires_cuda, two_calls
+from fakes import PoisonPlugin, PoisonSession
+from test_core_apply import hook_count
+from tiny_pipelines import make_pipeline, run
+
+PLACEMENTS = [
+    ("model_cpu_offload", {}),
+    ("model_group_offload", {}),
+    ("model_group_offload", {"num_blocks_per_group": 2}),
+    ("model_group_offload", {"offload_type": "leaf_level"}),
+    ("sequential_cpu_offload", {}),
+    ("text_encoder_offload", {}),
+]
+
+
+@pytest.fixture(autouse=True)
+def poison():
+    with memmode.temporary_plugin(PoisonPlugin(), name="poison", distribution="tests"):
+        yield
+
+
+@pytest.mark.parametrize("storage", ["ram", "poison"])
+@pytest.mark.parametrize("mode, options", PLACEMENTS, ids=[f"{m}{o or ''}" for m, o in PLACEMENTS])
+def test_every_placement_equals_full_load(family, mode, options, storage):
+    pipe = make_pipeline(family)
+    handle = memmode.apply(pipe, mode, device="cpu", storage=storage, **options)
+    assert_same_outputs(two_calls(pipe, family), full_load_outputs(family))
+    report = handle.report()
+    assert report.onloads > 0 and report.bytes_transferred > 0
+    handle.remove()
+    assert hook_count(pipe) == 0
+    assert_same_outputs((run(pipe, family, 0),), full_load_outputs(family)[:1])
+
+
+def _peak(family: str, mode: str, **options) -> int:
+    pipe = make_pipeline(family)
+    handle = memmode.apply(pipe, mode, device="cpu", **options)
+    run(pipe, family)
+    peak = handle.report().peak_device_bytes
+    handle.remove()
+    return peak
+
+
+def test_peaks_are_ordered_leaf_block_component_full(family):
+    leaf = _peak(family, "model_group_offload", offload_type="leaf_level")
+    block = _peak(family, "model_group_offload")
+    component = _peak(family, "model_cpu_offload")
+    full = _peak(family, "model_full_load")
+    assert leaf < block < component < full
+
+
+def test_sequential_keeps_small_tables_resident():
+    pipe = make_pipeline("wan22")
+    handle = memmode.apply(pipe, "sequential_cpu_offload", device="cpu", storage="poison")
+    resident = {slot.name for g in handle._runtime.groups if g.policy is Policy.RESIDENT for slot in g.slots}
+    assert "transformer.scale_shift_table" in resident
+    assert "transformer.blocks.0.scale_shift_table" in resident
+    assert {"transformer.rope.freqs_cos", "transformer.rope.freqs_sin"} <= resident
+    assert not any(".attn1.to_q.weight" in name for name in resident)
+    assert_same_outputs(two_calls(pipe, "wan22"), full_load_outputs("wan22"))
+
+
+def test_text_encoder_offload_streams_only_text_encoders():
+    pipe = make_pipeline("flux")
+    handle = memmode.apply(pipe, "text_encoder_offload", device="cpu", storage="poison")
+    for group in handle._runtime.groups:
+        expected = Policy.STREAM if group.component.startswith("text_encoder") else Policy.RESIDENT
+        assert group.policy is expected, group
+    assert_same_outputs(two_calls(pipe, "flux"), full_load_outputs("flux"))
+
+
+def test_text_encoder_offload_needs_a_text_encoder():
+    pipe = make_pipeline("wan22")
+    with pytest.raises(IncompatibleModeError, match="has none"):
+        memmode.apply(pipe.transformer, "text_encoder_offload", device="cpu")
+
+
+def test_text_encoder_offload_refuses_an_fsdp_wrapped_encoder(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        pipe = make_pipeline("flux")
+        fully_shard(pipe.text_encoder_2)
+        with pytest.raises(IncompatibleModeError, match="FSDP-wrapped.*text_encoder_2|text_encoder_2.*FSDP"):
+            memmode.apply(pipe, "text_encoder_offload", device="cpu")
+        assert hook_count(pipe) == 0
+    finally:
+        dist.destroy_process_group()
+
+
+def test_block_groups_find_nested_block_lists_and_block_modules():
+    pipe = make_pipeline("flux")
+    keys = [g.key for g in block_groups("text_encoder", pipe.text_encoder)]
+    assert keys[0] == "text_encoder/<rest>"
+    assert "text_encoder/encoder.layers.0" in keys and "text_encoder/encoder.layers.1" in keys
+    vae_keys = [g.key for g in block_groups("vae", pipe.vae, block_modules=["encoder", "decoder"])]
+    assert "vae/decoder" in vae_keys and "vae/decoder.up_blocks.0" in vae_keys and "vae/encoder" in vae_keys
+    chunked = [g.key for g in block_groups("transformer", pipe.transformer, num_blocks_per_group=2)]
+    assert "transformer/transformer_blocks.0-1" in chunked and "transformer/single_transformer_blocks.0-1" in chunked
+
+
+# -- execution order and prefetch, exercised on the CPU through the runtime -----------------------------
+
+
+class Conditional(nn.Module):
+    """Blocks run in an order chosen per call, and may be skipped: what prefetching must survive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj_in = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(4))
+        self.order = [0, 1, 2, 3]
+
+    def forward(self, x):
+        x = self.proj_in(x)
+        for index in self.order:
+            x = x + self.blocks[index](x)
+        return x
+
+
+def _prefetching_runtime(model: nn.Module) -> tuple[Runtime, PoisonSession]:
+    session = PoisonSession()
+    runtime = Runtime({"model": model}, block_groups("model", model), device=torch.device("cpu"),
+                      session=session, ledger=Ledger(), prefetch=True)
+    runtime.install()
+    return runtime, session
+
+
+def test_execution_order_is_recorded_on_the_first_call_and_prefetched_after():
+    model = Conditional()
+    x = torch.randn(2, 8)
+    model.order = [3, 1, 0, 2]
+    expected = model(x)
+    runtime, _ = _prefetching_runtime(model)
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+    by_key = {g.key: g for g in runtime.groups}
+    chain_ = [by_key["model/blocks.3"]]
+    while chain_[-1].next is not None:
+        chain_.append(chain_[-1].next)
+    assert [g.key for g in chain_] == ["model/blocks.3", "model/blocks.1", "model/blocks.0", "model/blocks.2"]
+    peaks = []
+    for _ in range(2):
+        runtime.ledger.reset_peak()
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+        peaks.append(runtime.ledger.peak)
+    block = by_key["model/blocks.0"].nbytes
+    assert peaks[0] == by_key["model/<rest>"].nbytes + 2 * block  # current block + the prefetched next one
+    assert runtime.ledger.resident == 0  # everything offloaded once the call returned
+    runtime.remove()
+
+
+def test_a_skipped_or_reordered_layer_never_uses_stale_or_missing_weights():
+    model = Conditional()
+    x = torch.randn(2, 8)
+    runtime, _ = _prefetching_runtime(model)
+    model(x)  # records 0, 1, 2, 3
+    for order in ([0, 2, 3], [3, 2, 1, 0], [1], [0, 1, 2, 3]):
+        model.order = order
+        runtime.remove()
+        expected = model(x)
+        runtime, _ = _prefetching_runtime(model)
+        model.order = [0, 1, 2, 3]
+        model(x)
+        model.order = order
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+        assert runtime.ledger.resident == 0
+    runtime.remove()
+
+
+# -- CUDA: streams, prefetch, peaks (skipped visibly without a GPU) ---------------------------------------
+
+
+@requires_cuda
+@pytest.mark.parametrize("num_blocks_per_group", [1, 2])
+def test_cuda_stream_prefetch_equals_full_load(num_blocks_per_group):
+    family = "wan22"
+    pipe = make_pipeline(family)
+    handle = memmode.apply(pipe, "model_group_offload", device="cuda", use_stream=True,
+                           num_blocks_per_group=num_blocks_per_group)
+    assert handle._runtime._copy_stream is not None
+    reference = make_pipeline(family)
+    memmode.apply(reference, "model_full_load", device="cuda")
+    expected = two_calls(reference, family)
+    assert_same_outputs(two_calls(pipe, family), expected)
+    assert_same_outputs(two_calls(pipe, family), two_calls(reference, family))
+
+
+@requires_cuda
+def test_cuda_prefetch_survives_skipped_and_reordered_blocks():
+    model = Conditional().cuda()
+    x = torch.randn(2, 8, device="cuda")
+    expected = {}
+    for order in ([0, 1, 2, 3], [0, 2, 3], [3, 2, 1, 0], [1]):
+        model.order = order
+        expected[tuple(order)] = model(x)
+    model = model.cpu()
+    handle = memmode.apply(model, "model_group_offload", device="cuda", use_stream=True)
+    for order in ([0, 1, 2, 3], [0, 2, 3], [3, 2, 1, 0], [1], [0, 1, 2, 3]):
+        model.order = order
+        torch.testing.assert_close(model(x), expected[tuple(order)], rtol=0, atol=0)
+    handle.remove()
+
+
+@requires_cuda
+def test_cuda_peak_memory_ordering():
+    results = {}
+    for name, mode, options in [("leaf", "model_group_offload", {"offload_type": "leaf_level"}),
+                                ("block", "model_group_offload", {}), ("component", "model_cpu_offload", {}),
+                                ("full", "model_full_load", {})]:
+        pipe = make_pipeline("flux")
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        handle = memmode.apply(pipe, mode, device="cuda", **options)
+        run(pipe, "flux")
+        results[name] = torch.cuda.max_memory_allocated() - base
+        handle.remove()
+    assert results["leaf"] < results["block"] < results["component"] < results["full"]
