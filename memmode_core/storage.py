@@ -44,6 +44,12 @@ class StorageSession:
     def restore(self, key: str) -> Tensors:
         raise NotImplementedError
 
+    def zero_copy(self, device: torch.device) -> bool:
+        """True when ``fetch(key, device)`` returns exactly the tensors ``put`` left at rest (the ``ram``
+        storage on a CPU device): onloading and offloading are then bookkeeping only, and the engine
+        skips the copies and the swaps."""
+        return False
+
     def discard(self, key: str) -> None:
         """Forget a group (its weights changed and it will be put again)."""
 

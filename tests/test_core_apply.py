@@ -10,6 +10,7 @@ import torch
 
 import memmode_core as memmode
 from memmode_core import Quantizer, hookimpl
+from memmode_core.engine.hooks import is_wrapped
 from memmode_core.errors import IncompatibleModeError, InvalidOptionError, MemmodeError, UnknownModeError
 from memmode_core.pipeline_hooks import ExecutionDeviceHook
 from memmode_core.targets import Target
@@ -32,10 +33,11 @@ def snapshot(target, data: bool = True) -> dict:
 
 
 def hook_count(target) -> int:
-    """Forward hooks memmode installed (transformers adds output-capturing hooks of its own on first call)."""
-    return sum(1 for comp in Target.of(target).components.values() for m in comp.modules()
-               for hook in chain(m._forward_pre_hooks.values(), m._forward_hooks.values())
-               if getattr(hook, "__module__", "").startswith("memmode_core."))
+    """Modules whose forward memmode wraps, plus any torch forward hook memmode registered."""
+    modules = [m for comp in Target.of(target).components.values() for m in comp.modules()]
+    torch_hooks = sum(1 for m in modules for hook in chain(m._forward_pre_hooks.values(), m._forward_hooks.values())
+                      if getattr(hook, "__module__", "").startswith("memmode_core."))
+    return torch_hooks + sum(1 for m in modules if is_wrapped(m))
 
 
 @pytest.fixture
@@ -54,7 +56,7 @@ class RecordingQuantizer(Quantizer):
         self.calls = []
 
     def quantize(self, component, *, weight_dtype, exclude, options):
-        hooks = sum(len(m._forward_pre_hooks) for m in component.modules())
+        hooks = sum(is_wrapped(m) for m in component.modules())
         self.calls.append((component, hooks, weight_dtype, exclude))
         return {"layers": 0}
 

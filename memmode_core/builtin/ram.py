@@ -27,6 +27,9 @@ class RamSession(StorageSession):
     def fetch(self, key: str, device: torch.device, stream=None) -> Tensors:
         return to_device(self._groups[key], device)
 
+    def zero_copy(self, device: torch.device) -> bool:
+        return device.type == "cpu"
+
     def restore(self, key: str) -> Tensors:
         return self._groups[key]
 

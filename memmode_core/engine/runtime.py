@@ -26,6 +26,7 @@ from torch import nn
 
 from ..ledger import Ledger, clock
 from ..storage import StorageSession, Tensors
+from .hooks import ForwardWrapper
 from .inputs import move_inputs
 from .layout import GroupSpec, Policy
 
@@ -83,9 +84,12 @@ class Runtime:
         self.groups = _claim(components, list(specs))
         self.active: str | None = None
         self._depth: dict[str, int] = {name: 0 for name in components}
-        self._resident: dict[str, list[Group]] = {name: [] for name in components}
-        self._handles: list = []
+        #: component -> its groups resident now (a dict: ordered, O(1) removal)
+        self._resident: dict[str, dict[Group, None]] = {name: {} for name in components}
+        self._wrappers: list[ForwardWrapper] = []
         self._cuda = device.type == "cuda"
+        #: the storage's copies are the device tensors: onload and offload only keep the books
+        self._zero_copy = session is not None and session.zero_copy(device)
         #: where prefetches are copied; without CUDA a prefetch is a synchronous early onload
         self._copy_stream = torch.cuda.Stream(device) if prefetch and self._cuda else None
         #: component -> groups in the order of their first onload during the component's first call
@@ -122,9 +126,9 @@ class Runtime:
 
     def remove(self) -> None:
         """Unhook, and leave every weight in ordinary CPU memory."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        for wrapper in self._wrappers:
+            wrapper.remove()
+        self._wrappers.clear()
         if self._cuda:
             torch.cuda.synchronize(self.device)
         for group in self.groups:
@@ -179,22 +183,29 @@ class Runtime:
             self._timings.append((start, end))
             group.ready_event = end if stream is not None else None
             seconds = 0.0
+        elif self._zero_copy:
+            tensors, seconds = None, 0.0
         else:
             began = clock()
             tensors = self.session.fetch(group.key, self.device, None)
             seconds = clock() - began
-        group.assign(tensors)
+        if tensors is not None:
+            group.assign(tensors)
         group.resident = True
-        self._resident[group.component].append(group)
+        self._resident[group.component][group] = None
         self.ledger.onloaded(group.nbytes, seconds)
 
     def offload(self, group: Group) -> None:
-        start = clock()
-        group.assign(group.at_rest)
+        if self._zero_copy:
+            seconds = 0.0
+        else:
+            start = clock()
+            group.assign(group.at_rest)
+            seconds = clock() - start
         group.resident = False
         group.ready_event = None
-        self._resident[group.component].remove(group)
-        self.ledger.offloaded(group.nbytes, clock() - start)
+        del self._resident[group.component][group]
+        self.ledger.offloaded(group.nbytes, seconds)
 
     def _switch_to(self, component: str) -> None:
         """Another component needs the device: offload what idle components left resident."""
@@ -237,76 +248,84 @@ class Runtime:
     # -- hooks --------------------------------------------------------------------------------------
 
     def _install_hooks(self) -> None:
-        entered: dict[int, tuple[nn.Module, list[Group]]] = {}
-        exited: dict[int, tuple[nn.Module, list[Group]]] = {}
+        """One forward wrapper per module that enters or exits a group or is a component's root."""
+        plans: dict[int, tuple[nn.Module, list[Group], list[Group], str | None]] = {}
+
+        def plan(module: nn.Module):
+            return plans.setdefault(id(module), (module, [], [], None))
+
         for group in self.groups:
             if group.policy is Policy.RESIDENT:
                 continue
             for module in group.entries:
-                entered.setdefault(id(module), (module, []))[1].append(group)
+                plan(module)[1].append(group)
             if group.policy is Policy.STREAM:
                 for module in group.exits:
-                    exited.setdefault(id(module), (module, []))[1].append(group)
-        roots = {id(m) for m in self.components.values()}
-        for module, groups in entered.values():
-            self._handles.append(module.register_forward_pre_hook(
-                self._entry_hook(groups), with_kwargs=True, prepend=True))
-        for module_id, (module, groups) in exited.items():
-            if module_id not in roots:  # a component's own exit is handled by its leave hook
-                self._handles.append(module.register_forward_hook(self._exit_hook(groups), always_call=True))
+                    plan(module)[2].append(group)
         for name, module in self.components.items():
-            self._handles.append(module.register_forward_pre_hook(self._enter_component_hook(name), prepend=True))
-            self._handles.append(module.register_forward_hook(self._leave_component_hook(name), always_call=True))
+            entry = plan(module)
+            # a component's own exit is its leave step: it offloads whatever the component left resident
+            plans[id(module)] = (module, entry[1], [], name)
+        for module, enters, exits, component in plans.values():
+            self._wrappers.append(ForwardWrapper(module, self._forward_maker(enters, exits, component)))
 
-    def _entry_hook(self, groups: list[Group]):
+    def _forward_maker(self, enters: list[Group], exits: list[Group], component: str | None):
+        ensure, offload, leave = self.ensure, self.offload, self._leave
+        depth = self._depth
+        move = self.device.type != "cpu"  # on a CPU device every input already is where it computes
         device = self.device
-        ensure = self.ensure
-        if len(groups) == 1:
-            (group,) = groups
 
-            def pre_forward(module, args, kwargs):
-                if not group.resident or group.ready_event is not None:
-                    ensure(group)
-                return move_inputs(args, kwargs, device)
-        else:
-            def pre_forward(module, args, kwargs):
-                for group in groups:
+        def make(original, wrapper: ForwardWrapper):
+            if component is None and len(enters) == 1 and exits == enters:
+                (group,) = enters  # the common case (a leaf or a single block): one group in and out
+
+                def forward(*args, **kwargs):
+                    if not wrapper.active:
+                        return original(*args, **kwargs)
                     if not group.resident or group.ready_event is not None:
                         ensure(group)
-                return move_inputs(args, kwargs, device)
-        return pre_forward
+                    if move and (moved := move_inputs(args, kwargs, device)) is not None:
+                        args, kwargs = moved
+                    try:
+                        return original(*args, **kwargs)
+                    finally:
+                        if group.resident and group.ready_event is None:
+                            offload(group)
+                return forward
 
-    def _exit_hook(self, groups: list[Group]):
-        offload = self.offload
+            def forward(*args, **kwargs):
+                if not wrapper.active:
+                    return original(*args, **kwargs)
+                if component is not None:
+                    depth[component] += 1
+                try:
+                    for group in enters:
+                        if not group.resident or group.ready_event is not None:
+                            ensure(group)
+                    if move and (moved := move_inputs(args, kwargs, device)) is not None:
+                        args, kwargs = moved
+                    return original(*args, **kwargs)
+                finally:
+                    for group in exits:
+                        if group.resident and group.ready_event is None:
+                            offload(group)
+                    if component is not None:
+                        leave(component)
+            return forward
+        return make
 
-        def post_forward(module, args, output):
-            for group in groups:
-                if group.resident and group.ready_event is None:
-                    offload(group)
-        return post_forward
-
-    def _enter_component_hook(self, name: str):
-        depth = self._depth
-
-        def pre_forward(module, args):
-            depth[name] += 1
-        return pre_forward
-
-    def _leave_component_hook(self, name: str):
-        depth = self._depth
-        resident = self._resident[name]
-
-        def post_forward(module, args, output):
-            depth[name] -= 1
-            if depth[name] == 0:
-                for group in list(resident):
-                    if group.policy is Policy.STREAM:
-                        self.offload(group)
-                if name in self._recording:
-                    self._finish_recording(name)
-                if self._timings:
-                    self.settle()
-        return post_forward
+    def _leave(self, component: str) -> None:
+        """A component's forward returned: offload what it left resident, once it is no longer nested."""
+        self._depth[component] -= 1
+        if self._depth[component]:
+            return
+        for group in list(self._resident[component]):
+            if group.policy is Policy.STREAM:
+                self.offload(group)
+        if component in self._recording:
+            self._finish_recording(component)
+        if self._timings:
+            self.settle()
 
 
 class _nullcontext:
