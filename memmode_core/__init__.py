@@ -22,12 +22,13 @@ from .hookspecs import hookimpl
 from .ledger import Report
 from .options import Option
 from .placement import Placement
+from .planner import NoModeFitsError, PlanEntry, plan
 from .plugins import PluginInfo, list_plugins, temporary_plugin
 from .quantizer import Quantizer
 from .storage import Storage, StorageSession
 
 __all__ = [
-    "apply", "remove", "Handle", "Report", "parse_mode", "Mode", "list_plugins", "PluginInfo", "hookimpl",
+    "apply", "remove", "plan", "PlanEntry", "NoModeFitsError", "Handle", "Report", "parse_mode", "Mode", "list_plugins", "PluginInfo", "hookimpl",
     "temporary_plugin", "Placement", "Quantizer", "Storage", "StorageSession", "Option",
     "MemmodeError", "UnknownModeError", "PluginNotInstalledError", "PluginLoadError", "IncompatibleModeError",
     "StorageUnavailableError", "DuplicatePluginError", "InvalidOptionError", "__version__",

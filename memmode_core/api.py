@@ -19,7 +19,7 @@ from . import pipeline_hooks
 from .engine.runtime import Runtime
 from .errors import IncompatibleModeError, InvalidOptionError
 from .grammar import Resolved, resolve
-from .ledger import Ledger, Report
+from .ledger import Ledger, Report, clock
 from .options import resolve_options
 from .plugins import current
 from .targets import Target, refuse_compiled
@@ -38,6 +38,10 @@ class Handle:
         self._target = weakref.ref(target.obj) if _weakrefable(target.obj) else (lambda obj=target.obj: obj)
         self._components = target.components
         self.mode = str(resolved.mode)
+        #: what was asked for: differs from ``mode`` when ``auto`` chose
+        self.requested_mode = self.mode
+        #: the planner's entry ``auto`` chose, else None
+        self.choice = None
         self.placement = resolved.placement.name
         self.quantizer = resolved.quantizer.name if resolved.quantizer else None
         self.storage = resolved.storage.name if resolved.storage else None
@@ -70,11 +74,26 @@ class Handle:
             offloads=self._ledger.offloads,
             storage_bytes=session.stats() if session is not None else {},
             quantization={name: _as_dict(summary) for name, summary in self.quantized.items()},
+            component_calls={name: self._runtime.calls.count(name) for name in self._components},
+            call_sequence=list(self._runtime.calls),
         )
 
     def reset_stats(self) -> None:
         """Start counting afresh (the peak restarts from what is resident now)."""
         self._ledger.reset_peak()
+        self._runtime.calls.clear()
+
+    def start_trace(self) -> None:
+        """Record resident device bytes after every onload and offload from now on (see :meth:`trace`)."""
+        self._ledger.trace = [(clock(), self._ledger.resident)]
+
+    def trace(self) -> list[tuple[float, int]]:
+        """``(seconds since start_trace, resident device bytes)`` samples; empty when not tracing."""
+        samples = self._ledger.trace
+        if not samples:
+            return []
+        samples = [*samples, (clock(), self._ledger.resident)]  # "until now": a flat trace has two points
+        return [(t - samples[0][0], b) for t, b in samples]
 
     def remove(self) -> None:
         """Take every hook off and leave the weights in ordinary CPU memory. Idempotent."""
@@ -185,6 +204,11 @@ def apply(target: Any, mode: str, *, device: Any = None, weight_dtype: torch.dty
     storage_options = routed.get(f"storage {storage_obj.name}", {}) if storage_obj is not None else {}
     quantizer_options = routed.get(f"quantizer {quantizer.name}", {}) if quantizer is not None else {}
 
+    if getattr(placement, "delegates", False):
+        return _apply_choice(target, tgt, mode, placement, placement_options, resolved, dev,
+                             storage=storage, weight_dtype=weight_dtype, offload_dir=offload_dir,
+                             components=component_names, exclude=excluded, extra={**storage_options,
+                                                                                    **quantizer_options})
     if quantizer is None and (component_names is not None or excluded):
         raise InvalidOptionError(
             f"components= and exclude= choose what a quantizer touches, and mode {mode!r} has no quantizer"
@@ -234,6 +258,25 @@ def apply(target: Any, mode: str, *, device: Any = None, weight_dtype: torch.dty
         pipeline_hooks.install(tgt.components, dev, handle.remove)
     for obj in [target, *tgt.components.values()]:
         setattr(obj, HANDLE_ATTRIBUTE, handle)
+    return handle
+
+
+def _apply_choice(target, tgt: Target, mode: str, placement, placement_options, resolved: Resolved,
+                  device: torch.device, *, storage, weight_dtype, offload_dir, components, exclude, extra) -> Handle:
+    """``auto``: let the placement choose a mode with the planner, then apply that."""
+    if offload_dir is not None and storage is None:
+        raise InvalidOptionError("with auto and offload_dir=, name the storage that writes there: storage='disk' or "
+                                 "storage='mmap'")
+    choice = placement.choose(tgt, placement_options, device=device,
+                              quantizer=resolved.quantizer.name if resolved.quantizer else None, storage=storage,
+                              weight_dtype=weight_dtype, components=components, exclude=exclude)
+    handle = apply(target, choice.mode, device=device, weight_dtype=weight_dtype, storage=choice.storage,
+                   offload_dir=offload_dir, components=components, exclude=exclude or None,
+                   **choice.options, **{k: v for k, v in extra.items() if v is not None})
+    handle.requested_mode = mode
+    handle.choice = choice
+    logger.info("memmode: %s chose %s with storage %s (peak %d bytes on the device)", mode, choice.label(),
+                choice.storage, choice.peak_device_bytes)
     return handle
 
 

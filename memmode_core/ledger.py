@@ -33,6 +33,10 @@ class Report:
     storage_bytes: dict[str, int] = field(default_factory=dict)
     #: component -> what the quantizer did there (layers packed, layers left at full precision, bytes)
     quantization: dict[str, dict] = field(default_factory=dict)
+    #: component -> calls (forward, encode, decode) since apply or the last ``reset_stats``
+    component_calls: dict[str, int] = field(default_factory=dict)
+    #: the same calls in the order they happened (``plan(calls=report.call_sequence)`` replays them)
+    call_sequence: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -47,8 +51,12 @@ class Report:
         )
 
 
+#: samples a trace keeps at most (a long run onloads millions of groups; a plot needs far fewer)
+MAX_TRACE_SAMPLES = 500_000
+
+
 class Ledger:
-    __slots__ = ("resident", "peak", "transferred", "seconds", "onloads", "offloads")
+    __slots__ = ("resident", "peak", "transferred", "seconds", "onloads", "offloads", "trace")
 
     def __init__(self) -> None:
         self.resident = 0
@@ -57,6 +65,8 @@ class Ledger:
         self.seconds = 0.0
         self.onloads = 0
         self.offloads = 0
+        #: (seconds, resident bytes) after each change, while tracing (``Handle.start_trace``)
+        self.trace: list[tuple[float, int]] | None = None
 
     def onloaded(self, nbytes: int, seconds: float) -> None:
         self.resident += nbytes
@@ -65,11 +75,15 @@ class Ledger:
         self.transferred += nbytes
         self.seconds += seconds
         self.onloads += 1
+        if self.trace is not None and len(self.trace) < MAX_TRACE_SAMPLES:
+            self.trace.append((clock(), self.resident))
 
     def offloaded(self, nbytes: int, seconds: float) -> None:
         self.resident -= nbytes
         self.seconds += seconds
         self.offloads += 1
+        if self.trace is not None and len(self.trace) < MAX_TRACE_SAMPLES:
+            self.trace.append((clock(), self.resident))
 
     def reset_peak(self) -> None:
         """Start a new measurement: peak restarts from what is resident now, counters from zero."""

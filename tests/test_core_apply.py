@@ -37,7 +37,7 @@ def hook_count(target) -> int:
     modules = [m for comp in Target.of(target).components.values() for m in comp.modules()]
     torch_hooks = sum(1 for m in modules for hook in chain(m._forward_pre_hooks.values(), m._forward_hooks.values())
                       if getattr(hook, "__module__", "").startswith("memmode_core."))
-    return torch_hooks + sum(1 for m in modules if is_wrapped(m))
+    return torch_hooks + sum(1 for m in modules for method in ("forward", "encode", "decode") if is_wrapped(m, method))
 
 
 @pytest.fixture

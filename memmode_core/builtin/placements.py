@@ -13,7 +13,8 @@ from torch import nn
 from ..engine.layout import GroupSpec, Policy, block_groups, leaf_groups, whole_component
 from ..errors import IncompatibleModeError, InvalidOptionError
 from ..hookspecs import hookimpl
-from ..options import Option, boolean_or_none, names_list, one_of, positive_int
+from ..options import Option, boolean_or_none, byte_size, names_list, one_of, positive_int
+from ..planner import DEFAULT_STEPS
 from ..placement import Placement
 from ..targets import Target, is_fsdp_wrapped
 
@@ -129,7 +130,40 @@ class TextEncoderOffload(Placement):
         return specs
 
 
-PLACEMENTS = (ModelFullLoad, ModelCpuOffload, ModelGroupOffload, SequentialCpuOffload, TextEncoderOffload)
+class Auto(Placement):
+    """Chooses, with the planner, the fastest placement × storage whose predicted peak fits the budgets.
+
+    It never places anything itself: ``apply`` asks :meth:`choose` and applies the choice, so
+    ``handle.mode`` names what was chosen. Alone it never changes numerics (every placement is
+    lossless); ``auto_and_<quantizer>`` chooses among placements with that quantizer.
+    """
+
+    name = "auto"
+    description = "the fastest placement x storage whose predicted memory fits vram_budget / ram_budget"
+    delegates = True
+    options = (
+        Option("vram_budget", None, "most weight bytes on the device (bytes or '8GiB'; default: 80% of the free "
+               "device memory on CUDA, no limit on a CPU device)", byte_size),
+        Option("ram_budget", None, "most bytes of offloaded weights in RAM (default: 90% of MemAvailable)", byte_size),
+        Option("steps", DEFAULT_STEPS, "denoising steps the choice is optimised for", positive_int),
+    )
+
+    def layout(self, target: Target, options: Mapping[str, object]) -> list[GroupSpec]:
+        raise TypeError("auto chooses another placement; apply() asks choose(), never layout()")
+
+    def choose(self, target: Target, options: Mapping[str, object], *, device: torch.device, quantizer: str | None,
+               storage: str | None, weight_dtype, components, exclude):
+        from ..planner import choose, default_ram_budget, default_vram_budget, plan
+
+        vram = options["vram_budget"] if options["vram_budget"] is not None else default_vram_budget(device)
+        ram = options["ram_budget"] if options["ram_budget"] is not None else default_ram_budget()
+        entries = plan(target.obj, device=device, vram_budget=vram, ram_budget=ram, quantizer=quantizer,
+                       storage=storage, weight_dtype=weight_dtype, components=components, exclude=exclude,
+                       steps=options["steps"])
+        return choose(entries, vram, ram)
+
+
+PLACEMENTS = (ModelFullLoad, ModelCpuOffload, ModelGroupOffload, SequentialCpuOffload, TextEncoderOffload, Auto)
 
 
 @hookimpl

@@ -1,4 +1,5 @@
-"""Wrapping a module's ``forward`` with the engine's before/after work, removably.
+"""Wrapping a module's ``forward`` (and a component's ``encode``/``decode``) with the engine's
+before/after work, removably.
 
 The engine puts a wrapper in the module instance's ``forward`` attribute rather than registering
 ``torch.nn.Module`` forward hooks: a module with hooks takes PyTorch's slow call path on every
@@ -21,29 +22,31 @@ from torch import nn
 MARKER = "__memmode_wrapper__"
 
 
-class ForwardWrapper:
-    """One wrapped module. ``make(original) -> wrapper`` builds the wrapping function."""
+class MethodWrapper:
+    """One wrapped method of one module. ``make(original, wrapper) -> function`` builds the wrapping function."""
 
-    __slots__ = ("module", "original", "had_instance_forward", "active")
+    __slots__ = ("module", "method", "original", "had_instance_attribute", "active")
 
-    def __init__(self, module: nn.Module, make: Callable[[Callable[..., Any], "ForwardWrapper"], Callable[..., Any]]):
+    def __init__(self, module: nn.Module, make: Callable[[Callable[..., Any], "MethodWrapper"], Callable[..., Any]],
+                 method: str = "forward"):
         self.module = module
-        self.had_instance_forward = "forward" in module.__dict__
-        self.original = module.forward
+        self.method = method
+        self.had_instance_attribute = method in module.__dict__
+        self.original = getattr(module, method)
         self.active = True
         wrapper = make(self.original, self)
         setattr(wrapper, MARKER, self)
-        module.forward = wrapper
+        setattr(module, method, wrapper)
 
     def remove(self) -> None:
-        current = self.module.__dict__.get("forward")
+        current = self.module.__dict__.get(self.method)
         if current is not None and getattr(current, MARKER, None) is self:
-            if self.had_instance_forward:
-                self.module.forward = self.original
+            if self.had_instance_attribute:
+                setattr(self.module, self.method, self.original)
             else:
-                del self.module.forward
+                delattr(self.module, self.method)
         self.active = False  # a wrapper left in place by another library now only passes through
 
 
-def is_wrapped(module: nn.Module) -> bool:
-    return getattr(module.__dict__.get("forward"), MARKER, None) is not None
+def is_wrapped(module: nn.Module, method: str = "forward") -> bool:
+    return getattr(module.__dict__.get(method), MARKER, None) is not None

@@ -26,18 +26,27 @@ from torch import nn
 
 from ..ledger import Ledger, clock
 from ..storage import StorageSession, Tensors
-from .hooks import ForwardWrapper
+from .hooks import MethodWrapper
 from .inputs import move_inputs
 from .layout import GroupSpec, Policy
 
 
+#: methods besides ``forward`` through which a pipeline calls a component
+COMPONENT_METHODS = ("encode", "decode")
+#: component calls remembered for the report (a long video run makes a few thousand)
+MAX_RECORDED_CALLS = 100_000
+
+
 @dataclass(eq=False)
 class Slot:
-    """One parameter or buffer: the tensor object whose ``.data`` is swapped, and a stable name."""
+    """One parameter or buffer: the tensor object whose ``.data`` is swapped, a stable name, and where
+    it is registered (``owner._parameters[attr]`` or ``owner._buffers[attr]``)."""
 
     name: str
     tensor: torch.Tensor
     is_buffer: bool
+    owner: nn.Module
+    attr: str
 
 
 class Group:
@@ -81,12 +90,14 @@ class Runtime:
         self.device = device
         self.session = session
         self.ledger = ledger
-        self.groups = _claim(components, list(specs))
+        self.groups = claim_groups(components, list(specs))
         self.active: str | None = None
         self._depth: dict[str, int] = {name: 0 for name in components}
+        #: calls of each component since apply or ``reset_calls`` (a nested call counts once), in order
+        self.calls: list[str] = []
         #: component -> its groups resident now (a dict: ordered, O(1) removal)
         self._resident: dict[str, dict[Group, None]] = {name: {} for name in components}
-        self._wrappers: list[ForwardWrapper] = []
+        self._wrappers: list[MethodWrapper] = []
         self._cuda = device.type == "cuda"
         #: the storage's copies are the device tensors: onload and offload only keep the books
         self._zero_copy = session is not None and session.zero_copy(device)
@@ -136,6 +147,7 @@ class Runtime:
                 group.assign({n: t.to("cpu") for n, t in group.tensors().items()})
             else:
                 group.assign(self.session.restore(group.key))
+                group.at_rest = {}  # the storage's copies (a file mapping, pinned memory) go with the session
             if group.resident:
                 group.resident = False
                 group.ready_event = None
@@ -267,15 +279,20 @@ class Runtime:
             # a component's own exit is its leave step: it offloads whatever the component left resident
             plans[id(module)] = (module, entry[1], [], name)
         for module, enters, exits, component in plans.values():
-            self._wrappers.append(ForwardWrapper(module, self._forward_maker(enters, exits, component)))
+            self._wrappers.append(MethodWrapper(module, self._forward_maker(enters, exits, component)))
+            if component is not None:
+                # a component's other entry points: a VAE's decode() never calls its forward()
+                for method in COMPONENT_METHODS:
+                    if callable(getattr(type(module), method, None)):
+                        self._wrappers.append(MethodWrapper(module, self._forward_maker(enters, [], component), method))
 
     def _forward_maker(self, enters: list[Group], exits: list[Group], component: str | None):
         ensure, offload, leave = self.ensure, self.offload, self._leave
-        depth = self._depth
+        depth, calls = self._depth, self.calls
         move = self.device.type != "cpu"  # on a CPU device every input already is where it computes
         device = self.device
 
-        def make(original, wrapper: ForwardWrapper):
+        def make(original, wrapper: MethodWrapper):
             if component is None and len(enters) == 1 and exits == enters:
                 (group,) = enters  # the common case (a leaf or a single block): one group in and out
 
@@ -298,6 +315,8 @@ class Runtime:
                     return original(*args, **kwargs)
                 if component is not None:
                     depth[component] += 1
+                    if depth[component] == 1 and len(calls) < MAX_RECORDED_CALLS:
+                        calls.append(component)
                 try:
                     for group in enters:
                         if not group.resident or group.ready_event is not None:
@@ -336,7 +355,7 @@ class _nullcontext:
         return False
 
 
-def _claim(components: dict[str, nn.Module], specs: list[GroupSpec]) -> list[Group]:
+def claim_groups(components: dict[str, nn.Module], specs: list[GroupSpec]) -> list[Group]:
     """Turn specs into groups that hold each tensor exactly once.
 
     A tensor reachable from several groups (a tied weight, a module shared between two places)
@@ -364,7 +383,8 @@ def _claim(components: dict[str, nn.Module], specs: list[GroupSpec]) -> list[Gro
                     continue
                 first = owner_of.setdefault(id(tensor), index)
                 if first == index:
-                    claimed[index].append(Slot(f"{prefix}.{attr}" if prefix else attr, tensor, is_buffer))
+                    claimed[index].append(Slot(f"{prefix}.{attr}" if prefix else attr, tensor, is_buffer, module,
+                                               attr))
                 else:
                     parent[find(index)] = find(first)
     merged: dict[int, Group] = {}

@@ -1,0 +1,136 @@
+"""The planner's predictions against the ledger, auto's choices, and the errors of both."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memmode_core as memmode
+from memmode_core.errors import InvalidOptionError
+from memmode_core.planner import NoModeFitsError, default_calls
+from memmode_core.targets import Target
+
+from tiny_pipelines import make_pipeline, run
+
+
+def _measured_sequence(family: str) -> list[str]:
+    pipe = make_pipeline(family)
+    handle = memmode.apply(pipe, "model_full_load", device="cpu")
+    run(pipe, family)
+    sequence = handle.report().call_sequence
+    handle.remove()
+    return sequence
+
+
+def test_predictions_match_the_ledger_of_a_real_call(family):
+    """Within 10% for every placement, from the same call sequence (steady state: the second call)."""
+    sequence = _measured_sequence(family)
+    pipe = make_pipeline(family)
+    entries = memmode.plan(pipe, device="cpu", calls=sequence, storage="ram")
+    assert {e.placement for e in entries} >= {"model_full_load", "model_cpu_offload", "model_group_offload",
+                                              "sequential_cpu_offload", "text_encoder_offload"}
+    for entry in entries:
+        handle = memmode.apply(pipe, entry.placement, device="cpu", storage=entry.storage, **entry.options)
+        run(pipe, family)
+        handle.reset_stats()
+        run(pipe, family)
+        report = handle.report()
+        handle.remove()
+        assert report.peak_device_bytes == pytest.approx(entry.peak_device_bytes, rel=0.10), entry.label()
+        assert report.bytes_transferred == pytest.approx(entry.transfer_bytes_per_call, rel=0.10, abs=1), entry.label()
+
+
+def test_the_report_counts_component_calls_including_vae_decodes():
+    pipe = make_pipeline("wan22")
+    handle = memmode.apply(pipe, "model_group_offload", device="cpu")
+    run(pipe, "wan22")
+    report = handle.report()
+    assert report.component_calls == {"vae": 1, "text_encoder": 2, "transformer": 2, "transformer_2": 4}
+    assert report.call_sequence[0] == "text_encoder" and report.call_sequence[-1] == "vae"
+    assert report.resident_device_bytes == 0  # the VAE's groups left with its decode()
+
+
+def test_quantized_predictions_match_the_ledger():
+    pytest.importorskip("memmode_qfloat8")
+    sequence = _measured_sequence("flux")
+    entries = memmode.plan(make_pipeline("flux"), device="cpu", calls=sequence, storage="ram", quantizer="qfloat8")
+    plain = {(e.placement, tuple(e.options.items())): e for e in
+             memmode.plan(make_pipeline("flux"), device="cpu", calls=sequence, storage="ram")}
+    for entry in entries:
+        assert entry.mode.endswith("_and_qfloat8")
+        pipe = make_pipeline("flux")
+        handle = memmode.apply(pipe, entry.mode, device="cpu", storage=entry.storage, **entry.options)
+        run(pipe, "flux")
+        handle.reset_stats()
+        run(pipe, "flux")
+        report = handle.report()
+        assert report.peak_device_bytes == pytest.approx(entry.peak_device_bytes, rel=0.10), entry.label()
+        assert report.bytes_transferred == pytest.approx(entry.transfer_bytes_per_call, rel=0.10, abs=1)
+        unquantized = plain[(entry.placement, tuple(entry.options.items()))]
+        if entry.placement == "text_encoder_offload":  # moves only the (unquantized) text encoders
+            assert entry.transfer_bytes_per_call == unquantized.transfer_bytes_per_call
+        elif unquantized.transfer_bytes_per_call:  # the quantized transformer moves fewer bytes
+            assert entry.transfer_bytes_per_call < unquantized.transfer_bytes_per_call
+
+
+def test_default_call_profile_splits_steps_between_denoisers():
+    calls = default_calls(Target.of(make_pipeline("wan22")), steps=20)
+    assert calls == {"vae": 1, "text_encoder": 1, "transformer": 10, "transformer_2": 10}
+    assert default_calls(Target.of(torch.nn.Linear(2, 2)), steps=20) == {"module": 1}
+
+
+def test_plan_refuses_unknown_components_in_calls():
+    with pytest.raises(InvalidOptionError, match="no component"):
+        memmode.plan(make_pipeline("flux"), device="cpu", calls={"unet": 3})
+
+
+# -- auto ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget, expected", [
+    (None, "model_full_load"),
+    ("450KB", "model_cpu_offload"),
+    ("130KB", "model_group_offload"),
+    ("30KB", "model_group_offload"),
+])
+def test_auto_picks_the_fastest_mode_that_fits(budget, expected):
+    pipe = make_pipeline("wan22")
+    reference = run(make_pipeline("wan22"), "wan22")
+    handle = memmode.apply(pipe, "auto", device="cpu", vram_budget=budget)
+    assert handle.mode == expected and handle.requested_mode == "auto"
+    torch.testing.assert_close(run(pipe, "wan22"), reference, rtol=0, atol=1e-5)  # auto never changes numerics
+    if budget is not None:
+        limit = memmode.options.parse_byte_size(budget)
+        assert handle.report().peak_device_bytes <= limit
+    if budget == "30KB":
+        assert handle.choice.options == {"offload_type": "leaf_level"}
+    handle.remove()
+
+
+def test_auto_with_a_quantizer_quantizes():
+    pytest.importorskip("memmode_qfloat8")
+    pipe = make_pipeline("flux")
+    handle = memmode.apply(pipe, "auto_and_qfloat8", device="cpu", vram_budget="300KB")
+    assert handle.mode.endswith("_and_qfloat8") and handle.quantizer == "qfloat8"
+    assert handle.report().quantization
+
+
+def test_a_budget_nothing_fits_says_what_the_smallest_mode_needs():
+    pipe = make_pipeline("wan22")
+    with pytest.raises(NoModeFitsError, match=r"smallest, model_group_offload\[offload_type=leaf_level\].*needs"):
+        memmode.apply(pipe, "auto", device="cpu", vram_budget="1KB")
+    assert not hasattr(pipe.transformer, "_memmode_handle")
+
+
+def test_auto_refuses_placement_options_it_chooses_itself():
+    with pytest.raises(InvalidOptionError, match="offload_type"):
+        memmode.apply(make_pipeline("flux"), "auto", device="cpu", offload_type="leaf_level")
+
+
+def test_plan_marks_the_entry_auto_chooses():
+    entries = memmode.plan(make_pipeline("ltx"), device="cpu", vram_budget="200KB", ram_budget="1GB")
+    chosen = [e for e in entries if e.chosen]
+    assert len(chosen) == 1 and chosen[0].fits and chosen[0].peak_device_bytes <= 200_000
+    assert all(not e.fits and e.reason for e in entries if e.peak_device_bytes > 200_000)
+    data = chosen[0].as_dict()
+    assert {"mode", "storage", "peak_device_bytes", "transfer_bytes_per_call", "fits"} <= data.keys()
