@@ -83,6 +83,16 @@ class Handle:
         self._ledger.reset_peak()
         self._runtime.calls.clear()
 
+    def refresh(self) -> None:
+        """Take every weight from the model as it is now.
+
+        memmode notices on its own when parameters, buffers or submodules are added, removed or
+        replaced, and it wraps the LoRA and projection-fusing methods of diffusers and
+        transformers. What it cannot notice is a write into a tensor's existing memory
+        (``module.weight.data.mul_(2)``, ``copy_``): call this after such edits.
+        """
+        self._runtime.refresh()
+
     def start_trace(self) -> None:
         """Record resident device bytes after every onload and offload from now on (see :meth:`trace`)."""
         self._ledger.trace = [(clock(), self._ledger.resident)]
@@ -247,7 +257,10 @@ def apply(target: Any, mode: str, *, device: Any = None, weight_dtype: torch.dty
                                                      options=quantizer_options)
         ledger = Ledger()
         runtime = Runtime(tgt.components, specs, device=dev, session=session, ledger=ledger,
-                          prefetch=placement.prefetch(placement_options, dev))
+                          prefetch=placement.prefetch(placement_options, dev),
+                          relayout=lambda name: [spec for spec in placement.layout(tgt, placement_options)
+                                                 if spec.component == name],
+                          pipeline=target if tgt.is_pipeline else None, refuse_edit=_refuse_fusing_packed)
         runtime.install()
     except BaseException:
         if session is not None:
@@ -278,6 +291,30 @@ def _apply_choice(target, tgt: Target, mode: str, placement, placement_options, 
     logger.info("memmode: %s chose %s with storage %s (peak %d bytes on the device)", mode, choice.label(),
                 choice.storage, choice.peak_device_bytes)
     return handle
+
+
+#: edits that add a delta into the existing weights
+FUSING_METHODS = ("fuse_lora", "fuse_qkv_projections")
+
+
+def _refuse_fusing_packed(method: str, components: dict[str, nn.Module]) -> None:
+    """Fusing into a quantized weight would add to packed codes. memmode refuses rather than
+    dequantize-add-requantize: the unfused adapter runs at ``weight_dtype`` on top of the dequantized
+    base, exactly, at the cost of its two small matmuls (docs/quantizers.md has the measurements)."""
+    if method not in FUSING_METHODS:
+        return
+    from .quantization import packed_record
+
+    for name, component in components.items():
+        for path, module in component.named_modules():
+            base = getattr(module, "base_layer", None) if method == "fuse_lora" else module
+            if isinstance(base, nn.Module) and packed_record(base) is not None:
+                what = "LoRA adapters" if method == "fuse_lora" else "projections"
+                raise IncompatibleModeError(
+                    f"{method}: {name}.{path} is quantized, and fusing {what} into packed weights would corrupt them. "
+                    f"Keep the adapter unfused (it runs at weight_dtype on the dequantized weight), or fuse before "
+                    f"applying the quantizer."
+                )
 
 
 def _refuse_foreign_handles(tgt: Target, previous: Handle | None) -> None:

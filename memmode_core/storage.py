@@ -108,3 +108,8 @@ def placeholder(tensor: torch.Tensor) -> torch.Tensor:
     else:
         fill = torch.iinfo(tensor.dtype).max
     return torch.full((), fill, dtype=tensor.dtype).expand(tensor.shape)
+
+
+def is_placeholder(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a :func:`placeholder` (a broadcast single element), not real data."""
+    return tensor.numel() > 1 and all(stride == 0 for stride in tensor.stride())

@@ -10,6 +10,10 @@ from tiny_pipelines import FAMILIES, make_pipeline, run
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
+# The suite's pipelines are tiny: one thread runs them fastest, and two threads fighting over two
+# busy cores make each call tens of times slower.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def isolated_plugins(monkeypatch):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 #: attribute on the wrapper function that marks it as memmode's
@@ -34,7 +35,10 @@ class MethodWrapper:
         self.had_instance_attribute = method in module.__dict__
         self.original = getattr(module, method)
         self.active = True
-        wrapper = make(self.original, self)
+        # The wrapper itself always runs eagerly: what it does (swapping weights, keeping the books)
+        # is not something to trace, and tracing it would make every call's guards fail. The method
+        # it calls is compiled as usual under torch.compile (recursive=False).
+        wrapper = torch.compiler.disable(make(self.original, self), recursive=False)
         setattr(wrapper, MARKER, self)
         setattr(module, method, wrapper)
 

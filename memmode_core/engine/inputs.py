@@ -53,6 +53,7 @@ def _move(value: Any, device: torch.device, depth: int = 0) -> Any:
     return value
 
 
+@torch.compiler.disable
 def move_inputs(args: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict] | None:
     """``(args, kwargs)`` with tensors on ``device``, or None when nothing needs to move (the fast path)."""
     if not _needs_move(args, device) and not _needs_move(kwargs, device):

@@ -2,7 +2,7 @@
 
 One :class:`Runtime` serves one ``apply``. It turns the placement's :class:`GroupSpec` list into
 :class:`Group` objects holding the actual tensors, stores the offloaded copies through the storage
-session, installs forward hooks on entry and exit modules, and undoes all of it on ``remove``.
+session, wraps the forwards of entry and exit modules, and undoes all of it on ``remove``.
 
 Weights are swapped through ``tensor.data``, so parameters and buffers keep their identity: code
 that holds a reference to a parameter (an optimizer, an adapter, a tied weight) keeps seeing it.
@@ -14,21 +14,33 @@ before the next group's modules run, and every prefetched tensor is marked as us
 stream (``record_stream``) so the caching allocator never hands its memory to a new copy while a
 kernel may still read it. A group that was not prefetched (first call, a layer skipped or called
 out of order) is simply onloaded on the compute stream when it is entered.
+
+Changing weights (see :mod:`memmode_core.engine.watch`): when a component's tensors changed — an
+adapter was injected, a parameter replaced — its groups are rebuilt before its next call. A rebuild
+lays the component out again and keeps every stored part whose tensors did not change, so loading
+a LoRA stores the adapter's weights and nothing else.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
 from ..ledger import Ledger, clock
-from ..storage import StorageSession, Tensors
+from ..storage import StorageSession, Tensors, is_placeholder
+from . import watch
 from .hooks import MethodWrapper
 from .inputs import move_inputs
 from .layout import GroupSpec, Policy
+
+def _not_traced(function):
+    """The engine's bookkeeping runs eagerly under torch.compile: its Python state (books, flags,
+    swapped ``.data``) is not something to trace, and guards on it would fail at every call."""
+    return torch.compiler.disable(function, recursive=True)
 
 
 #: methods besides ``forward`` through which a pipeline calls a component
@@ -39,19 +51,44 @@ MAX_RECORDED_CALLS = 100_000
 
 @dataclass(eq=False)
 class Slot:
-    """One parameter or buffer: the tensor object whose ``.data`` is swapped, a stable name, and where
-    it is registered (``owner._parameters[attr]`` or ``owner._buffers[attr]``)."""
+    """One parameter or buffer: the tensor object whose ``.data`` is swapped, a stable name, where it
+    is registered (``owner._parameters[attr]`` or ``owner._buffers[attr]``), and the address of the
+    data it holds at rest (a different address means someone replaced it)."""
 
     name: str
     tensor: torch.Tensor
     is_buffer: bool
     owner: nn.Module
     attr: str
+    rest_ptr: int = 0
+
+    def registered(self) -> bool:
+        registry = self.owner._buffers if self.is_buffer else self.owner._parameters
+        return registry.get(self.attr) is self.tensor
+
+
+@dataclass(eq=False)
+class Part:
+    """One entry in the storage session: some of a group's slots, stored under ``key``.
+
+    A part kept through a rebuild may hold tensors under the names they had then (a layer wrapped
+    by an adapter moves from ``to_q.weight`` to ``to_q.base_layer.weight``): ``rename`` maps stored
+    names to the slot names of today.
+    """
+
+    key: str
+    names: tuple[str, ...]
+    rename: dict[str, str] | None = None
+
+    def translate(self, tensors: Tensors) -> Tensors:
+        if not self.rename:
+            return tensors
+        return {self.rename.get(name, name): t for name, t in tensors.items()}
 
 
 class Group:
     __slots__ = ("key", "component", "policy", "entries", "exits", "slots", "nbytes", "resident",
-                 "at_rest", "prefetchable", "ready_event", "next", "readable")
+                 "at_rest", "prefetchable", "ready_event", "next", "readable", "parts")
 
     def __init__(self, spec: GroupSpec) -> None:
         self.key = spec.key
@@ -71,6 +108,8 @@ class Group:
         self.next: Group | None = None
         #: slot names whose at-rest value must stay readable (buffers)
         self.readable: frozenset[str] = frozenset()
+        #: where the storage keeps the group: usually one part; a rebuilt group may keep old parts
+        self.parts: list[Part] = []
 
     def tensors(self) -> Tensors:
         return {slot.name: slot.tensor.data for slot in self.slots}
@@ -79,34 +118,54 @@ class Group:
         for slot in self.slots:
             slot.tensor.data = tensors[slot.name]
 
+    def rest(self, tensors: Tensors) -> None:
+        """Assign the at-rest tensors and remember their addresses (to notice replacements)."""
+        self.at_rest = tensors
+        for slot in self.slots:
+            data = tensors[slot.name]
+            slot.tensor.data = data
+            slot.rest_ptr = data.data_ptr()
+
     def __repr__(self) -> str:
         return f"<group {self.key} {self.policy.value} {self.nbytes}B{' resident' if self.resident else ''}>"
 
 
 class Runtime:
     def __init__(self, components: dict[str, nn.Module], specs: Iterable[GroupSpec], *, device: torch.device,
-                 session: StorageSession | None, ledger: Ledger, prefetch: bool = False) -> None:
+                 session: StorageSession | None, ledger: Ledger, prefetch: bool = False,
+                 relayout: Callable[[str], list[GroupSpec]] | None = None, pipeline: object | None = None,
+                 refuse_edit: Callable[[str, dict[str, nn.Module]], None] | None = None) -> None:
         self.components = components
         self.device = device
         self.session = session
         self.ledger = ledger
         self.groups = claim_groups(components, list(specs))
         self.active: str | None = None
+        self._relayout = relayout
+        self._pipeline = pipeline
+        self._refuse_edit = refuse_edit
         self._depth: dict[str, int] = {name: 0 for name in components}
         #: calls of each component since apply or ``reset_calls`` (a nested call counts once), in order
         self.calls: list[str] = []
         #: component -> its groups resident now (a dict: ordered, O(1) removal)
         self._resident: dict[str, dict[Group, None]] = {name: {} for name in components}
-        self._wrappers: list[MethodWrapper] = []
+        self._wrappers: dict[str, list[MethodWrapper]] = {name: [] for name in components}
+        self._edit_wrappers: list[MethodWrapper] = []
         self._cuda = device.type == "cuda"
         #: the storage's copies are the device tensors: onload and offload only keep the books
         self._zero_copy = session is not None and session.zero_copy(device)
+        self._prefetch = prefetch
         #: where prefetches are copied; without CUDA a prefetch is a synchronous early onload
         self._copy_stream = torch.cuda.Stream(device) if prefetch and self._cuda else None
         #: component -> groups in the order of their first onload during the component's first call
         self._recording: dict[str, list[Group]] = {name: [] for name in components} if prefetch else {}
         #: CUDA (start, end) events of copies whose duration is not yet added to the ledger
         self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        #: components whose modules registered a new parameter, buffer or submodule
+        self._dirty: set[str] = set()
+        self._member_of: dict[int, str] = {}
+        self._editing = 0
+        self._generation = 0
 
     # -- install / remove ---------------------------------------------------------------------------
 
@@ -123,30 +182,40 @@ class Runtime:
             if stored:
                 self.session.reserve({g.key: g.nbytes for g in stored})
                 for group in stored:
+                    group.parts = [Part(group.key, tuple(s.name for s in group.slots))]
                     group.at_rest = self.session.put(group.key, group.tensors(), group.readable)
         except BaseException:
             if self.session is not None:
                 self.session.close()
             raise
         for group in stored:
-            group.assign(group.at_rest)
+            group.rest(group.at_rest)
         for group in self.groups:
             if group.policy is Policy.RESIDENT:
                 self._onload_resident(group)
-        self._install_hooks()
+        for name in self.components:
+            self._install_hooks(name)
+        self._install_edit_wrappers()
+        self._index_members()
+        watch.watch(self)
 
     def remove(self) -> None:
         """Unhook, and leave every weight in ordinary CPU memory."""
-        for wrapper in self._wrappers:
+        watch.unwatch(self)
+        for wrapper in self._edit_wrappers:
             wrapper.remove()
-        self._wrappers.clear()
+        self._edit_wrappers.clear()
+        for wrappers in self._wrappers.values():
+            for wrapper in wrappers:
+                wrapper.remove()
+            wrappers.clear()
         if self._cuda:
             torch.cuda.synchronize(self.device)
         for group in self.groups:
             if group.policy is Policy.RESIDENT:
                 group.assign({n: t.to("cpu") for n, t in group.tensors().items()})
             else:
-                group.assign(self.session.restore(group.key))
+                group.assign(self._restore(group))
                 group.at_rest = {}  # the storage's copies (a file mapping, pinned memory) go with the session
             if group.resident:
                 group.resident = False
@@ -165,6 +234,13 @@ class Runtime:
         group.resident = True
         self.ledger.onloaded(group.nbytes, clock() - start)
 
+    def _restore(self, group: Group) -> Tensors:
+        tensors: Tensors = {}
+        for part in group.parts:
+            tensors.update(part.translate(self.session.restore(part.key)))
+        return tensors
+
+    @_not_traced
     def ensure(self, group: Group) -> None:
         """Make ``group`` usable by the compute stream: onload it, or wait for its prefetch."""
         if group.resident:
@@ -188,9 +264,9 @@ class Runtime:
     def _fetch(self, group: Group, stream: "torch.cuda.Stream | None") -> None:
         if self._cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 start.record()
-                tensors = self.session.fetch(group.key, self.device, stream)
+                tensors = self._fetch_parts(group, stream)
                 end.record()
             self._timings.append((start, end))
             group.ready_event = end if stream is not None else None
@@ -199,7 +275,7 @@ class Runtime:
             tensors, seconds = None, 0.0
         else:
             began = clock()
-            tensors = self.session.fetch(group.key, self.device, None)
+            tensors = self._fetch_parts(group, None)
             seconds = clock() - began
         if tensors is not None:
             group.assign(tensors)
@@ -207,6 +283,16 @@ class Runtime:
         self._resident[group.component][group] = None
         self.ledger.onloaded(group.nbytes, seconds)
 
+    def _fetch_parts(self, group: Group, stream) -> Tensors:
+        parts = group.parts
+        if len(parts) == 1 and not parts[0].rename:
+            return self.session.fetch(parts[0].key, self.device, stream)
+        tensors: Tensors = {}
+        for part in parts:
+            tensors.update(part.translate(self.session.fetch(part.key, self.device, stream)))
+        return tensors
+
+    @_not_traced
     def offload(self, group: Group) -> None:
         if self._zero_copy:
             seconds = 0.0
@@ -226,6 +312,12 @@ class Runtime:
                 for group in list(resident):
                     self.offload(group)
         self.active = component
+
+    def _offload_component(self, component: str) -> None:
+        if self._cuda:
+            torch.cuda.synchronize(self.device)  # prefetches in flight land before their groups leave
+        for group in list(self._resident[component]):
+            self.offload(group)
 
     def settle(self) -> None:
         """Add the measured duration of finished asynchronous copies to the ledger."""
@@ -257,40 +349,212 @@ class Runtime:
             if group.prefetchable and group.policy is Policy.STREAM:
                 following = group
 
+    # -- noticing changes ----------------------------------------------------------------------------
+
+    def _index_members(self) -> None:
+        self._member_of = {id(m): name for name, root in self.components.items() for m in root.modules()}
+
+    def note_registration(self, module: nn.Module) -> None:
+        """Called for every parameter, buffer or submodule registration in the process (see watch)."""
+        component = self._member_of.get(id(module))
+        if component is not None and not self._editing:
+            self._dirty.add(component)
+
+    @_not_traced
+    def changed(self, component: str) -> bool:
+        """Whether ``component``'s tensors are no longer the ones its groups were built from.
+
+        Runs at each call of the component: a registration was reported, or a tracked tensor is no
+        longer registered where it was, or an offloaded one no longer holds its at-rest data.
+        """
+        if component in self._dirty:
+            return True
+        for group in self.groups:
+            if group.component != component:
+                continue
+            check_data = not group.resident and group.policy is not Policy.RESIDENT and not self._zero_copy
+            for slot in group.slots:
+                if not slot.registered() or (check_data and slot.tensor.data_ptr() != slot.rest_ptr):
+                    return True
+        return False
+
+    @contextlib.contextmanager
+    def editing(self, components: list[str], method: str):
+        """Around a method that edits weights: offload first (and give writing methods real values),
+        rebuild the groups after."""
+        outermost = self._editing == 0
+        if outermost:
+            if self._refuse_edit is not None:
+                self._refuse_edit(method, {name: self.components[name] for name in components})
+            for name in components:
+                self._offload_component(name)
+                if method in watch.WRITES_WEIGHTS:
+                    self._materialize(name)
+        self._editing += 1
+        try:
+            yield
+        finally:
+            self._editing -= 1
+            if outermost:
+                self._dirty.difference_update(components)
+                for name in components:
+                    self.rebuild(name)
+
+    def _materialize(self, component: str) -> None:
+        """Give every offloaded tensor of ``component`` whose at-rest value is a placeholder its real
+        value, so that a method writing into the weights writes into real memory."""
+        for group in self.groups:
+            if group.component != component or group.policy is Policy.RESIDENT:
+                continue
+            if any(is_placeholder(t) for t in group.at_rest.values()):
+                group.assign(self._restore(group))
+
+    def refresh(self) -> None:
+        """Take every weight from the model as it is now (for edits memmode cannot notice).
+
+        A group resident on the device right now may have been edited there: its device copy is
+        what is taken, not the stored one.
+        """
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        for name in self.components:
+            for group in list(self._resident[name]):
+                group.assign({n: t.to("cpu") for n, t in group.tensors().items()})
+                group.resident = False
+                group.ready_event = None
+                del self._resident[name][group]
+                self.ledger.offloaded(group.nbytes, 0.0)
+            self.rebuild(name, keep_parts=False)
+
+    @_not_traced
+    def rebuild(self, component: str, *, keep_parts: bool = True) -> None:
+        """Lay ``component`` out again and store what changed; keep the parts that did not change."""
+        if self._relayout is None:
+            raise RuntimeError("this runtime cannot rebuild: it was built without a layout function")
+        self._offload_component(component)
+        for wrapper in self._wrappers[component]:
+            wrapper.remove()
+        self._wrappers[component].clear()
+        old = [g for g in self.groups if g.component == component]
+        new = claim_groups(self.components, self._relayout(component), names=self.components)
+        previous = {id(slot.tensor): (group, slot) for group in old for slot in group.slots}
+        kept: set[str] = set()
+        for group in new:
+            if group.policy is Policy.RESIDENT:
+                self._settle_resident(group, previous)
+            else:
+                kept.update(self._store_rebuilt(group, previous, keep_parts))
+        for group in old:
+            if group.resident:  # a resident group (full load) is not offloaded: its bytes leave now
+                self.ledger.offloaded(group.nbytes, 0.0)
+            for part in group.parts:
+                if part.key not in kept:
+                    self.session.discard(part.key)
+        self.groups = [g for g in self.groups if g.component != component] + new
+        self._resident[component].clear()  # resident groups were offloaded above; RESIDENT ones are not tracked
+        if self._prefetch:
+            self._recording[component] = []
+        self._install_hooks(component)
+        self._index_members()
+        self._dirty.discard(component)
+
+    def _settle_resident(self, group: Group, previous) -> None:
+        group.assign({n: t if t.device == self.device else t.to(self.device) for n, t in group.tensors().items()})
+        group.resident = True
+        self.ledger.onloaded(group.nbytes, 0.0)
+
+    def _store_rebuilt(self, group: Group, previous, keep_parts: bool) -> set[str]:
+        """Store a rebuilt group: reuse an old group's parts when all of its tensors are here
+        unchanged, store the rest as a new part. Returns the keys of the parts kept."""
+        sources: dict[int, Group] = {}
+        unchanged: set[int] = set()
+        fresh: list[Slot] = []
+        for slot in group.slots:
+            found = previous.get(id(slot.tensor))
+            if (keep_parts and found is not None and found[0].policy is not Policy.RESIDENT
+                    and slot.tensor.data_ptr() == found[1].rest_ptr):
+                sources[id(found[0])] = found[0]
+                unchanged.add(id(slot.tensor))
+            else:
+                fresh.append(slot)
+        # one old group, every tensor of it here and unchanged: its stored parts are still right
+        reusable = len(sources) == 1 and all(id(o.tensor) in unchanged for o in next(iter(sources.values())).slots)
+        parts: list[Part] = []
+        at_rest: Tensors = {}
+        if reusable:
+            (source,) = sources.values()
+            now = {id(s.tensor): s.name for s in group.slots}
+            renamed = {o.name: now[id(o.tensor)] for o in source.slots}
+            for part in source.parts:
+                stored = {(part.rename or {}).get(n, n): n for n in part.names}  # slot name then -> stored name
+                rename = {stored_name: renamed[then] for then, stored_name in stored.items()}
+                parts.append(Part(part.key, part.names, {k: v for k, v in rename.items() if k != v} or None))
+            at_rest.update({renamed[o.name]: source.at_rest[o.name] for o in source.slots})
+        else:
+            fresh = list(group.slots)
+        if fresh:
+            values = {}
+            for slot in fresh:
+                found = previous.get(id(slot.tensor))
+                current = slot.tensor.data
+                if found is not None and found[0].policy is not Policy.RESIDENT and is_placeholder(current):
+                    current = self._restore_one(found[0], found[1].name)
+                values[slot.name] = current
+            self._generation += 1
+            key = f"{group.key}@{self._generation}"
+            readable = frozenset(s.name for s in fresh if s.is_buffer)
+            self.session.reserve({key: sum(v.numel() * v.element_size() for v in values.values())})
+            at_rest.update(self.session.put(key, values, readable))
+            parts.append(Part(key, tuple(values)))
+        group.parts = parts
+        group.rest(at_rest)
+        return {p.key for p in parts}
+
+    def _restore_one(self, group: Group, name: str) -> torch.Tensor:
+        for part in group.parts:
+            tensors = part.translate(self.session.restore(part.key))
+            if name in tensors:
+                return tensors[name]
+        raise KeyError(name)
+
     # -- hooks --------------------------------------------------------------------------------------
 
-    def _install_hooks(self) -> None:
-        """One forward wrapper per module that enters or exits a group or is a component's root."""
+    def _install_hooks(self, component: str) -> None:
+        """One forward wrapper per module that enters or exits a group of ``component`` or is its root."""
         plans: dict[int, tuple[nn.Module, list[Group], list[Group], str | None]] = {}
 
         def plan(module: nn.Module):
             return plans.setdefault(id(module), (module, [], [], None))
 
         for group in self.groups:
-            if group.policy is Policy.RESIDENT:
+            if group.component != component or group.policy is Policy.RESIDENT:
                 continue
             for module in group.entries:
                 plan(module)[1].append(group)
             if group.policy is Policy.STREAM:
                 for module in group.exits:
                     plan(module)[2].append(group)
-        for name, module in self.components.items():
-            entry = plan(module)
-            # a component's own exit is its leave step: it offloads whatever the component left resident
-            plans[id(module)] = (module, entry[1], [], name)
-        for module, enters, exits, component in plans.values():
-            self._wrappers.append(MethodWrapper(module, self._forward_maker(enters, exits, component)))
-            if component is not None:
+        root = self.components[component]
+        entry = plan(root)
+        # a component's own exit is its leave step: it offloads whatever the component left resident
+        plans[id(root)] = (root, entry[1], [], component)
+        wrappers = self._wrappers[component]
+        for module, enters, exits, root_of in plans.values():
+            wrappers.append(MethodWrapper(module, self._forward_maker(module, "forward", enters, exits, root_of)))
+            if root_of is not None:
                 # a component's other entry points: a VAE's decode() never calls its forward()
                 for method in COMPONENT_METHODS:
                     if callable(getattr(type(module), method, None)):
-                        self._wrappers.append(MethodWrapper(module, self._forward_maker(enters, [], component), method))
+                        wrappers.append(MethodWrapper(module, self._forward_maker(module, method, enters, [], root_of),
+                                                      method))
 
-    def _forward_maker(self, enters: list[Group], exits: list[Group], component: str | None):
+    def _forward_maker(self, module: nn.Module, method: str, enters: list[Group], exits: list[Group],
+                       component: str | None):
         ensure, offload, leave = self.ensure, self.offload, self._leave
         depth, calls = self._depth, self.calls
         move = self.device.type != "cpu"  # on a CPU device every input already is where it computes
         device = self.device
+        runtime = self
 
         def make(original, wrapper: MethodWrapper):
             if component is None and len(enters) == 1 and exits == enters:
@@ -314,6 +578,9 @@ class Runtime:
                 if not wrapper.active:
                     return original(*args, **kwargs)
                 if component is not None:
+                    if depth[component] == 0 and not runtime._editing and runtime.changed(component):
+                        runtime.rebuild(component)
+                        return getattr(module, method)(*args, **kwargs)  # through the rebuilt wrappers
                     depth[component] += 1
                     if depth[component] == 1 and len(calls) < MAX_RECORDED_CALLS:
                         calls.append(component)
@@ -333,6 +600,7 @@ class Runtime:
             return forward
         return make
 
+    @_not_traced
     def _leave(self, component: str) -> None:
         """A component's forward returned: offload what it left resident, once it is no longer nested."""
         self._depth[component] -= 1
@@ -346,23 +614,38 @@ class Runtime:
         if self._timings:
             self.settle()
 
+    def _install_edit_wrappers(self) -> None:
+        """Wrap the weight-editing methods of the pipeline (all components) and of each component."""
+        owners: list[tuple[object, list[str]]] = [(m, [n]) for n, m in self.components.items()]
+        if self._pipeline is not None:
+            owners.insert(0, (self._pipeline, list(self.components)))
+        for owner, names in owners:
+            for method in watch.EDIT_METHODS:
+                if callable(getattr(type(owner), method, None)):
+                    self._edit_wrappers.append(MethodWrapper(owner, self._edit_maker(names, method), method))
 
-class _nullcontext:
-    def __enter__(self):
-        return self
+    def _edit_maker(self, components: list[str], method: str):
+        def make(original, wrapper: MethodWrapper):
+            def edit(*args, **kwargs):
+                if not wrapper.active:
+                    return original(*args, **kwargs)
+                with self.editing(components, method):
+                    return original(*args, **kwargs)
+            return edit
+        return make
 
-    def __exit__(self, *exc):
-        return False
 
-
-def claim_groups(components: dict[str, nn.Module], specs: list[GroupSpec]) -> list[Group]:
+def claim_groups(components: dict[str, nn.Module], specs: list[GroupSpec], *,
+                 names: dict[str, nn.Module] | None = None) -> list[Group]:
     """Turn specs into groups that hold each tensor exactly once.
 
     A tensor reachable from several groups (a tied weight, a module shared between two places)
-    must move with all of them at once, so groups that share a tensor are merged.
+    must move with all of them at once, so groups that share a tensor are merged. ``names`` are
+    the components slot names are qualified against (default: ``components``).
     """
-    paths = {id(m): ".".join(part for part in (comp if len(components) > 1 else "", path) if part)
-             for comp, root in components.items() for path, m in root.named_modules()}
+    named = names if names is not None else components
+    paths = {id(m): ".".join(part for part in (comp if len(named) > 1 else "", path) if part)
+             for comp, root in named.items() for path, m in root.named_modules()}
     owner_of: dict[int, int] = {}
     parent = list(range(len(specs)))
 
@@ -381,11 +664,12 @@ def claim_groups(components: dict[str, nn.Module], specs: list[GroupSpec]) -> li
             for attr, tensor, is_buffer in tensors:
                 if tensor is None:
                     continue
-                first = owner_of.setdefault(id(tensor), index)
-                if first == index:
+                first = owner_of.get(id(tensor))
+                if first is None:  # a tied tensor registered twice is claimed once, by its first owner
+                    owner_of[id(tensor)] = index
                     claimed[index].append(Slot(f"{prefix}.{attr}" if prefix else attr, tensor, is_buffer, module,
                                                attr))
-                else:
+                elif first != index:
                     parent[find(index)] = find(first)
     merged: dict[int, Group] = {}
     order: list[Group] = []
