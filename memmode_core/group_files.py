@@ -1,0 +1,259 @@
+"""Group files: the folder of one-file-per-group that the ``disk`` and ``mmap`` storages share.
+
+Both storages promise the same things about their files, so the mechanics live here once and a
+plugin adds only how it reads them back (``disk``: at each onload, for as long as the group is on
+the device; ``mmap``: mapped once, for the whole session):
+
+- **Named by content.** A file's name is a digest of its header and bytes
+  (:func:`~memmode_core.group_format.content_name`), so a file left by another model, by another
+  version of this one, or by a crash is never looked up as the current weights, and a second
+  ``apply`` of unchanged weights finds its files and starts without writing.
+- **Verified on reuse.** An existing file is used only if its size, header and every byte equal
+  the weights in memory; otherwise it is rewritten (a truncated copy, or another file put under
+  this name).
+- **Written atomically.** A temporary file in the same folder, ``fsync``, ``os.replace``, then
+  ``fsync`` of the folder: the name only ever points at a complete file, even after a power cut.
+- **Safe to share.** Processes using one folder take turns on a lock of the folder while they
+  check and write, so N processes applying the same model write each file once and all map the
+  same file (one copy in the page cache); no session deletes a file another live session still
+  reads (:mod:`memmode_core.offload_folder`).
+- **Refused early.** :meth:`GroupFileStore.reserve` checks that the folder can be created and
+  written and that the groups fit in its free space before the engine releases any weight.
+- **Cleaned up.** The default folder is private (``mkdtemp``) and removed at ``close()`` and at
+  interpreter exit. In a caller-given folder, the files a session wrote are deleted at
+  ``close()`` (and at exit) unless ``keep_files=True``.
+
+POSIX only: the locking uses ``fcntl.flock``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from . import group_format, offload_folder, packing
+from .errors import InvalidOptionError, StorageUnavailableError
+from .group_format import Layout
+from .offload_folder import OffloadFolder
+from .options import Option
+from .staging import Fill, StagingRing
+from .storage import Storage, StorageSession, Tensors
+
+logger = logging.getLogger("memmode")
+
+FILE_PREFIX = "memmode-"
+FILE_SUFFIX = ".safetensors"
+#: reserved per group on top of its bytes: its header and the filesystem's last partial block
+PER_FILE_ALLOWANCE = 8 << 10
+
+
+def _boolean(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError("must be True or False")
+    return value
+
+
+KEEP_FILES = Option(
+    "keep_files", False,
+    "leave the group files this session wrote in offload_dir after remove() and at exit, so that the "
+    "next apply of the same weights reuses them instead of writing (needs offload_dir)",
+    _boolean,
+)
+
+
+@dataclass(frozen=True)
+class GroupFile:
+    """One stored group: where its file is and how its bytes are laid out."""
+
+    path: Path
+    layout: Layout
+
+    def map(self) -> tuple[torch.Tensor, Tensors]:
+        """The file mapped privately (see :func:`~memmode_core.group_format.map_private`): its bytes as
+        one flat ``uint8`` tensor, and typed views of every tensor in it. Nothing is copied."""
+        flat = group_format.map_private(self.path)
+        return flat, packing.views(flat, self.layout.entries, self.layout.data_start)
+
+    def read(self) -> Tensors:
+        """The group read into fresh, ordinary memory."""
+        return group_format.read(self.path, self.layout)
+
+
+class GroupFileStore:
+    """The files of one storage session in one folder (see the module docstring)."""
+
+    def __init__(self, offload_dir: str | os.PathLike | None, *, keep_files: bool, owner: str,
+                 warn_in_ram: bool = False) -> None:
+        self.owner = owner
+        self.keep_files = keep_files
+        #: warn when the folder is a RAM filesystem, for a storage whose point is to save memory
+        self.warn_in_ram = warn_in_ram
+        self._folder = OffloadFolder(offload_dir, keep_files=keep_files)
+        self._sizes: dict[str, int] = {}  # file name -> size, of every file this session uses
+
+    @property
+    def folder(self) -> Path | None:
+        """The folder (for the default private folder: None until :meth:`reserve` creates it)."""
+        return self._folder.path
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(self._sizes.values())
+
+    # -- before anything is released -----------------------------------------------------------------
+
+    def reserve(self, sizes: Mapping[str, int]) -> None:
+        """Create the folder and check that it is writable and has room for the groups."""
+        self._open_folder()
+        try:
+            with self._folder.locked():
+                self._folder.sweep_temporaries()
+                existing = sum(f.stat().st_size for f in self.folder.glob(f"{FILE_PREFIX}*{FILE_SUFFIX}"))
+                fd, probe = self._folder.temporary_file()
+                os.close(fd)
+                os.unlink(probe)
+                free = shutil.disk_usage(self.folder).free
+        except OSError as exc:
+            raise self._refusal(f"cannot write in {self.folder}: {exc}") from None
+        needed = sum(sizes.values()) + PER_FILE_ALLOWANCE * len(sizes)
+        # files already there may be exactly these groups (a second run): they need no new space
+        if free + existing < needed:
+            raise self._refusal(
+                f"{self.folder} has {free / 2**30:.2f} GiB free and the groups need {needed / 2**30:.2f} GiB; "
+                f"free some space or choose another offload_dir="
+            )
+        if self.warn_in_ram and (kind := offload_folder.filesystem_type(self.folder)) in ("tmpfs", "ramfs"):
+            logger.warning("memmode: storage %r writes to %s, a %s held in RAM: the weights will take as much "
+                           "memory as with storage='ram'; pass offload_dir= on a disk to save memory",
+                           self.owner, self.folder, kind)
+
+    def _open_folder(self) -> None:
+        try:
+            self._folder.open()
+        except OSError as exc:
+            raise self._refusal(f"cannot use {self.folder or tempfile.gettempdir()} as offload folder: {exc}") from None
+
+    def _refusal(self, why: str) -> StorageUnavailableError:
+        return StorageUnavailableError(f"storage {self.owner!r}: {why}")
+
+    # -- storing -------------------------------------------------------------------------------------
+
+    def store(self, tensors: Tensors) -> GroupFile:
+        """The group's file, verified if it already existed, written if not. Leaves ``tensors`` untouched."""
+        self._open_folder()
+        host = group_format.host_tensors(tensors)
+        try:
+            layout = Layout.of(host)
+        except group_format.UnsupportedDtypeError as exc:
+            raise self._refusal(f"cannot store {exc}") from None
+        name = FILE_PREFIX + group_format.content_name(layout, host) + FILE_SUFFIX
+        path = self.folder / name
+        with self._folder.locked():
+            self._folder.claim(name)
+            if not group_format.matches(path, layout, host):
+                if path.exists():
+                    logger.warning("memmode: %s does not hold the bytes its name promises (truncated or another "
+                                   "file); rewriting it", path)
+                self._write(path, layout, host)
+                self._folder.wrote(name)
+        self._sizes[name] = layout.file_size
+        return GroupFile(path, layout)
+
+    def _write(self, path: Path, layout: Layout, tensors: Tensors) -> None:
+        temporary = None
+        try:
+            fd, temporary = self._folder.temporary_file()
+            with open(fd, "wb") as file:
+                group_format.write(file, layout, tensors)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, path)
+            temporary = None
+            self._folder.sync()  # the rename itself survives a crash
+        except OSError as exc:
+            raise self._refusal(f"cannot write {path.name} ({layout.file_size / 2**20:.1f} MiB) in "
+                                f"{self.folder}: {exc}") from None
+        finally:
+            if temporary is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary)
+
+    def close(self) -> None:
+        """Let the folder clean up (see :mod:`memmode_core.offload_folder`). Idempotent."""
+        self._folder.close()
+        self._sizes.clear()
+
+
+# -- the storage side: what disk and mmap share ------------------------------------------------------
+
+
+class GroupFileStorage(Storage):
+    """Base of the storages that keep each group in a group file (``disk``, ``mmap``)."""
+
+    uses_offload_dir = True
+    options = (KEEP_FILES,)
+    #: whether an offload folder on tmpfs defeats the storage's purpose (saving RAM), and deserves a warning
+    warn_in_ram = False
+
+    def unavailable_reason(self, device: torch.device | None = None) -> str | None:
+        if offload_folder.fcntl is None:
+            return "needs a POSIX system (Linux, macOS): processes sharing an offload folder coordinate with flock"
+        return None
+
+    def open(self, *, device: torch.device, offload_dir: str | None, options: Mapping[str, object]) -> StorageSession:
+        if options["keep_files"] and offload_dir is None:
+            raise InvalidOptionError(
+                f"keep_files=True needs offload_dir=: without it storage {self.name!r} writes to a private "
+                f"temporary folder that is removed at remove() and at exit"
+            )
+        store = GroupFileStore(offload_dir, keep_files=bool(options["keep_files"]), owner=self.name,
+                               warn_in_ram=self.warn_in_ram)
+        return self.session(store, device)
+
+    def session(self, store: GroupFileStore, device: torch.device) -> StorageSession:
+        raise NotImplementedError
+
+
+class GroupFileSession(StorageSession):
+    """A session over a :class:`GroupFileStore`: the bookkeeping disk and mmap have in common."""
+
+    def __init__(self, store: GroupFileStore, device: torch.device) -> None:
+        self.store = store
+        self.device = device
+        self.files: dict[str, GroupFile] = {}
+        #: page-locked bounce buffers for uploads to a CUDA device (allocated on the first upload)
+        self.staging = StagingRing() if device.type == "cuda" else None
+
+    def reserve(self, sizes: Mapping[str, int]) -> None:
+        self.store.reserve(sizes)
+
+    def store_group(self, key: str, tensors: Tensors) -> GroupFile:
+        group_file = self.store.store(tensors)
+        self.files[key] = group_file
+        return group_file
+
+    def upload(self, group_file: GroupFile, fill: Fill, device: torch.device,
+               stream: "torch.cuda.Stream | None") -> Tensors:
+        """The group on a CUDA ``device``, its bytes supplied chunk by chunk by ``fill``."""
+        return self.staging.upload(group_file.layout, fill, device, stream)
+
+    def discard(self, key: str) -> None:
+        self.files.pop(key, None)
+
+    def close(self) -> None:
+        if self.staging is not None:
+            self.staging.close()
+        self.files.clear()
+        self.store.close()
+
+    def stats(self) -> dict[str, int]:
+        return {"disk_bytes": self.store.disk_bytes,
+                "pinned_bytes": self.staging.pinned_bytes if self.staging is not None else 0}

@@ -1,0 +1,100 @@
+"""Copying group bytes that live in pageable memory or in a file to a CUDA device, asynchronously.
+
+A copy from pageable host memory to a GPU is synchronous: the driver bounces it through a small
+page-locked buffer of its own, one call at a time, and the copy cannot be queued on a stream
+behind other work. The ``disk`` and ``mmap`` storages hold their bytes in exactly such memory (a
+file, a file mapping), so they upload through a :class:`StagingRing` instead: two page-locked
+chunks reused for every upload. The CPU fills one chunk (from the mapping, or straight from the
+file) while the DMA engine drains the other into the device tensors, and every device copy is
+ordered on the stream the engine gave to ``fetch``, so the engine's event covers them.
+
+The ring is small (``2 x 16 MiB`` by default) and allocated on first use, so a storage that never
+uploads to a GPU never pins anything.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+
+from .group_format import Layout
+from .storage import Tensors
+
+CHUNK_BYTES = 16 << 20
+CHUNKS = 2
+
+#: ``fill(chunk, offset)``: write the group's data bytes ``[offset, offset + chunk.numel())`` into
+#: ``chunk`` (a page-locked ``uint8`` CPU tensor)
+Fill = Callable[[torch.Tensor, int], None]
+
+
+class StagingRing:
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES, chunks: int = CHUNKS) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.count = chunks
+        self._chunks: list[torch.Tensor] = []
+        #: per chunk: the event recorded after the last device copy that read it
+        self._drained: list[torch.cuda.Event | None] = []
+        self._next = 0
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(c.numel() for c in self._chunks)
+
+    def upload(self, layout: Layout, fill: Fill, device: torch.device, stream: "torch.cuda.Stream | None") -> Tensors:
+        """The group's tensors on ``device``, their copies queued on ``stream`` (or the current stream)."""
+        if not self._chunks:
+            self._chunks = [torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True)
+                            for _ in range(self.count)]
+            self._drained = [None] * self.count
+        stream = stream if stream is not None else torch.cuda.current_stream(device)
+        with torch.cuda.stream(stream):  # allocated on, and written by, that stream
+            out = {e.name: torch.empty(e.shape, dtype=e.dtype, device=device) for e in layout.entries}
+            flat = {name: t.reshape(-1).view(torch.uint8) for name, t in out.items()}
+            for begin, end, pieces in chunk_plan(layout, self.chunk_bytes):
+                chunk = self._take()[:end - begin]
+                fill(chunk, begin)
+                for name, lo, hi, at in pieces:
+                    flat[name][lo:hi].copy_(chunk[at:at + hi - lo], non_blocking=True)
+                self._release(stream)
+        return out
+
+    def _take(self) -> torch.Tensor:
+        """The next chunk, once the device has finished reading what it last held."""
+        event = self._drained[self._next]
+        if event is not None:
+            event.synchronize()
+        return self._chunks[self._next]
+
+    def _release(self, stream: torch.cuda.Stream) -> None:
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._drained[self._next] = event
+        self._next = (self._next + 1) % self.count
+
+    def close(self) -> None:
+        """Wait for copies still reading the chunks, then let them go."""
+        for event in self._drained:
+            if event is not None:
+                event.synchronize()
+        self._chunks, self._drained = [], []
+
+
+def chunk_plan(layout: Layout, chunk_bytes: int) -> Iterator[tuple[int, int, list[tuple[str, int, int, int]]]]:
+    """The data section cut into chunks: ``(begin, end, pieces)`` per chunk, where each piece
+    ``(name, lo, hi, at)`` copies bytes ``[lo, hi)`` of tensor ``name`` from byte ``at`` of the chunk.
+    A tensor larger than a chunk, or straddling two, comes in several pieces."""
+    entries = [e for e in layout.entries if e.end > e.start]
+    index = 0
+    for begin in range(0, layout.data_bytes, chunk_bytes):
+        end = min(begin + chunk_bytes, layout.data_bytes)
+        pieces = []
+        while index < len(entries) and entries[index].start < end:
+            entry = entries[index]
+            lo, hi = max(entry.start, begin), min(entry.end, end)
+            pieces.append((entry.name, lo - entry.start, hi - entry.start, lo - begin))
+            if entry.end > end:
+                break  # its remaining bytes are in the next chunk
+            index += 1
+        yield begin, end, pieces

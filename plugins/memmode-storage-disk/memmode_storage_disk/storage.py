@@ -1,0 +1,105 @@
+"""The ``disk`` storage: while a group is offloaded, its weights exist only in its file.
+
+Everything about the files — naming by content, atomic writes, verification, free-space checks,
+sharing a folder, cleanup — is :mod:`memmode_core.group_files`. What is particular to ``disk`` is
+how little it keeps: at rest a parameter holds a :func:`~memmode_core.storage.placeholder` (no
+memory) and only the small buffers keep their values (pipelines read them outside any forward).
+Memory holds the groups that are on the device at the time, whatever the size of the model.
+
+How a group comes back depends on the device:
+
+- to a CUDA device, the file is read chunk by chunk into a small page-locked staging ring and
+  copied on the engine's stream (:mod:`memmode_core.staging`);
+- on the CPU, the file is mapped privately for as long as the group is onloaded: its pages in the
+  page cache are the weights, and the mapping goes with the offload. Reading into fresh memory
+  instead costs a page fault and a zeroed page for every 4 KiB of weights on every onload —
+  measured at 53 ms for a 56 MiB block against 12 ms for computing straight from the mapping,
+  which made block-level offload twice as slow as diffusers' disk offload.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from memmode_core import group_format
+from memmode_core.group_files import GroupFile, GroupFileSession, GroupFileStorage, GroupFileStore
+from memmode_core.storage import Tensors, host_copy, placeholder, to_device
+
+
+class DiskSession(GroupFileSession):
+    def __init__(self, store: GroupFileStore, device: torch.device) -> None:
+        super().__init__(store, device)
+        #: key -> the group's buffers, kept readable at rest
+        self._buffers: dict[str, Tensors] = {}
+
+    def put(self, key: str, tensors: Tensors, readable: frozenset[str] = frozenset()) -> Tensors:
+        self.store_group(key, tensors)
+        buffers = {name: host_copy(tensors[name]) for name in readable}
+        self._buffers[key] = buffers
+        return {name: buffers[name] if name in readable else placeholder(t) for name, t in tensors.items()}
+
+    def fetch(self, key: str, device: torch.device, stream: "torch.cuda.Stream | None" = None) -> Tensors:
+        group_file, buffers = self.files[key], self._buffers[key]
+        if device.type == "cuda":
+            with open(group_file.path, "rb", buffering=0) as file:
+                tensors = self.upload(group_file, _file_reader(file.fileno(), group_file), device, stream)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                tensors.update(to_device(buffers, device, non_blocking=True))
+            return tensors
+        _, tensors = group_file.map()
+        tensors.update(buffers)  # the values the module holds now, which are the ones it computes with
+        return to_device(tensors, device)
+
+    def restore(self, key: str) -> Tensors:
+        tensors = self.files[key].read()
+        tensors.update(self._buffers[key])
+        return tensors
+
+    def discard(self, key: str) -> None:
+        super().discard(key)
+        self._buffers.pop(key, None)
+
+    def close(self) -> None:
+        self._buffers.clear()
+        super().close()
+
+    def stats(self) -> dict[str, int]:
+        held = sum(t.numel() * t.element_size() for group in self._buffers.values() for t in group.values())
+        return {"pageable_bytes": held, **super().stats()}
+
+
+def _file_reader(fd: int, group_file: GroupFile):
+    """Fill staging chunks straight from the file: one copy, from the page cache to pinned memory."""
+    start = group_file.layout.data_start
+
+    def fill(chunk: torch.Tensor, offset: int) -> None:
+        group_format.read_into(fd, group_format.byte_view(chunk), start + offset)
+    return fill
+
+
+class DiskStorage(GroupFileStorage):
+    """Offloaded groups wait in safetensors files under ``offload_dir``, read back on each onload.
+
+    While a group is offloaded, only its file holds its weights; a group on a CPU device computes
+    from a private mapping of its file that is dropped with the offload, a group going to a GPU is
+    read through a small page-locked staging buffer.
+
+    ``offload_dir``: where the files go (default: a private temporary folder, removed at
+    ``remove()`` and at exit). Files are named by a digest of their content and written atomically;
+    an existing file with the right content is reused, so a second run starts without writing.
+
+    Option ``keep_files`` (default False): leave the files this session wrote after ``remove()``,
+    for the next run to reuse; needs ``offload_dir``.
+    """
+
+    name = "disk"
+    #: read by the planner: every onload reads the file
+    memory_kind = "disk"
+    #: files on tmpfs are RAM: the point of this storage is lost
+    warn_in_ram = True
+    description = "safetensors files, one per group, read back on each onload (RAM: only what is on the device)"
+
+    def session(self, store: GroupFileStore, device: torch.device) -> DiskSession:
+        return DiskSession(store, device)

@@ -1,0 +1,87 @@
+"""The ``mmap`` storage: the group files, mapped, are the only copy of the offloaded weights.
+
+The files are :mod:`memmode_core.group_files`' (named by content, written atomically, verified);
+what ``mmap`` adds is that each is mapped once, privately, for the whole session
+(:func:`~memmode_core.group_format.map_private`), and the weights at rest are views of that
+mapping. So:
+
+- computing on the CPU, the weights *are* the page cache: onloading is bookkeeping, no byte is
+  copied and no anonymous memory is used for them;
+- every process that maps the same files (N ranks on one node with one ``offload_dir``) shares one
+  copy of the weights in RAM, and the kernel can drop and re-read pages under memory pressure
+  instead of swapping;
+- to a GPU, a group is copied from the mapping through a small page-locked staging ring, on the
+  engine's stream.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memmode_core.group_files import GroupFileSession, GroupFileStorage, GroupFileStore
+from memmode_core.storage import Tensors
+
+
+class MmapSession(GroupFileSession):
+    def __init__(self, store: GroupFileStore, device: torch.device) -> None:
+        super().__init__(store, device)
+        #: key -> (the whole mapped file as uint8, typed views of its tensors)
+        self._mapped: dict[str, tuple[torch.Tensor, Tensors]] = {}
+
+    def put(self, key: str, tensors: Tensors, readable: frozenset[str] = frozenset()) -> Tensors:
+        flat, views = self.store_group(key, tensors).map()
+        self._mapped[key] = (flat, views)
+        return dict(views)
+
+    def zero_copy(self, device: torch.device) -> bool:
+        return device.type == "cpu"
+
+    def fetch(self, key: str, device: torch.device, stream: "torch.cuda.Stream | None" = None) -> Tensors:
+        flat, views = self._mapped[key]
+        if device.type == "cpu":
+            return dict(views)
+        if device.type == "cuda":
+            start = self.files[key].layout.data_start
+
+            def fill(chunk: torch.Tensor, offset: int) -> None:
+                chunk.copy_(flat[start + offset:start + offset + chunk.numel()])
+            return self.upload(self.files[key], fill, device, stream)
+        return {name: view.to(device) for name, view in views.items()}
+
+    def restore(self, key: str) -> Tensors:
+        # copies into ordinary memory: after remove() the files (perhaps deleted) are not held open
+        return {name: view.clone() for name, view in self._mapped[key][1].items()}
+
+    def discard(self, key: str) -> None:
+        super().discard(key)
+        self._mapped.pop(key, None)
+
+    def close(self) -> None:
+        self._mapped.clear()
+        super().close()
+
+    def stats(self) -> dict[str, int]:
+        mapped = sum(flat.numel() for flat, _ in self._mapped.values())
+        return {"pageable_bytes": 0, "mapped_bytes": mapped, **super().stats()}
+
+
+class MmapStorage(GroupFileStorage):
+    """Offloaded groups are safetensors files under ``offload_dir``, mapped for the whole session.
+
+    On a CPU device the weights are zero-copy views of the page cache; to a GPU they are copied from
+    the mapping through a small reused pinned staging buffer. Processes that use the same
+    ``offload_dir`` share one copy of the weights in RAM. The mapping is private and copy-on-write:
+    an in-place change to a weight stays in the process and never reaches the file.
+
+    ``offload_dir``: where the files go (default: a private temporary folder, removed at
+    ``remove()`` and at exit). Option ``keep_files`` (default False): leave the files this session
+    wrote after ``remove()``, for the next run or other processes to reuse; needs ``offload_dir``.
+    """
+
+    name = "mmap"
+    #: read by the planner: on the CPU nothing is copied; to a GPU, copies from the page cache
+    memory_kind = "mapped"
+    description = "memory-mapped safetensors files: zero-copy on CPU, one copy in RAM shared by all processes"
+
+    def session(self, store: GroupFileStore, device: torch.device) -> MmapSession:
+        return MmapSession(store, device)

@@ -1,0 +1,97 @@
+"""Exactly-sized page-locked memory: groups packed into a few slabs, each page-locked once.
+
+``tensor.pin_memory()`` goes through PyTorch's caching host allocator, which rounds every block up
+to a power of two (a 2.1 GiB group takes a 4 GiB block) and keeps freed blocks cached: pinning a
+model that way can cost up to twice its size in locked RAM. Here the groups' sizes are known when
+the engine calls ``reserve``, so they are packed back to back into slabs of about
+:data:`SLAB_BYTES` (a group larger than that gets a slab of its own size), each slab is ordinary
+CPU memory, and each is page-locked in place with ``cudaHostRegister``. The only overhead is the
+rounding of each slab to whole pages and at most 63 bytes of alignment per group.
+
+A slab is page-aligned and made of whole pages that belong to it alone: ``cudaHostRegister``
+locks whole pages and refuses a page that is already registered, so two registrations must never
+share one.
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+#: groups are packed into slabs of about this size (fewer, larger registrations are cheaper, and a
+#: slab freed by close() is a large contiguous release)
+SLAB_BYTES = 256 << 20
+#: every group starts at a multiple of this within its slab (cache line; also covers every dtype)
+GROUP_ALIGNMENT = 64
+PAGE = mmap.PAGESIZE
+#: cudaHostRegisterPortable: the memory counts as pinned for every CUDA context, not only the
+#: current device's, so copies to any GPU of the process are asynchronous
+PORTABLE = 1
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class Spot:
+    """Where a group lives: slab index and byte offset."""
+
+    slab: int
+    offset: int
+
+
+def plan(sizes: Mapping[str, int], *, limit: int | None, slab_bytes: int = SLAB_BYTES
+         ) -> tuple[dict[str, Spot | None], list[int]]:
+    """Assign each group a :class:`Spot`, or None to stay pageable because ``limit`` would be passed.
+
+    Groups are taken in the order given (the engine's group order), each into the open slab if it
+    fits there, else into a new one. With a ``limit``, a group is pinned only if the page-rounded
+    total stays within it; later, smaller groups may still fit. Returns the spots and the byte size
+    of each slab (whole pages).
+    """
+    spots: dict[str, Spot | None] = {}
+    used: list[int] = []  # bytes used in each slab
+    for key, size in sizes.items():
+        padded = round_up(size, GROUP_ALIGNMENT)
+        if used and used[-1] + padded <= slab_bytes:
+            trial, spot = used[:-1] + [used[-1] + padded], Spot(len(used) - 1, used[-1])
+        else:
+            trial, spot = used + [padded], Spot(len(used), 0)
+        if size == 0 or (limit is not None and sum(round_up(u, PAGE) for u in trial) > limit):
+            spots[key] = None
+            continue
+        used, spots[key] = trial, spot
+    return spots, [round_up(u, PAGE) for u in used]
+
+
+class Slab:
+    """``nbytes`` (whole pages) of CPU memory, page-aligned, page-locked until :meth:`unregister`."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        # one spare page so that a page-aligned range of nbytes fits whatever malloc returned
+        backing = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+        skip = -backing.data_ptr() % PAGE
+        self.tensor = backing[skip:skip + nbytes]
+        self.registered = False
+
+    def register(self) -> None:
+        _check(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, PORTABLE),
+               f"cudaHostRegister of {self.nbytes} bytes")
+        self.registered = True
+
+    def unregister(self) -> None:
+        if self.registered:
+            self.registered = False
+            _check(torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr()), "cudaHostUnregister")
+
+
+def _check(result, what: str) -> None:
+    try:
+        torch.cuda.check_error(result)
+    except torch.cuda.CudaError as exc:
+        raise RuntimeError(f"{what} failed: {exc}") from None

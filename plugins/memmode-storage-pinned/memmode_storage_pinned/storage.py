@@ -1,0 +1,159 @@
+"""The ``pinned`` storage: offloaded groups wait in page-locked CPU memory, copied to the GPU
+asynchronously on the engine's prefetch stream.
+
+A copy from page-locked memory is a plain DMA that the GPU runs while it computes; a copy from
+pageable memory is staged by the driver and holds up the CPU. The catch with pinned memory is its
+cost — it is RAM the kernel can never reclaim — so this storage allocates it exactly
+(:mod:`.slabs`), once, at ``reserve`` (so a refusal comes before any weight is released), reuses it
+for every call, reports it, and can be bounded: ``pinned_limit`` pins at most that many bytes and
+keeps the remaining groups in pageable memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from typing import Mapping
+
+import torch
+
+from memmode_core import packing
+from memmode_core.errors import StorageUnavailableError
+from memmode_core.options import Option, byte_size
+from memmode_core.storage import Storage, StorageSession, Tensors, host_copy
+
+from .slabs import SLAB_BYTES, Slab, Spot, plan
+
+
+class _Pins:
+    """The session's slabs and groups; apart from the session so that the finalizer that unlocks
+    the slabs when a session is dropped without ``close()`` does not keep it alive."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        #: a forked child inherits this object but not the CUDA context the slabs are registered with
+        self.pid = os.getpid()
+        self.slabs: list[Slab] = []
+        self.spots: dict[str, Spot | None] = {}
+        #: key -> the group at rest (views of a slab, or pageable tensors)
+        self.groups: dict[str, Tensors] = {}
+
+    def release(self) -> None:
+        """Unlock every slab once no copy reads it. Views handed out (``restore``) stay valid: the
+        memory becomes ordinary pageable memory, freed with the last view."""
+        if os.getpid() != self.pid:
+            return
+        try:
+            if any(slab.registered for slab in self.slabs):
+                torch.cuda.synchronize(self.device)
+            for slab in self.slabs:
+                slab.unregister()
+        finally:
+            self.slabs, self.spots, self.groups = [], {}, {}
+
+
+class PinnedSession(StorageSession):
+    def __init__(self, device: torch.device, limit: int | None) -> None:
+        self.device = device
+        self.limit = limit
+        self._pins = _Pins(device)
+        self._finalizer = weakref.finalize(self, self._pins.release)
+        self._finalizer.atexit = False  # at exit the process's memory goes anyway
+
+    def reserve(self, sizes: Mapping[str, int]) -> None:
+        """Page-lock room for these groups now, so that a refusal comes before any weight is released.
+
+        Called once at ``apply`` and again for each part the engine stores later (an adapter's
+        weights after a LoRA is loaded): each call adds slabs, and ``pinned_limit`` counts what the
+        earlier calls pinned.
+        """
+        pins = self._pins
+        already = sum(slab.nbytes for slab in pins.slabs)
+        limit = None if self.limit is None else max(0, self.limit - already)
+        spots, slab_sizes = plan(sizes, limit=limit, slab_bytes=SLAB_BYTES)
+        added: list[Slab] = []
+        try:
+            for nbytes in slab_sizes:
+                added.append(Slab(nbytes))
+                added[-1].register()
+        except (RuntimeError, MemoryError) as exc:
+            for slab in added:
+                slab.unregister()
+            raise StorageUnavailableError(
+                f"storage 'pinned': cannot page-lock {sum(slab_sizes) / 2**30:.2f} GiB more ({exc}); pin less "
+                f"with pinned_limit='...GiB', or use storage='ram'"
+            ) from None
+        base = len(pins.slabs)
+        pins.slabs += added
+        pins.spots.update({key: None if spot is None else Spot(spot.slab + base, spot.offset)
+                           for key, spot in spots.items()})
+
+    def put(self, key: str, tensors: Tensors, readable: frozenset[str] = frozenset()) -> Tensors:
+        if key not in self._pins.spots:
+            raise KeyError(f"group {key!r} was not reserved: reserve() comes before put()")
+        spot = self._pins.spots[key]
+        if spot is None:  # beyond pinned_limit
+            kept = {name: host_copy(t) for name, t in tensors.items()}
+        else:
+            entries = packing.pack(tensors)
+            kept = packing.views(self._pins.slabs[spot.slab].tensor, entries, spot.offset)
+            for name, view in kept.items():
+                view.copy_(tensors[name])
+        self._pins.groups[key] = kept
+        return kept
+
+    def fetch(self, key: str, device: torch.device, stream: "torch.cuda.Stream | None" = None) -> Tensors:
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            return {name: t.to(device, non_blocking=True) for name, t in self._pins.groups[key].items()}
+
+    def restore(self, key: str) -> Tensors:
+        return self._pins.groups[key]
+
+    def discard(self, key: str) -> None:
+        # its room in the slab stays locked, unused, until close(): a part stored again after a
+        # change is reserved under a new key
+        self._pins.groups.pop(key, None)
+        self._pins.spots.pop(key, None)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def stats(self) -> dict[str, int]:
+        pageable = sum(t.numel() * t.element_size() for key, group in self._pins.groups.items()
+                       if self._pins.spots.get(key) is None for t in group.values())
+        return {"pinned_bytes": sum(slab.nbytes for slab in self._pins.slabs if slab.registered),
+                "pageable_bytes": pageable}
+
+
+class PinnedStorage(Storage):
+    """Offloaded groups wait in page-locked CPU memory and are copied to the GPU asynchronously.
+
+    The page-locked copies are made once, at exactly the weights' size (packed into slabs that are
+    registered with ``cudaHostRegister``, instead of ``pin_memory()``'s power-of-two blocks), and
+    reused for every call. Needs CUDA.
+
+    Option ``pinned_limit`` (default None: pin everything): pin at most this many bytes — an int or
+    a string such as ``"24GiB"`` — and keep the groups beyond it in pageable memory (their copies
+    are synchronous). Groups are pinned in the placement's order until the limit is reached.
+    """
+
+    name = "pinned"
+    #: read by the planner: copies from here run at page-locked bandwidth
+    memory_kind = "pinned"
+    description = "page-locked CPU memory, exactly sized, for asynchronous copies to a CUDA GPU"
+    options = (
+        Option("pinned_limit", None, "pin at most this many bytes (e.g. '24GiB'); the groups beyond it stay in "
+               "pageable memory (default: pin every offloaded group)", byte_size),
+    )
+
+    def unavailable_reason(self, device: torch.device | None = None) -> str | None:
+        if not torch.cuda.is_available():
+            build = " (this PyTorch is a CPU-only build)" if torch.version.cuda is None and torch.version.hip is None else ""
+            return f"no CUDA device{build}: page-locked memory only speeds up copies to a CUDA GPU"
+        if device is not None and device.type != "cuda":
+            return f"page-locked memory only speeds up copies to a CUDA GPU, and the compute device is {device}"
+        return None
+
+    def open(self, *, device: torch.device, offload_dir: str | None, options: Mapping[str, object]) -> StorageSession:
+        return PinnedSession(device, options["pinned_limit"])

@@ -1,0 +1,372 @@
+"""The group files that the disk and mmap storages share: format, naming, reuse, crash safety, sharing
+a folder between sessions and processes, refusal of a bad folder, cleanup, and how uploads to a GPU
+are cut into staging chunks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from memmode_core import StorageUnavailableError, group_format, offload_folder, packing
+from memmode_core.group_files import FILE_PREFIX, FILE_SUFFIX, GroupFileStore
+from memmode_core.staging import StagingRing, chunk_plan
+
+from conftest import requires_cuda
+
+
+def group(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Tensors of every kind a group can hold: mixed dtypes and sizes, a scalar, an empty tensor."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "blocks.0.attn.to_q.weight": torch.randn(24, 16, generator=g),
+        "blocks.0.norm.weight": torch.randn(5, generator=g).to(torch.bfloat16),
+        "blocks.0.scale": torch.randn((), generator=g, dtype=torch.float64),
+        "blocks.0.index": torch.randint(0, 100, (3,), generator=g),
+        "blocks.0.mask": torch.rand(7, generator=g) > 0.5,
+        "blocks.0.codes": torch.randint(0, 255, (9,), generator=g, dtype=torch.uint8),
+        "blocks.0.empty": torch.empty(0, 4),
+        "blocks.0.half": torch.randn(3, 3, generator=g).half(),
+    }
+
+
+def files_in(folder: Path) -> list[Path]:
+    return sorted(folder.glob(f"{FILE_PREFIX}*{FILE_SUFFIX}"))
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = GroupFileStore(tmp_path / "offload", keep_files=False, owner="test")
+    s.reserve({"g": 10_000})
+    yield s
+    s.close()
+
+
+# -- the format -----------------------------------------------------------------------------------
+
+
+def test_files_are_safetensors_with_aligned_typed_data(store):
+    tensors = group()
+    stored = store.store(tensors)
+    with safe_open(str(stored.path), framework="pt") as f:
+        assert set(f.keys()) == set(tensors)
+        for name, tensor in tensors.items():
+            assert torch.equal(f.get_tensor(name), tensor), name
+    layout = stored.layout
+    assert layout.data_start % group_format.DATA_ALIGNMENT == 0
+    assert stored.path.stat().st_size == layout.file_size
+    for entry in layout.entries:
+        assert entry.start % torch.empty((), dtype=entry.dtype).element_size() == 0, entry
+
+
+def test_mapped_views_and_reads_give_back_the_bytes(store):
+    tensors = group()
+    stored = store.store(tensors)
+    layout = stored.layout
+    mapped = packing.views(group_format.map_private(stored.path), layout.entries, layout.data_start)
+    read = group_format.read(stored.path, layout)
+    for name, tensor in tensors.items():
+        assert mapped[name].dtype == read[name].dtype == tensor.dtype
+        assert torch.equal(mapped[name], tensor) and torch.equal(read[name], tensor), name
+
+
+def test_a_write_to_a_mapped_view_never_reaches_the_file(store):
+    stored = store.store(group())
+    before = stored.path.read_bytes()
+    layout = stored.layout
+    mapped = packing.views(group_format.map_private(stored.path), layout.entries, layout.data_start)
+    mapped["blocks.0.attn.to_q.weight"].add_(1.0)  # copy-on-write: the page becomes the process's own
+    assert stored.path.read_bytes() == before
+
+
+def test_the_name_is_a_digest_of_names_shapes_and_every_byte():
+    def name_of(tensors):
+        host = group_format.host_tensors(tensors)
+        return group_format.content_name(group_format.Layout.of(host), host)
+
+    base = group()
+    assert name_of(base) == name_of(group())
+    one_bit = {**base, "blocks.0.codes": base["blocks.0.codes"] ^ torch.tensor(1, dtype=torch.uint8)}
+    renamed = {("other." + k): v for k, v in base.items()}
+    reshaped = {**base, "blocks.0.attn.to_q.weight": base["blocks.0.attn.to_q.weight"].reshape(16, 24)}
+    assert len({name_of(base), name_of(one_bit), name_of(renamed), name_of(reshaped), name_of(group(1))}) == 5
+
+
+def test_unsupported_dtypes_are_refused_before_writing(store):
+    with pytest.raises(StorageUnavailableError, match="complex128"):
+        store.store({"w": torch.zeros(2, dtype=torch.complex128)})
+    assert files_in(store.folder) == []
+
+
+# -- reuse, and what is never reused --------------------------------------------------------------
+
+
+def test_unchanged_weights_reuse_the_file_without_writing(tmp_path):
+    folder = tmp_path / "offload"
+    first = GroupFileStore(folder, keep_files=True, owner="test")
+    path = first.store(group()).path
+    first.close()
+    inode = path.stat().st_ino
+    second = GroupFileStore(folder, keep_files=True, owner="test")
+    assert second.store(group()).path == path
+    assert path.stat().st_ino == inode
+    second.close()
+
+
+def test_a_truncated_file_under_the_expected_name_is_rewritten(store, caplog):
+    path = store.store(group()).path
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # what a crash mid-copy, or a full disk, leaves
+    assert store.store(group()).path == path
+    assert path.read_bytes() == data
+    assert "rewriting" in caplog.text
+
+
+def test_a_stale_file_under_the_expected_name_is_rewritten(store):
+    """Another valid file with the same header (same model, other weights) put under the name."""
+    path = store.store(group(0)).path
+    stale = store.store(group(1)).path
+    shutil.copyfile(stale, path)
+    with safe_open(str(path), framework="pt") as f:  # a perfectly valid file, just not these weights
+        assert not torch.equal(f.get_tensor("blocks.0.attn.to_q.weight"), group(0)["blocks.0.attn.to_q.weight"])
+    store.store(group(0))
+    with safe_open(str(path), framework="pt") as f:
+        for name, tensor in group(0).items():
+            assert torch.equal(f.get_tensor(name), tensor), name
+
+
+def test_writes_leave_no_temporary_files_and_stale_ones_are_swept(tmp_path):
+    folder = tmp_path / "offload"
+    folder.mkdir()
+    (folder / ".memmode-crashed.tmp").write_bytes(b"half a file")  # left by a writer that died
+    s = GroupFileStore(folder, keep_files=False, owner="test")
+    s.reserve({"g": 100})
+    s.store(group())
+    assert [p.name for p in folder.iterdir() if p.name.endswith(".tmp")] == []
+    s.close()
+
+
+# -- refusing a bad folder, before anything is written ----------------------------------------------
+
+
+def test_a_folder_under_a_regular_file_is_refused(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    s = GroupFileStore(blocker / "offload", keep_files=False, owner="disk")
+    with pytest.raises(StorageUnavailableError, match="storage 'disk'.*cannot use"):
+        s.reserve({"g": 100})
+    s.close()
+
+
+def test_a_full_filesystem_is_refused(tmp_path, monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 << 30, 10 << 30, 1 << 20))
+    s = GroupFileStore(tmp_path / "offload", keep_files=False, owner="disk")
+    with pytest.raises(StorageUnavailableError, match="GiB free"):
+        s.reserve({"a": 600 << 10, "b": 600 << 10})
+    s.close()
+
+
+def test_a_write_that_fails_midway_is_an_error_and_leaves_nothing(store, monkeypatch):
+    def full_disk(file, layout, tensors):
+        file.write(layout.header)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(group_format, "write", full_disk)
+    with pytest.raises(StorageUnavailableError, match="No space left"):
+        store.store(group())
+    assert list(store.folder.iterdir()) == [p for p in store.folder.iterdir() if p.suffix == ".lease"]
+
+
+def test_the_filesystem_type_comes_from_the_mount_table():
+    assert offload_folder.filesystem_type(Path("/proc/self")) == "proc"
+
+
+# -- cleanup ----------------------------------------------------------------------------------------
+
+
+def test_the_private_folder_is_removed_at_close(monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    s = GroupFileStore(None, keep_files=False, owner="test")
+    s.reserve({"g": 100})
+    s.store(group())
+    assert s.folder.parent == tmp_path and files_in(s.folder)
+    s.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_given_folder_loses_what_the_session_wrote_and_keeps_the_rest(tmp_path):
+    folder = tmp_path / "offload"
+    keeper = GroupFileStore(folder, keep_files=True, owner="test")
+    kept = keeper.store(group(0)).path  # written earlier by a run that kept its files
+    keeper.close()
+    s = GroupFileStore(folder, keep_files=False, owner="test")
+    s.store(group(0))  # reused: not this session's to delete
+    written = s.store(group(1)).path
+    s.close()
+    assert kept.exists() and not written.exists()
+    assert [p.name for p in folder.iterdir()] == [kept.name]  # no lease or temporary file left
+
+
+def test_a_file_another_live_session_uses_outlives_its_writer(tmp_path):
+    folder = tmp_path / "offload"
+    writer = GroupFileStore(folder, keep_files=False, owner="test")
+    path = writer.store(group()).path
+    reader = GroupFileStore(folder, keep_files=False, owner="test")
+    reader.store(group())
+    writer.close()
+    assert path.exists(), "deleted while another session reads it"
+    reader.close()
+    assert not path.exists(), "the last user deletes a file handed over to it"
+
+
+def test_a_lease_left_by_a_dead_process_is_ignored_and_removed(tmp_path):
+    folder = tmp_path / "offload"
+    folder.mkdir()
+    s = GroupFileStore(folder, keep_files=False, owner="test")
+    path = s.store(group()).path
+    dead = folder / ".memmode-1-deadbeef.lease"
+    dead.write_text(f"use {path.name}\n")  # nobody holds its lock
+    s.close()
+    assert not path.exists() and not dead.exists()
+
+
+_AT_EXIT = textwrap.dedent("""
+    import sys, torch
+    from memmode_core.group_files import GroupFileStore
+    store = GroupFileStore(None, keep_files=False, owner="test")
+    store.reserve({"g": 1024})
+    store.store({"w": torch.ones(16)})
+    print(store.folder, flush=True)
+    # no close(): the interpreter exits with the store alive
+""")
+
+
+def test_the_private_folder_is_removed_at_interpreter_exit(tmp_path):
+    done = subprocess.run([sys.executable, "-c", _AT_EXIT], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    folder = Path(done.stdout.strip())
+    assert folder.parent == tmp_path
+    assert not folder.exists()
+
+
+# -- two processes, one folder ----------------------------------------------------------------------
+
+_WRITER = textwrap.dedent("""
+    import sys, torch
+    from memmode_core.group_files import GroupFileStore
+    folder, seed = sys.argv[1], int(sys.argv[2])
+    g = torch.Generator().manual_seed(seed)
+    store = GroupFileStore(folder, keep_files=True, owner="test")
+    store.reserve({str(i): 4 << 20 for i in range(8)})
+    sys.stdin.readline()  # start together
+    for i in range(8):
+        store.store({"w": torch.randn(1 << 20, generator=torch.Generator().manual_seed(i)),
+                     "b": torch.full((7,), float(i))})
+    store.close()
+""")
+
+
+def test_two_processes_writing_one_folder_at_once_leave_valid_files(tmp_path):
+    folder = tmp_path / "shared"
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(folder), "0"], stdin=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+    files = files_in(folder)
+    assert len(files) == 8, "each group written once, under one name"
+    assert [p.name for p in folder.iterdir() if not p.name.startswith(FILE_PREFIX)] == []
+    expected = {}
+    for i in range(8):
+        host = group_format.host_tensors({"w": torch.randn(1 << 20, generator=torch.Generator().manual_seed(i)),
+                                          "b": torch.full((7,), float(i))})
+        layout = group_format.Layout.of(host)
+        expected[FILE_PREFIX + group_format.content_name(layout, host) + FILE_SUFFIX] = (layout, host)
+    assert {p.name for p in files} == set(expected)
+    for path in files:
+        layout, host = expected[path.name]
+        assert group_format.matches(path, layout, host), path
+
+
+# -- uploads to a GPU: how the staging ring cuts a group into chunks (the copies themselves need CUDA) --
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 7, 64, 4096, 1 << 20])
+def test_the_staging_chunks_carry_every_byte_once_in_place(chunk_bytes):
+    host = group_format.host_tensors(group())
+    layout = group_format.Layout.of(host)
+    data = torch.cat([host[e.name].reshape(-1).view(torch.uint8) for e in layout.entries])
+    out = {name: torch.full_like(t.reshape(-1).view(torch.uint8), 0xAB) for name, t in host.items()}
+    copied = 0
+    for begin, end, pieces in chunk_plan(layout, chunk_bytes):
+        assert 0 < end - begin <= chunk_bytes
+        chunk = data[begin:end]  # what fill() puts in the staging chunk
+        for name, lo, hi, at in pieces:
+            out[name][lo:hi] = chunk[at:at + hi - lo]
+            copied += hi - lo
+    assert copied == layout.data_bytes
+    for name, tensor in host.items():
+        assert torch.equal(out[name], tensor.reshape(-1).view(torch.uint8)), name
+
+
+def test_a_folder_in_ram_is_warned_about_for_a_storage_meant_to_save_memory(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(offload_folder, "filesystem_type", lambda path: "tmpfs")
+    quiet = GroupFileStore(tmp_path / "a", keep_files=False, owner="mmap")
+    quiet.reserve({"g": 100})
+    assert "tmpfs" not in caplog.text
+    warned = GroupFileStore(tmp_path / "b", keep_files=False, owner="disk", warn_in_ram=True)
+    warned.reserve({"g": 100})
+    assert "storage 'disk' writes to" in caplog.text and "tmpfs held in RAM" in caplog.text
+    quiet.close()
+    warned.close()
+
+
+def test_a_forked_child_leaves_the_parents_files_alone(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    s = GroupFileStore(None, keep_files=False, owner="test")
+    s.reserve({"g": 100})
+    s.store(group())
+    pid = os.fork()
+    if pid == 0:  # what the inherited at-exit finalizer does when a forked child exits normally
+        try:
+            s.close()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    assert files_in(s.folder), "the child deleted the parent's files"
+    s.close()
+    assert not s.folder.exists()
+
+
+@requires_cuda
+@pytest.mark.parametrize("chunk_bytes", [64, 4096, 1 << 20])
+def test_cuda_staging_ring_uploads_across_chunk_boundaries(chunk_bytes):
+    tensors = group()
+    host = group_format.host_tensors(tensors)
+    layout = group_format.Layout.of(host)
+    data = torch.cat([host[e.name].reshape(-1).view(torch.uint8) for e in layout.entries])
+    ring = StagingRing(chunk_bytes=chunk_bytes)
+    stream = torch.cuda.Stream()
+    for _ in range(3):  # reused chunks: each refill waits for the copies that read it
+        out = ring.upload(layout, lambda chunk, offset: chunk.copy_(data[offset:offset + chunk.numel()]),
+                          torch.device("cuda"), stream)
+        stream.synchronize()
+        for name, tensor in tensors.items():
+            assert out[name].device.type == "cuda" and torch.equal(out[name].cpu(), tensor), name
+    assert ring.pinned_bytes == 2 * chunk_bytes
+    ring.close()

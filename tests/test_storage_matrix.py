@@ -1,0 +1,168 @@
+"""Every offloading placement with the file storages (``disk``, ``mmap``) equals full load, call after
+call, on the tiny pipelines; and what the two storages share: refusing a bad ``offload_dir`` with the
+pipeline intact, cleaning up, keeping and reusing files. ``pinned`` joins on CUDA.
+
+The matrix is every placement x storage on all five families (about 15 s on two CPU cores).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections import namedtuple
+
+import pytest
+import torch
+
+import memmode_core as memmode
+from memmode_core import InvalidOptionError, StorageUnavailableError, group_files, group_format
+
+from conftest import assert_same_outputs, full_load_outputs, requires_cuda, two_calls
+from tiny_pipelines import make_pipeline, run
+
+FILE_STORAGES = ["disk", "mmap"]
+PLACEMENTS = [
+    ("model_cpu_offload", {}),
+    ("model_group_offload", {"offload_type": "block_level"}),
+    ("model_group_offload", {"offload_type": "leaf_level"}),
+    ("sequential_cpu_offload", {}),
+    ("text_encoder_offload", {}),
+]
+PLACEMENT_IDS = [f"{m}-{o['offload_type']}" if o else m for m, o in PLACEMENTS]
+
+
+@pytest.fixture
+def private_tmp(monkeypatch, tmp_path):
+    """Where the storages' private default folders go, to see them come and go."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+def files_under(folder):
+    return sorted(p for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("storage", FILE_STORAGES)
+@pytest.mark.parametrize("mode, options", PLACEMENTS, ids=PLACEMENT_IDS)
+def test_every_placement_equals_full_load(family, mode, options, storage, private_tmp):
+    pipe = make_pipeline(family)
+    handle = memmode.apply(pipe, mode, device="cpu", storage=storage, **options)
+    assert_same_outputs(two_calls(pipe, family), full_load_outputs(family))
+    assert handle.report().storage_bytes["disk_bytes"] > 0 and files_under(private_tmp)
+    handle.remove()
+    assert files_under(private_tmp) == [], "remove() leaves no file behind"
+    assert_same_outputs(two_calls(pipe, family), full_load_outputs(family))
+
+
+# -- a bad offload_dir: refused before anything is released ---------------------------------------
+
+
+def assert_untouched(pipe, family):
+    assert memmode.remove(pipe) is False, "no mode may be left applied"
+    assert_same_outputs(two_calls(pipe, family), full_load_outputs(family))
+
+
+@pytest.mark.parametrize("storage", FILE_STORAGES)
+def test_an_unwritable_offload_dir_is_refused_with_the_pipeline_intact(storage, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("a regular file cannot hold a folder")
+    pipe = make_pipeline("flux")
+    weights = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+    with pytest.raises(StorageUnavailableError, match="cannot use"):
+        memmode.apply(pipe, "model_group_offload", device="cpu", storage=storage, offload_dir=blocker / "offload")
+    assert all(torch.equal(v, weights[k]) for k, v in pipe.transformer.state_dict().items())
+    assert_untouched(pipe, "flux")
+
+
+@pytest.mark.parametrize("storage", FILE_STORAGES)
+def test_a_full_offload_dir_is_refused_with_the_pipeline_intact(storage, tmp_path, monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, (1 << 30) - 4096, 4096))
+    pipe = make_pipeline("flux")
+    with pytest.raises(StorageUnavailableError, match="free"):
+        memmode.apply(pipe, "model_cpu_offload", device="cpu", storage=storage, offload_dir=tmp_path / "offload")
+    assert files_under(tmp_path) == []
+    assert_untouched(pipe, "flux")
+
+
+@pytest.mark.parametrize("storage", FILE_STORAGES)
+def test_a_write_failing_midway_is_refused_with_the_pipeline_intact(storage, tmp_path, monkeypatch):
+    real_write, calls = group_format.write, []
+
+    def fails_on_third_group(file, layout, tensors):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        real_write(file, layout, tensors)
+
+    monkeypatch.setattr(group_format, "write", fails_on_third_group)
+    pipe = make_pipeline("flux")
+    with pytest.raises(StorageUnavailableError, match="No space left"):
+        memmode.apply(pipe, "model_group_offload", device="cpu", storage=storage, offload_dir=tmp_path / "offload")
+    assert files_under(tmp_path) == [], "the files of the first groups are removed too"
+    assert_untouched(pipe, "flux")
+
+
+@pytest.mark.parametrize("storage", FILE_STORAGES)
+def test_keep_files_needs_an_offload_dir(storage):
+    pipe = make_pipeline("flux")
+    with pytest.raises(InvalidOptionError, match="keep_files=True needs offload_dir"):
+        memmode.apply(pipe, "model_cpu_offload", device="cpu", storage=storage, keep_files=True)
+    assert_untouched(pipe, "flux")
+
+
+def test_offload_dir_belongs_to_the_file_storages():
+    with pytest.raises(InvalidOptionError, match="offload_dir"):
+        memmode.apply(make_pipeline("flux"), "model_cpu_offload", device="cpu", storage="ram", offload_dir="x")
+
+
+# -- files in a given folder: deleted by default, kept and reused on request --------------------------
+
+
+@pytest.mark.parametrize("storage", FILE_STORAGES)
+def test_kept_files_are_reused_by_the_next_apply(storage, tmp_path):
+    folder = tmp_path / "offload"
+    pipe = make_pipeline("wan22")
+    handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage=storage, offload_dir=folder,
+                           keep_files=True)
+    run(pipe, "wan22")
+    handle.remove()
+    kept = {p: p.stat().st_ino for p in files_under(folder)}
+    assert kept and all(p.name.startswith(group_files.FILE_PREFIX) for p in kept)
+
+    again = make_pipeline("wan22")
+    handle = memmode.apply(again, "model_group_offload", device="cpu", storage=storage, offload_dir=folder)
+    assert {p: p.stat().st_ino for p in files_under(folder) if p.suffix != ".lease"} == kept, "reused, not rewritten"
+    assert_same_outputs(two_calls(again, "wan22"), full_load_outputs("wan22"))
+    handle.remove()
+    assert set(files_under(folder)) == set(kept), "files this session did not write are not its to delete"
+
+
+@pytest.mark.parametrize("storage", FILE_STORAGES)
+def test_files_written_in_a_given_folder_are_deleted_at_remove(storage, tmp_path):
+    folder = tmp_path / "offload"
+    pipe = make_pipeline("flux")
+    handle = memmode.apply(pipe, "model_cpu_offload", device="cpu", storage=storage, offload_dir=folder)
+    assert files_under(folder)
+    handle.remove()
+    assert folder.is_dir() and files_under(folder) == []
+
+
+# -- CUDA: the staging ring and the pinned storage (skipped visibly without a GPU) ---------------------
+
+
+@requires_cuda
+@pytest.mark.parametrize("storage", ["pinned", *FILE_STORAGES])
+@pytest.mark.parametrize("mode, options", PLACEMENTS, ids=PLACEMENT_IDS)
+def test_cuda_every_placement_equals_full_load(mode, options, storage):
+    family = "wan22"
+    reference = make_pipeline(family)
+    memmode.apply(reference, "model_full_load", device="cuda")
+    expected = two_calls(reference, family)
+    pipe = make_pipeline(family)
+    handle = memmode.apply(pipe, mode, device="cuda", storage=storage, **options)
+    assert_same_outputs(two_calls(pipe, family), expected)
+    assert_same_outputs(two_calls(pipe, family), two_calls(reference, family))
+    handle.remove()
+    assert all(p.device.type == "cpu" and not p.is_pinned() for m in pipe.components.values()
+               if isinstance(m, torch.nn.Module) for p in m.parameters()), "weights back in ordinary CPU memory"
