@@ -1,0 +1,130 @@
+"""LoRA under every mode: load, weight, fuse, unfuse, delete, unload — equal to the same sequence at full load."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+import memmode_core as memmode
+from memmode_core.errors import IncompatibleModeError
+
+from conftest import assert_same_outputs
+from fakes import PoisonPlugin
+from test_core_apply import hook_count
+from test_placements import PLACEMENTS
+from tiny_loras import LORA_FAMILIES, TEXT_ENCODER_LORA_COMPONENTS, load_lora, lora_components
+from tiny_pipelines import make_pipeline, run
+
+STORAGES = ["ram", "poison"] + [s for s in ("disk", "mmap") if memmode.plugins.current().get("storage", s)]
+
+
+@pytest.fixture(autouse=True)
+def poison():
+    with memmode.temporary_plugin(PoisonPlugin(), name="poison", distribution="tests"):
+        yield
+
+
+def lora_sequence(pipe, family: str) -> list[torch.Tensor]:
+    """Two adapters loaded, weighted, fused, unfused, one deleted, all unloaded; an output after each step."""
+    text_encoder = bool(TEXT_ENCODER_LORA_COMPONENTS[family])
+    components = lora_components(family, text_encoder)
+    outputs = []
+    load_lora(pipe, family, "first", seed=1, text_encoder=text_encoder)
+    outputs.append(run(pipe, family, 0))
+    load_lora(pipe, family, "second", seed=2, text_encoder=text_encoder)
+    pipe.set_adapters(["first", "second"], adapter_weights=[1.0, 0.5])
+    outputs.append(run(pipe, family, 1))
+    pipe.fuse_lora(components=components)
+    outputs.append(run(pipe, family, 2))
+    pipe.unfuse_lora(components=components)
+    outputs.append(run(pipe, family, 3))
+    pipe.delete_adapters("first")
+    outputs.append(run(pipe, family, 4))
+    pipe.unload_lora_weights()
+    outputs.append(run(pipe, family, 5))
+    return outputs
+
+
+@functools.lru_cache(maxsize=None)
+def full_load_sequence(family: str) -> tuple[torch.Tensor, ...]:
+    return tuple(lora_sequence(make_pipeline(family), family))
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("mode, options", PLACEMENTS, ids=[f"{m}{o or ''}" for m, o in PLACEMENTS])
+@pytest.mark.parametrize("family", ["wan22", "flux"])
+def test_lora_sequence_under_every_placement_and_storage(family, mode, options, storage, tmp_path):
+    pipe = make_pipeline(family)
+    extra = {"offload_dir": str(tmp_path)} if storage in ("disk", "mmap") else {}
+    handle = memmode.apply(pipe, mode, device="cpu", storage=storage, **extra, **options)
+    assert_same_outputs(tuple(lora_sequence(pipe, family)), full_load_sequence(family))
+    handle.remove()
+    assert hook_count(pipe) == 0
+
+
+@pytest.mark.parametrize("family", sorted(set(LORA_FAMILIES) - {"wan22", "flux"}))
+def test_lora_sequence_on_the_other_families(family):
+    pipe = make_pipeline(family)
+    memmode.apply(pipe, "model_group_offload", device="cpu", storage="poison", offload_type="leaf_level")
+    assert_same_outputs(tuple(lora_sequence(pipe, family)), full_load_sequence(family))
+
+
+def test_loading_an_adapter_stores_only_the_adapter():
+    """A rebuild keeps every stored part whose tensors did not change."""
+    pipe = make_pipeline("flux")
+    handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage="poison")
+    session = handle._runtime.session
+    before = dict(session.groups)
+    load_lora(pipe, "flux", "first", seed=1)
+    added = set(session.groups) - set(before)
+    assert added and set(before) <= set(session.groups)  # nothing stored before was stored again
+    adapter_bytes = sum(t.numel() * t.element_size() for k in added for t in session.groups[k].values())
+    lora = sum(p.numel() * p.element_size() for n, p in pipe.transformer.named_parameters() if "lora_" in n)
+    assert adapter_bytes == lora
+
+
+def test_disk_files_follow_the_weights(tmp_path):
+    """After a fuse, the fused groups are new files; the old ones are never read back as the new weights."""
+    if "disk" not in STORAGES:
+        pytest.skip("memmode-storage-disk is not installed")
+    pipe = make_pipeline("flux")
+    memmode.apply(pipe, "model_group_offload", device="cpu", storage="disk", offload_dir=str(tmp_path))
+    load_lora(pipe, "flux", "first", seed=1)
+    unfused = run(pipe, "flux", 0)
+    files_before = set(os.listdir(tmp_path))
+    pipe.fuse_lora(components=["transformer"])
+    assert set(os.listdir(tmp_path)) - files_before  # fused weights were written
+    fused = run(pipe, "flux", 0)
+    torch.testing.assert_close(fused, unfused, rtol=0, atol=1e-4)
+    pipe.unfuse_lora(components=["transformer"])
+    pipe.unload_lora_weights()
+    assert_same_outputs((run(pipe, "flux", 0),), (run(make_pipeline("flux"), "flux", 0),))
+
+
+# -- quantized bases ---------------------------------------------------------------------------------------
+
+
+def _quantized_lora_outputs(mode: str, **options) -> tuple[torch.Tensor, torch.Tensor]:
+    pipe = make_pipeline("flux")
+    memmode.apply(pipe, mode, device="cpu", **options)
+    load_lora(pipe, "flux", "first", seed=1)
+    return run(pipe, "flux", 0), pipe
+
+
+@pytest.mark.parametrize("quantizer", ["qfloat8", "qfloat4"])
+def test_lora_on_a_quantized_base_runs_unfused_and_fusing_is_refused(quantizer):
+    pytest.importorskip(f"memmode_{quantizer[:7] if quantizer == 'qfloat8' else quantizer}")
+    expected, reference = _quantized_lora_outputs(f"model_full_load_and_{quantizer}")
+    got, pipe = _quantized_lora_outputs(f"model_group_offload_and_{quantizer}", storage="poison")
+    assert_same_outputs((got,), (expected,))
+    plain = run(make_pipeline("flux"), "flux", 0)
+    assert (got - plain).abs().max() > 1e-3  # the adapter took effect on top of the quantized base
+    for layer in pipe.transformer.modules():  # the adapter itself is not quantized
+        if hasattr(layer, "lora_A") and "first" in layer.lora_A:
+            assert layer.lora_A["first"].weight.dtype == torch.float32
+    with pytest.raises(IncompatibleModeError, match="quantized"):
+        pipe.fuse_lora(components=["transformer"])
+    assert_same_outputs((run(pipe, "flux", 0),), (expected,))  # the refusal changed nothing
