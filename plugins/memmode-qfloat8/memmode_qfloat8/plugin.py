@@ -1,0 +1,13 @@
+"""The ``memmode`` entry point of memmode-qfloat8: registers ``qfloat8`` and ``qfloat8_preconverted``."""
+
+from __future__ import annotations
+
+import memmode_core
+
+from .format import QFloat8, QFloat8Preconverted
+
+
+@memmode_core.hookimpl
+def memmode_register_quantizers(register):
+    register(QFloat8())
+    register(QFloat8Preconverted())
