@@ -245,6 +245,16 @@ def apply(target: Any, mode: str, *, device: Any = None, weight_dtype: torch.dty
     if quantizer is not None:
         quantizer.check(quantize_targets, weight_dtype=weight_dtype, exclude=excluded, options=quantizer_options)
     session = storage_obj.open(device=dev, offload_dir=offload_dir, options=storage_options) if storage_obj else None
+    reserved = None
+    if session is not None:
+        from .planner import stored_sizes
+
+        try:  # room for what will be stored, before quantizing: a refusal leaves the target untouched
+            reserved = stored_sizes(tgt, specs, quantizer, quantize_targets, excluded, quantizer_options)
+            session.reserve(reserved)
+        except BaseException:
+            session.close()
+            raise
 
     # -- act: replace the old placement, quantize, place -------------------------------------------
     try:
@@ -261,7 +271,7 @@ def apply(target: Any, mode: str, *, device: Any = None, weight_dtype: torch.dty
                           relayout=lambda name: [spec for spec in placement.layout(tgt, placement_options)
                                                  if spec.component == name],
                           pipeline=target if tgt.is_pipeline else None, refuse_edit=_refuse_fusing_packed)
-        runtime.install()
+        runtime.install(reserved)
     except BaseException:
         if session is not None:
             session.close()

@@ -178,6 +178,15 @@ def _size_groups(target: Target, groups: list[Group], quantizer, quantized: Mapp
     return sized
 
 
+def stored_sizes(target: Target, specs: list[GroupSpec], quantizer=None, quantized: Mapping[str, nn.Module] = {},
+                 exclude: tuple[str, ...] = (), quantizer_options: Mapping[str, object] = {}) -> dict[str, int]:
+    """Bytes of each group a storage will hold, once quantized: what ``apply`` reserves before it
+    quantizes, so that a storage without room refuses while nothing has been touched."""
+    groups = claim_groups(target.components, specs)
+    sized = _size_groups(target, groups, quantizer, quantized, exclude, quantizer_options)
+    return {s.group.key: s.nbytes for s in sized if s.group.policy is not Policy.RESIDENT}
+
+
 # -- replaying a call ---------------------------------------------------------------------------------
 
 
@@ -335,8 +344,9 @@ def plan(target: Any, *, device: Any = None, vram_budget: Any = None, ram_budget
     for qname, qreg in quantizers:
         qobj = qreg.obj if qreg is not None else None
         quantized = tgt.select(components) if qobj is not None else {}
+        qopts = resolve_options([(qname, qobj.options)], {})[qname] if qobj is not None else {}
         if qobj is not None:
-            qobj.check(quantized, weight_dtype=weight_dtype, exclude=excluded, options={})
+            qobj.check(quantized, weight_dtype=weight_dtype, exclude=excluded, options=qopts)
         for preg in plugins.registrations["placement"].values():
             if preg.name == "auto" or preg.unavailable_reason():
                 continue
@@ -350,7 +360,7 @@ def plan(target: Any, *, device: Any = None, vram_budget: Any = None, ram_budget
                 except (IncompatibleModeError, InvalidOptionError):
                     continue
                 groups = claim_groups(tgt.components, specs)
-                sized = _size_groups(tgt, groups, qobj, quantized, excluded, {})
+                sized = _size_groups(tgt, groups, qobj, quantized, excluded, qopts)
                 prefetch = placement.prefetch(popts, dev)
                 state = replay(sized, sequence, prefetch, tgt.components)
                 storages = _storages(plugins, placement, dev, storage)

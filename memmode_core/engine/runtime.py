@@ -169,18 +169,24 @@ class Runtime:
 
     # -- install / remove ---------------------------------------------------------------------------
 
-    def install(self) -> None:
+    def install(self, reserved: dict[str, int] | None = None) -> None:
         """Store the offloaded copies, then release the originals and hook the modules.
 
         Everything that can fail (space, permissions, memory for copies) happens in the first phase,
         while the model still holds its own tensors; a failure there leaves the model as it was.
+        ``reserved``: the group sizes the session was already asked to make room for (``apply`` does
+        that before quantizing, from the planner's prediction); only groups of another size are
+        reserved again.
         """
         stored = [g for g in self.groups if g.policy is not Policy.RESIDENT]
         if stored and self.session is None:
             raise RuntimeError("a placement that offloads needs a storage session")
         try:
             if stored:
-                self.session.reserve({g.key: g.nbytes for g in stored})
+                sizes = {g.key: g.nbytes for g in stored}
+                missing = {k: n for k, n in sizes.items() if (reserved or {}).get(k) != n}
+                if missing:
+                    self.session.reserve(missing)
                 for group in stored:
                     group.parts = [Part(group.key, tuple(s.name for s in group.slots))]
                     group.at_rest = self.session.put(group.key, group.tensors(), group.readable)
