@@ -79,6 +79,7 @@ from torch import nn
 
 from .errors import IncompatibleModeError, InvalidOptionError
 from .quantizer import DEFAULT_EXCLUDE, OUTSIDE_BLOCKS, PAYLOAD, Quantizer
+from .targets import is_fsdp1
 
 #: attribute of a packed ``nn.Linear`` holding its :class:`PackedLayer` record
 PACKED_ATTRIBUTE = "_memmode_packed"
@@ -530,19 +531,11 @@ def check_weight_dtype(weight_dtype: torch.dtype | None) -> None:
         )
 
 
-def _is_fsdp1(component: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return any(isinstance(m, FullyShardedDataParallel) for m in component.modules())
-
-
 def check_component(quantizer: Quantizer, name: str, component: nn.Module, *, exclude: Iterable[str] = (),
                     options: Mapping[str, object] | None = None) -> QuantizationPlan:
     """Refuse with ``IncompatibleModeError`` what cannot be quantized; return the plan otherwise."""
     fmt = quantizer.format_name
-    if _is_fsdp1(component):
+    if is_fsdp1(component):
         raise IncompatibleModeError(
             f"cannot quantize {name!r} with {quantizer.name}: it is wrapped in FSDP1 (FullyShardedDataParallel), "
             f"whose flat parameters cannot hold packed weights. Convert it, then shard it with FSDP2 "

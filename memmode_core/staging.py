@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .group_format import Layout
+from .files.format import Layout
 from .storage import Tensors
 
 CHUNK_BYTES = 16 << 20

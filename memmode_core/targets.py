@@ -88,13 +88,19 @@ def refuse_compiled(components: dict[str, nn.Module], action: str) -> None:
             )
 
 
-def is_fsdp_wrapped(module: nn.Module) -> bool:
-    """FSDP1 wrappers and FSDP2 (``fully_shard``) modules both own their parameters' storage."""
+def is_fsdp1(module: nn.Module) -> bool:
+    """Whether ``module`` holds an FSDP1 wrapper (flat parameters that only FSDP can move or pack)."""
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover - torch built without distributed
         return False
-    for sub in module.modules():
-        if isinstance(sub, FullyShardedDataParallel) or type(sub).__name__.startswith("FSDP"):
-            return True
-    return False
+    return any(isinstance(sub, FullyShardedDataParallel) for sub in module.modules())
+
+
+def is_fsdp_wrapped(module: nn.Module) -> bool:
+    """FSDP1 wrappers and FSDP2 (``fully_shard``) modules both own their parameters' storage."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return is_fsdp1(module) or any(isinstance(sub, FSDPModule) for sub in module.modules())

@@ -15,6 +15,21 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 torch.set_num_threads(1)
 
 
+#: every offloading placement, with the variants that lay groups out differently
+OFFLOADING_PLACEMENTS = [
+    ("model_cpu_offload", {}),
+    ("model_group_offload", {"offload_type": "block_level"}),
+    ("model_group_offload", {"offload_type": "leaf_level"}),
+    ("sequential_cpu_offload", {}),
+    ("text_encoder_offload", {}),
+]
+
+
+def placement_id(placement) -> str:
+    mode, options = placement
+    return "-".join([mode, *(f"{k}={v}" for k, v in options.items())])
+
+
 @pytest.fixture(autouse=True)
 def isolated_plugins(monkeypatch):
     """Every test starts from a fresh discovery with the environment variables unset."""

@@ -1,5 +1,7 @@
 """Plugins defined in the test suite, registered in-process with ``memmode_core.temporary_plugin``.
 
+``Int8Rows`` is a complete third-party quantizer in a page: int8 with one scale per output channel.
+
 ``PoisonStorage`` keeps weights elsewhere and leaves a NaN placeholder in each parameter while it
 is offloaded, so a weight used without being onloaded turns the output into NaN. On a CPU-only
 machine, where "onloading" with the ``ram`` storage changes no data, this is what proves that the
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from memmode_core import Storage, StorageSession, hookimpl
+from memmode_core import Quantizer, Storage, StorageSession, hookimpl
 from memmode_core.storage import placeholder
 
 
@@ -49,3 +51,22 @@ class PoisonPlugin:
     @hookimpl
     def memmode_register_storages(self, register):
         register(PoisonStorage())
+
+
+class Int8Rows(Quantizer):
+    name = "qint8"
+    description = "test quantizer: int8, one scale per output channel"
+
+    def pack(self, weight):
+        scale = weight.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
+        return {"weight_packed": (weight.float() / scale).round().clamp(-127, 127).to(torch.int8),
+                "weight_scale": scale}
+
+    def unpack(self, packed, shape, dtype):
+        return packed["weight_packed"].to(dtype) * packed["weight_scale"].to(dtype)
+
+
+class Int8Plugin:
+    @hookimpl
+    def memmode_register_quantizers(self, register):
+        register(Int8Rows())

@@ -23,7 +23,9 @@ def test_list_json_has_the_fields_of_the_brief(capsys):
 
 def test_list_is_an_aligned_table(capsys):
     assert main(["list"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    out = capsys.readouterr().out
+    table, _, notes = out.partition("\n\n")  # why unavailable rows are unavailable comes after the table
+    lines = table.splitlines()
     header, rule = lines[0], lines[1]
     assert header.split()[:5] == ["kind", "name", "distribution", "version", "available"]
     starts = [header.index(column) for column in ("name", "distribution", "version", "available")]
@@ -31,6 +33,10 @@ def test_list_is_an_aligned_table(capsys):
         for start in starts:  # every column starts where its header starts
             assert line[start - 2:start] == "  " and line[start] != " ", line
     assert set(rule.replace(" ", "")) == {"-"}
+    for line in lines[2:]:
+        if " no (" in line:
+            number = line.split(" no (", 1)[1].split(")", 1)[0]
+            assert f"({number}) " in notes  # each unavailable row points to its reason
 
 
 def test_the_console_script_runs():

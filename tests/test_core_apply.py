@@ -9,14 +9,14 @@ import pytest
 import torch
 
 import memmode_core as memmode
-from memmode_core import Quantizer, hookimpl
+from memmode_core import hookimpl
 from memmode_core.engine.hooks import is_wrapped
 from memmode_core.errors import IncompatibleModeError, InvalidOptionError, MemmodeError, UnknownModeError
 from memmode_core.pipeline_hooks import ExecutionDeviceHook
 from memmode_core.targets import Target
 
 from conftest import assert_same_outputs, full_load_outputs, two_calls
-from fakes import PoisonPlugin
+from fakes import Int8Rows, PoisonPlugin
 from tiny_pipelines import make_pipeline, run
 
 
@@ -46,23 +46,15 @@ def poison():
         yield "poison"
 
 
-class RecordingQuantizer(Quantizer):
-    """int8 with one scale per row, which records what it saw when it was called: the order
-    contract (validate, quantize, place) is observable."""
+class RecordingQuantizer(Int8Rows):
+    """int8 rows, recording what it saw when it was called: the order contract (validate, quantize,
+    place) is observable."""
 
     name = "recorder"
     description = "test quantizer: int8 rows, records its calls"
 
     def __init__(self):
         self.calls = []
-
-    def pack(self, weight):
-        scale = weight.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
-        return {"weight_packed": (weight.float() / scale).round().clamp(-127, 127).to(torch.int8),
-                "weight_scale": scale}
-
-    def unpack(self, packed, shape, dtype):
-        return packed["weight_packed"].to(dtype) * packed["weight_scale"].to(dtype)
 
     def quantize(self, component, *, weight_dtype, exclude, options):
         hooks = sum(is_wrapped(m) for m in component.modules())

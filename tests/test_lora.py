@@ -11,10 +11,9 @@ import torch
 import memmode_core as memmode
 from memmode_core.errors import IncompatibleModeError
 
-from conftest import assert_same_outputs
+from conftest import OFFLOADING_PLACEMENTS, assert_same_outputs, placement_id
 from fakes import PoisonPlugin
 from test_core_apply import hook_count
-from test_placements import PLACEMENTS
 from tiny_loras import LORA_FAMILIES, TEXT_ENCODER_LORA_COMPONENTS, load_lora, lora_components
 from tiny_pipelines import make_pipeline, run
 
@@ -54,7 +53,7 @@ def full_load_sequence(family: str) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.parametrize("storage", STORAGES)
-@pytest.mark.parametrize("mode, options", PLACEMENTS, ids=[f"{m}{o or ''}" for m, o in PLACEMENTS])
+@pytest.mark.parametrize("mode, options", OFFLOADING_PLACEMENTS, ids=[placement_id(p) for p in OFFLOADING_PLACEMENTS])
 @pytest.mark.parametrize("family", ["wan22", "flux"])
 def test_lora_sequence_under_every_placement_and_storage(family, mode, options, storage, tmp_path):
     pipe = make_pipeline(family)

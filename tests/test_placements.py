@@ -13,19 +13,13 @@ from memmode_core.errors import IncompatibleModeError
 from memmode_core.ledger import Ledger
 from memmode_core.targets import Target
 
-from conftest import assert_same_outputs, full_load_outputs, requires_cuda, two_calls
+from conftest import (OFFLOADING_PLACEMENTS, assert_same_outputs, full_load_outputs, placement_id, requires_cuda,
+                      two_calls)
 from fakes import PoisonPlugin, PoisonSession
 from test_core_apply import hook_count
 from tiny_pipelines import make_pipeline, run
 
-PLACEMENTS = [
-    ("model_cpu_offload", {}),
-    ("model_group_offload", {}),
-    ("model_group_offload", {"num_blocks_per_group": 2}),
-    ("model_group_offload", {"offload_type": "leaf_level"}),
-    ("sequential_cpu_offload", {}),
-    ("text_encoder_offload", {}),
-]
+PLACEMENTS = [*OFFLOADING_PLACEMENTS, ("model_group_offload", {"num_blocks_per_group": 2})]
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +29,7 @@ def poison():
 
 
 @pytest.mark.parametrize("storage", ["ram", "poison"])
-@pytest.mark.parametrize("mode, options", PLACEMENTS, ids=[f"{m}{o or ''}" for m, o in PLACEMENTS])
+@pytest.mark.parametrize("mode, options", PLACEMENTS, ids=[placement_id(p) for p in PLACEMENTS])
 def test_every_placement_equals_full_load(family, mode, options, storage):
     pipe = make_pipeline(family)
     handle = memmode.apply(pipe, mode, device="cpu", storage=storage, **options)

@@ -13,20 +13,13 @@ import pytest
 import torch
 
 import memmode_core as memmode
-from conftest import assert_same_outputs, requires_cuda, two_calls
+from conftest import OFFLOADING_PLACEMENTS, assert_same_outputs, placement_id, requires_cuda, two_calls
 from fakes import PoisonPlugin
 from memmode_core import plugins
 from tiny_pipelines import make_pipeline
 
 QUANTIZERS = ["qfloat8", "qfloat4"]
-#: every offloading placement, with the variants that lay groups out differently
-PLACEMENTS = [
-    ("model_cpu_offload", {}),
-    ("model_group_offload", {"offload_type": "block_level"}),
-    ("model_group_offload", {"offload_type": "leaf_level"}),
-    ("sequential_cpu_offload", {}),
-    ("text_encoder_offload", {}),
-]
+PLACEMENTS = OFFLOADING_PLACEMENTS
 #: storages that ship with memmode and can run on a CPU-only machine, when installed
 FILE_STORAGES = ["disk", "mmap"]
 
@@ -36,11 +29,6 @@ def installed_storages() -> list[str]:
     names = plugins.current().names("storage")
     plugins.reset()
     return ["ram", "poison"] + [name for name in FILE_STORAGES if name in names]
-
-
-def placement_id(placement) -> str:
-    name, options = placement
-    return "-".join([name, *options.values()])
 
 
 @pytest.fixture(autouse=True)

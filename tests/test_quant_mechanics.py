@@ -14,6 +14,7 @@ from memmode_core.quantization import (QuantizedLinear, packed_record, plan_quan
                                        quantized_direct_bytes)
 from memmode_qfloat4 import QFloat4
 from memmode_qfloat8 import QFloat8, convert
+from fakes import Int8Plugin
 from tiny_pipelines import make_pipeline, run
 
 QUANTIZERS = {"qfloat8": QFloat8, "qfloat4": QFloat4}
@@ -268,27 +269,6 @@ def test_pack_results_that_break_the_contract_are_plugin_bugs():
 
 
 # -- a third-party quantizer is a page ------------------------------------------------------------------------
-
-
-class Int8Rows(Quantizer):
-    """The example of memmode_core.quantizer's docstring."""
-
-    name = "qint8"
-    description = "int8, one scale per output channel"
-
-    def pack(self, weight):
-        scale = weight.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
-        q = (weight.float() / scale).round().clamp(-127, 127).to(torch.int8)
-        return {"weight_packed": q, "weight_scale": scale}
-
-    def unpack(self, packed, shape, dtype):
-        return packed["weight_packed"].to(dtype) * packed["weight_scale"].to(dtype)
-
-
-class Int8Plugin:
-    @hookimpl
-    def memmode_register_quantizers(self, register):
-        register(Int8Rows())
 
 
 def test_a_third_party_quantizer_needs_only_pack_and_unpack():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import memmode_core as memmode
-from memmode_core import group_format
+from memmode_core.files import format as group_format
 
 from conftest import assert_same_outputs, full_load_outputs, two_calls
 from tiny_pipelines import make_pipeline

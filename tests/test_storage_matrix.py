@@ -15,20 +15,15 @@ import pytest
 import torch
 
 import memmode_core as memmode
-from memmode_core import InvalidOptionError, StorageUnavailableError, group_files, group_format
+from memmode_core import InvalidOptionError, StorageUnavailableError
+from memmode_core.files import format as group_format, store as group_files
 
-from conftest import assert_same_outputs, full_load_outputs, requires_cuda, two_calls
+from conftest import OFFLOADING_PLACEMENTS, assert_same_outputs, full_load_outputs, placement_id, requires_cuda, two_calls
 from tiny_pipelines import make_pipeline, run
 
 FILE_STORAGES = ["disk", "mmap"]
-PLACEMENTS = [
-    ("model_cpu_offload", {}),
-    ("model_group_offload", {"offload_type": "block_level"}),
-    ("model_group_offload", {"offload_type": "leaf_level"}),
-    ("sequential_cpu_offload", {}),
-    ("text_encoder_offload", {}),
-]
-PLACEMENT_IDS = [f"{m}-{o['offload_type']}" if o else m for m, o in PLACEMENTS]
+PLACEMENTS = OFFLOADING_PLACEMENTS
+PLACEMENT_IDS = [placement_id(p) for p in PLACEMENTS]
 
 
 @pytest.fixture

@@ -8,10 +8,9 @@ from torch import nn
 
 import memmode_core as memmode
 
-from conftest import assert_same_outputs
+from conftest import OFFLOADING_PLACEMENTS, assert_same_outputs, placement_id
 from fakes import PoisonPlugin
 from test_core_apply import hook_count
-from test_placements import PLACEMENTS
 from tiny_pipelines import make_pipeline, run
 
 FAMILY = "flux"
@@ -53,7 +52,7 @@ def _add_module(pipe):
 
 
 @pytest.mark.parametrize("edit", [_replace_parameter, _replace_data, _add_module])
-@pytest.mark.parametrize("mode, options", PLACEMENTS, ids=[f"{m}{o or ''}" for m, o in PLACEMENTS])
+@pytest.mark.parametrize("mode, options", OFFLOADING_PLACEMENTS, ids=[placement_id(p) for p in OFFLOADING_PLACEMENTS])
 def test_changes_are_noticed_without_refresh(mode, options, edit):
     """Replaced parameters, replaced data and new submodules are rebuilt before the next call."""
     pipe = make_pipeline(FAMILY)
@@ -106,8 +105,10 @@ def test_refresh_keeps_outputs_and_storage_consistent():
 # -- torch.compile after apply ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode, options", PLACEMENTS[:-1] + [("model_full_load", {})],
-                         ids=[f"{m}{o or ''}" for m, o in PLACEMENTS[:-1]] + ["model_full_load"])
+COMPILED = [("model_full_load", {}), *OFFLOADING_PLACEMENTS]
+
+
+@pytest.mark.parametrize("mode, options", COMPILED, ids=[placement_id(p) for p in COMPILED])
 def test_compile_after_apply_gives_the_same_output_without_recompiling(mode, options):
     import torch._dynamo
     from torch._dynamo.utils import counters

@@ -1,7 +1,7 @@
 """The ``disk`` storage: while a group is offloaded, its weights exist only in its file.
 
 Everything about the files — naming by content, atomic writes, verification, free-space checks,
-sharing a folder, cleanup — is :mod:`memmode_core.group_files`. What is particular to ``disk`` is
+sharing a folder, cleanup — is :mod:`memmode_core.files`. What is particular to ``disk`` is
 how little it keeps: at rest a parameter holds a :func:`~memmode_core.storage.placeholder` (no
 memory) and only the small buffers keep their values (pipelines read them outside any forward).
 Memory holds the groups that are on the device at the time, whatever the size of the model.
@@ -23,8 +23,8 @@ import contextlib
 
 import torch
 
-from memmode_core import group_format
-from memmode_core.group_files import GroupFile, GroupFileSession, GroupFileStorage, GroupFileStore
+from memmode_core.files import format as group_format
+from memmode_core.files.store import GroupFile, GroupFileSession, GroupFileStorage, GroupFileStore
 from memmode_core.storage import Tensors, host_copy, placeholder, to_device
 
 

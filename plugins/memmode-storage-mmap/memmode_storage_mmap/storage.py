@@ -1,8 +1,8 @@
 """The ``mmap`` storage: the group files, mapped, are the only copy of the offloaded weights.
 
-The files are :mod:`memmode_core.group_files`' (named by content, written atomically, verified);
+The files are :mod:`memmode_core.files`' (named by content, written atomically, verified);
 what ``mmap`` adds is that each is mapped once, privately, for the whole session
-(:func:`~memmode_core.group_format.map_private`), and the weights at rest are views of that
+(:func:`~memmode_core.files.format.map_private`), and the weights at rest are views of that
 mapping. So:
 
 - computing on the CPU, the weights *are* the page cache: onloading is bookkeeping, no byte is
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from memmode_core.group_files import GroupFileSession, GroupFileStorage, GroupFileStore
+from memmode_core.files.store import GroupFileSession, GroupFileStorage, GroupFileStore
 from memmode_core.storage import Tensors
 
 

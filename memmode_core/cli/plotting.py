@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .errors import MemmodeError
+from ..errors import MemmodeError
 
 
 def require_matplotlib():

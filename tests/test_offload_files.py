@@ -17,8 +17,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from memmode_core import StorageUnavailableError, group_format, offload_folder, packing
-from memmode_core.group_files import FILE_PREFIX, FILE_SUFFIX, GroupFileStore
+from memmode_core import StorageUnavailableError, packing
+from memmode_core.files import folder as offload_folder, format as group_format
+from memmode_core.files.store import FILE_PREFIX, FILE_SUFFIX, GroupFileStore
 from memmode_core.staging import StagingRing, chunk_plan
 
 from conftest import requires_cuda
@@ -242,7 +243,7 @@ def test_a_lease_left_by_a_dead_process_is_ignored_and_removed(tmp_path):
 
 _AT_EXIT = textwrap.dedent("""
     import sys, torch
-    from memmode_core.group_files import GroupFileStore
+    from memmode_core.files.store import GroupFileStore
     store = GroupFileStore(None, keep_files=False, owner="test")
     store.reserve({"g": 1024})
     store.store({"w": torch.ones(16)})
@@ -264,7 +265,7 @@ def test_the_private_folder_is_removed_at_interpreter_exit(tmp_path):
 
 _WRITER = textwrap.dedent("""
     import sys, torch
-    from memmode_core.group_files import GroupFileStore
+    from memmode_core.files.store import GroupFileStore
     folder, seed = sys.argv[1], int(sys.argv[2])
     g = torch.Generator().manual_seed(seed)
     store = GroupFileStore(folder, keep_files=True, owner="test")

@@ -5,7 +5,7 @@ plugin adds only how it reads them back (``disk``: at each onload, for as long a
 the device; ``mmap``: mapped once, for the whole session):
 
 - **Named by content.** A file's name is a digest of its header and bytes
-  (:func:`~memmode_core.group_format.content_name`), so a file left by another model, by another
+  (:func:`~memmode_core.files.format.content_name`), so a file left by another model, by another
   version of this one, or by a crash is never looked up as the current weights, and a second
   ``apply`` of unchanged weights finds its files and starts without writing.
 - **Verified on reuse.** An existing file is used only if its size, header and every byte equal
@@ -16,7 +16,7 @@ the device; ``mmap``: mapped once, for the whole session):
 - **Safe to share.** Processes using one folder take turns on a lock of the folder while they
   check and write, so N processes applying the same model write each file once and all map the
   same file (one copy in the page cache); no session deletes a file another live session still
-  reads (:mod:`memmode_core.offload_folder`).
+  reads (:mod:`memmode_core.files.folder`).
 - **Refused early.** :meth:`GroupFileStore.reserve` checks that the folder can be created and
   written and that the groups fit in its free space before the engine releases any weight.
 - **Cleaned up.** The default folder is private (``mkdtemp``) and removed at ``close()`` and at
@@ -39,13 +39,14 @@ from typing import Mapping
 
 import torch
 
-from . import group_format, offload_folder, packing
-from .errors import InvalidOptionError, StorageUnavailableError
-from .group_format import Layout
-from .offload_folder import OffloadFolder
-from .options import Option
-from .staging import Fill, StagingRing
-from .storage import Storage, StorageSession, Tensors
+from .. import packing
+from . import folder as offload_folder, format as group_format
+from ..errors import InvalidOptionError, StorageUnavailableError
+from .format import Layout
+from .folder import OffloadFolder
+from ..options import Option
+from ..staging import Fill, StagingRing
+from ..storage import Storage, StorageSession, Tensors
 
 logger = logging.getLogger("memmode")
 
@@ -77,7 +78,7 @@ class GroupFile:
     layout: Layout
 
     def map(self) -> tuple[torch.Tensor, Tensors]:
-        """The file mapped privately (see :func:`~memmode_core.group_format.map_private`): its bytes as
+        """The file mapped privately (see :func:`~memmode_core.files.format.map_private`): its bytes as
         one flat ``uint8`` tensor, and typed views of every tensor in it. Nothing is copied."""
         flat = group_format.map_private(self.path)
         return flat, packing.views(flat, self.layout.entries, self.layout.data_start)
@@ -187,7 +188,7 @@ class GroupFileStore:
                     os.unlink(temporary)
 
     def close(self) -> None:
-        """Let the folder clean up (see :mod:`memmode_core.offload_folder`). Idempotent."""
+        """Let the folder clean up (see :mod:`memmode_core.files.folder`). Idempotent."""
         self._folder.close()
         self._sizes.clear()
 

@@ -6,16 +6,16 @@ import argparse
 import json
 import sys
 
-from . import __version__
-from .errors import MemmodeError
-from .units import format_bytes
+from .. import __version__
+from ..errors import MemmodeError
+from ..units import format_bytes
 
 
 # -- list ------------------------------------------------------------------------------------------
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from .plugins import list_plugins
+    from ..plugins import list_plugins
     from .table import render
 
     rows = list_plugins()
@@ -24,10 +24,24 @@ def _cmd_list(args: argparse.Namespace) -> int:
         return 0
     print(render(
         ["kind", "name", "distribution", "version", "available", "description"],
-        [(r.kind, r.name, r.distribution, r.version or "-", "yes" if r.available else f"no: {r.reason}",
-          r.description) for r in rows],
+        [(r.kind, r.name, r.distribution, r.version or "-", "yes" if r.available else f"no ({index})",
+          r.description) for index, r in _numbered_unavailable(rows)],
     ))
+    notes = [r for r in rows if not r.available]
+    if notes:
+        print()
+        for index, r in enumerate(notes, start=1):
+            print(f"({index}) {r.kind} {r.name}: {r.reason}")
     return 0
+
+
+def _numbered_unavailable(rows):
+    """Each row with the number of its note (unavailable rows are numbered in order)."""
+    index = 0
+    for row in rows:
+        if not row.available:
+            index += 1
+        yield index, row
 
 
 # -- the pipeline run and plan work on -----------------------------------------------------------------
@@ -131,7 +145,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .planner import plan
+    from ..planner import plan
     from .table import render
 
     load, _, description = _pipeline_source(args)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from .api import apply
+from ..api import apply
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The bytes of one group file: a safetensors file laid out so that it can be mapped and viewed.
 
 The ``disk`` and ``mmap`` storages keep each offloaded group in one file in the safetensors
-format, written by :mod:`memmode_core.group_files`. This module is the format itself, with no
+format, written by :mod:`memmode_core.files.store`. This module is the format itself, with no
 policy: how a group's tensors are laid out, the file's content name, whether a file on disk holds
 exactly a group's bytes, and the two ways of getting the tensors back (a private mapping, a read).
 
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .packing import Entry, pack, packed_size, views
-from .storage import Tensors
+from ..packing import Entry, pack, packed_size, views
+from ..storage import Tensors
 
 
 def _dtype_names() -> dict[torch.dtype, str]:

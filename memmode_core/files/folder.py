@@ -1,6 +1,6 @@
 """The offload folder: where a session's group files live, who may delete them, and when.
 
-Kept apart from the files themselves (:mod:`memmode_core.group_files`) because it is about
+Kept apart from the files themselves (:mod:`memmode_core.files.store`) because it is about
 processes, not bytes:
 
 - a folder is either **private** — ``mkdtemp``, nobody else's, removed with everything in it at
