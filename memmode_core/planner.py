@@ -53,6 +53,10 @@ DEFAULT_VRAM_SHARE = 0.8
 #: Share of available RAM ``auto`` may fill with offloaded weights by default.
 DEFAULT_RAM_SHARE = 0.9
 
+#: Among equally fast entries, storages that write no files come first: writing and hashing the model
+#: is a cost at ``apply`` that the per-call model does not count.
+_STORAGE_PREFERENCE = {None: 0, "ram": 1, "pinned": 2, "mmap": 3, "disk": 4}
+
 _DENOISER = re.compile(r"^(transformer|unet|prior|decoder_transformer)(_\d+)?$")
 
 
@@ -423,7 +427,8 @@ def _judge(entries: list[PlanEntry], vram: int | None, ram: int | None) -> None:
         e.fits, e.reason = not reasons, "; ".join(reasons) or None
     fitting = [e for e in entries if e.fits]
     if fitting:
-        best = min(fitting, key=lambda e: (e.seconds_per_call, e.peak_device_bytes, e.host_bytes))
+        best = min(fitting, key=lambda e: (e.seconds_per_call, e.peak_device_bytes, _STORAGE_PREFERENCE.get(e.storage, 9),
+                                           e.host_bytes))
         best.chosen = True
 
 
