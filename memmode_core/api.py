@@ -217,8 +217,8 @@ def apply(target: Any, mode: str, *, device: Any = None, weight_dtype: torch.dty
     if getattr(placement, "delegates", False):
         return _apply_choice(target, tgt, mode, placement, placement_options, resolved, dev,
                              storage=storage, weight_dtype=weight_dtype, offload_dir=offload_dir,
-                             components=component_names, exclude=excluded, extra={**storage_options,
-                                                                                    **quantizer_options})
+                             components=component_names, exclude=excluded,
+                             extra={k: v for k, v in options.items() if k not in placement_options})
     if quantizer is None and (component_names is not None or excluded):
         raise InvalidOptionError(
             f"components= and exclude= choose what a quantizer touches, and mode {mode!r} has no quantizer"
@@ -295,7 +295,7 @@ def _apply_choice(target, tgt: Target, mode: str, placement, placement_options, 
                               weight_dtype=weight_dtype, components=components, exclude=exclude)
     handle = apply(target, choice.mode, device=device, weight_dtype=weight_dtype, storage=choice.storage,
                    offload_dir=offload_dir, components=components, exclude=exclude or None,
-                   **choice.options, **{k: v for k, v in extra.items() if v is not None})
+                   **choice.options, **extra)
     handle.requested_mode = mode
     handle.choice = choice
     logger.info("memmode: %s chose %s with storage %s (peak %d bytes on the device)", mode, choice.label(),

@@ -35,7 +35,7 @@ from torch import nn
 
 from .engine.layout import GroupSpec, Policy
 from .engine.runtime import Group, claim_groups
-from .errors import IncompatibleModeError, InvalidOptionError, MemmodeError
+from .errors import IncompatibleModeError, InvalidOptionError
 from .options import byte_size, resolve_options
 from .plugins import PluginSet, current
 from .targets import Target
@@ -451,4 +451,4 @@ def choose(entries: list[PlanEntry], vram: int | None, ram: int | None) -> PlanE
     )
 
 
-__all__ = ["PlanEntry", "plan", "choose", "NoModeFitsError", "default_calls", "MemmodeError"]
+__all__ = ["PlanEntry", "plan", "choose", "NoModeFitsError", "default_calls"]

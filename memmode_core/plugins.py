@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import pluggy
 
 from . import hookspecs
-from .errors import DuplicatePluginError, MemmodeError
+from .errors import DuplicatePluginError
 from .placement import Placement
 from .quantizer import Quantizer
 from .storage import Storage
@@ -363,4 +363,4 @@ def list_plugins() -> list[PluginInfo]:
 
 
 __all__ = ["Registration", "PluginFailure", "PluginInfo", "PluginSet", "current", "discover", "list_plugins",
-           "reset", "temporary_plugin", "MemmodeError"]
+           "reset", "temporary_plugin"]

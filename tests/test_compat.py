@@ -30,14 +30,12 @@ def test_group_offload_is_leaf_level_as_in_the_reference():
 
 
 def test_group_offload_with_a_quantizer_works():
-    pytest.importorskip("memmode_qfloat8")
     pipe = make_pipeline("wan22")
     handle = apply_gpu_memory_mode(pipe, "model_group_offload_and_qfloat8", "cpu")
     assert handle.quantizer == "qfloat8" and set(handle.report().quantization) == {"transformer", "transformer_2"}
 
 
 def test_quant_tag_overrides_and_transformers_select_components():
-    pytest.importorskip("memmode_qfloat8")
     pipe = make_pipeline("wan22")
     handle = apply_gpu_memory_mode(pipe, "model_cpu_offload_and_qfloat8", "cpu", transformers=[pipe.transformer])
     assert set(handle.report().quantization) == {"transformer"}

@@ -11,7 +11,6 @@ from memmode_core.engine.layout import Policy, block_groups
 from memmode_core.engine.runtime import Runtime
 from memmode_core.errors import IncompatibleModeError
 from memmode_core.ledger import Ledger
-from memmode_core.targets import Target
 
 from conftest import (OFFLOADING_PLACEMENTS, assert_same_outputs, full_load_outputs, placement_id, requires_cuda,
                       two_calls)

@@ -51,7 +51,6 @@ def test_the_report_counts_component_calls_including_vae_decodes():
 
 
 def test_quantized_predictions_match_the_ledger():
-    pytest.importorskip("memmode_qfloat8")
     sequence = _measured_sequence("flux")
     entries = memmode.plan(make_pipeline("flux"), device="cpu", calls=sequence, storage="ram", quantizer="qfloat8")
     plain = {(e.placement, tuple(e.options.items())): e for e in
@@ -108,7 +107,6 @@ def test_auto_picks_the_fastest_mode_that_fits(budget, expected):
 
 
 def test_auto_with_a_quantizer_quantizes():
-    pytest.importorskip("memmode_qfloat8")
     pipe = make_pipeline("flux")
     handle = memmode.apply(pipe, "auto_and_qfloat8", device="cpu", vram_budget="300KB")
     assert handle.mode.endswith("_and_qfloat8") and handle.quantizer == "qfloat8"

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import memmode_core as memmode
-from memmode_core import IncompatibleModeError, InvalidOptionError, Quantizer, hookimpl
+from memmode_core import IncompatibleModeError, InvalidOptionError, Quantizer
 from memmode_core.quantization import (QuantizedLinear, packed_record, plan_quantization, quantize_component,
                                        quantized_direct_bytes)
 from memmode_qfloat4 import QFloat4
@@ -165,7 +165,7 @@ def test_torch_compile_after_apply_traces_the_dequantizing_forward():
 
 
 def test_a_lora_adapter_wraps_a_quantized_layer():
-    peft = pytest.importorskip("peft")
+    import peft
     model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
     quantize_component(QFloat8(), model, weight_dtype=None)
     config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["0"], init_lora_weights=False)

@@ -140,6 +140,9 @@ class Runtime:
         self.session = session
         self.ledger = ledger
         self.groups = claim_groups(components, list(specs))
+        #: component -> its groups (kept in step with ``groups``)
+        self._groups_of: dict[str, list[Group]] = {}
+        self._index_groups()
         self.active: str | None = None
         self._relayout = relayout
         self._pipeline = pipeline
@@ -357,6 +360,9 @@ class Runtime:
 
     # -- noticing changes ----------------------------------------------------------------------------
 
+    def _index_groups(self) -> None:
+        self._groups_of = {name: [g for g in self.groups if g.component == name] for name in self.components}
+
     def _index_members(self) -> None:
         self._member_of = {id(m): name for name, root in self.components.items() for m in root.modules()}
 
@@ -375,9 +381,7 @@ class Runtime:
         """
         if component in self._dirty:
             return True
-        for group in self.groups:
-            if group.component != component:
-                continue
+        for group in self._groups_of[component]:
             check_data = not group.resident and group.policy is not Policy.RESIDENT and not self._zero_copy
             for slot in group.slots:
                 if not slot.registered() or (check_data and slot.tensor.data_ptr() != slot.rest_ptr):
@@ -409,8 +413,8 @@ class Runtime:
     def _materialize(self, component: str) -> None:
         """Give every offloaded tensor of ``component`` whose at-rest value is a placeholder its real
         value, so that a method writing into the weights writes into real memory."""
-        for group in self.groups:
-            if group.component != component or group.policy is Policy.RESIDENT:
+        for group in self._groups_of[component]:
+            if group.policy is Policy.RESIDENT:
                 continue
             if any(is_placeholder(t) for t in group.at_rest.values()):
                 group.assign(self._restore(group))
@@ -441,13 +445,13 @@ class Runtime:
         for wrapper in self._wrappers[component]:
             wrapper.remove()
         self._wrappers[component].clear()
-        old = [g for g in self.groups if g.component == component]
+        old = self._groups_of[component]
         new = claim_groups(self.components, self._relayout(component), names=self.components)
         previous = {id(slot.tensor): (group, slot) for group in old for slot in group.slots}
         kept: set[str] = set()
         for group in new:
             if group.policy is Policy.RESIDENT:
-                self._settle_resident(group, previous)
+                self._onload_resident(group)
             else:
                 kept.update(self._store_rebuilt(group, previous, keep_parts))
         for group in old:
@@ -457,17 +461,13 @@ class Runtime:
                 if part.key not in kept:
                     self.session.discard(part.key)
         self.groups = [g for g in self.groups if g.component != component] + new
+        self._index_groups()
         self._resident[component].clear()  # resident groups were offloaded above; RESIDENT ones are not tracked
         if self._prefetch:
             self._recording[component] = []
         self._install_hooks(component)
         self._index_members()
         self._dirty.discard(component)
-
-    def _settle_resident(self, group: Group, previous) -> None:
-        group.assign({n: t if t.device == self.device else t.to(self.device) for n, t in group.tensors().items()})
-        group.resident = True
-        self.ledger.onloaded(group.nbytes, 0.0)
 
     def _store_rebuilt(self, group: Group, previous, keep_parts: bool) -> set[str]:
         """Store a rebuilt group: reuse an old group's parts when all of its tensors are here
@@ -532,8 +532,8 @@ class Runtime:
         def plan(module: nn.Module):
             return plans.setdefault(id(module), (module, [], [], None))
 
-        for group in self.groups:
-            if group.component != component or group.policy is Policy.RESIDENT:
+        for group in self._groups_of[component]:
+            if group.policy is Policy.RESIDENT:
                 continue
             for module in group.entries:
                 plan(module)[1].append(group)
