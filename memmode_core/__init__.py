@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 from .api import Handle, apply, remove
 from .errors import (DuplicatePluginError, IncompatibleModeError, InvalidOptionError, MemmodeError,
-                     PluginLoadError, PluginNotInstalledError, StorageUnavailableError, UnknownModeError)
+                     OffloadedWeightReadError, PluginLoadError, PluginNotInstalledError, StorageUnavailableError, UnknownModeError)
 from .grammar import Mode, parse_mode
 from .hookspecs import hookimpl
 from .ledger import Report
@@ -31,5 +31,6 @@ __all__ = [
     "apply", "remove", "plan", "PlanEntry", "NoModeFitsError", "Handle", "Report", "parse_mode", "Mode", "list_plugins", "PluginInfo", "hookimpl",
     "temporary_plugin", "Placement", "Quantizer", "Storage", "StorageSession", "Option",
     "MemmodeError", "UnknownModeError", "PluginNotInstalledError", "PluginLoadError", "IncompatibleModeError",
-    "StorageUnavailableError", "DuplicatePluginError", "InvalidOptionError", "__version__",
+    "StorageUnavailableError", "DuplicatePluginError", "InvalidOptionError", "OffloadedWeightReadError",
+    "__version__",
 ]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -22,7 +23,8 @@ from .grammar import Resolved, resolve
 from .ledger import Ledger, Report, clock
 from .options import resolve_options
 from .plugins import current
-from .targets import Target, refuse_compiled
+from .placement import lay_out
+from .targets import Target, refuse_compiled, refuse_scripted
 
 logger = logging.getLogger("memmode")
 
@@ -37,6 +39,9 @@ class Handle:
                  ledger: Ledger, quantized: dict[str, Any]) -> None:
         self._target = weakref.ref(target.obj) if _weakrefable(target.obj) else (lambda obj=target.obj: obj)
         self._components = target.components
+        self._is_pipeline = target.is_pipeline
+        #: how to place the target again the same way (set by apply)
+        self._placing: Placing | None = None
         self.mode = str(resolved.mode)
         #: what was asked for: differs from ``mode`` when ``auto`` chose
         self.requested_mode = self.mode
@@ -104,6 +109,13 @@ class Handle:
             return []
         samples = [*samples, (clock(), self._ledger.resident)]  # "until now": a flat trace has two points
         return [(t - samples[0][0], b) for t, b in samples]
+
+    def _attach(self) -> None:
+        """Mark the target and its placed components as placed by this handle."""
+        if self._is_pipeline:
+            pipeline_hooks.install(self._components, self.device, self.remove)
+        for obj in [self.target, *self._components.values()]:
+            setattr(obj, HANDLE_ATTRIBUTE, self)
 
     def remove(self) -> None:
         """Take every hook off and leave the weights in ordinary CPU memory. Idempotent."""
@@ -185,12 +197,17 @@ def handle_of(target: Any) -> Handle | None:
 
 def apply(target: Any, mode: str, *, device: Any = None, weight_dtype: torch.dtype | None = None,
           storage: str | None = None, offload_dir: str | None = None, components: Iterable[str] | None = None,
-          exclude: Iterable[str] | None = None, **options: Any) -> Handle:
-    """Put ``target`` (a diffusers pipeline or an ``nn.Module``) into ``mode``; see the user guide."""
+          exclude: Iterable[str] | None = None, exclude_components: Iterable[str] | None = None,
+          **options: Any) -> Handle:
+    """Put ``target`` (a diffusers pipeline or an ``nn.Module``) into ``mode``; see the user guide.
+
+    ``exclude_components`` names pipeline components the placement leaves exactly where they are
+    (diffusers' ``exclude_modules``): no hooks, nothing stored, nothing moved.
+    """
     # -- resolve and validate: nothing is touched until all of this has passed ----------------------
     if not isinstance(mode, str):
         raise TypeError(f"mode must be a string such as 'model_cpu_offload_and_qfloat8', not {type(mode).__name__}")
-    tgt = Target.of(target)
+    whole = Target.of(target)
     dev = resolve_device(device)
     _check_dtype(weight_dtype)
     if storage is not None and not isinstance(storage, str):
@@ -199,6 +216,10 @@ def apply(target: Any, mode: str, *, device: Any = None, weight_dtype: torch.dty
         raise TypeError("offload_dir must be a path")
     component_names = _names(components, "components")
     excluded = _names(exclude, "exclude") or ()
+    left_alone = _names(exclude_components, "exclude_components") or ()
+    tgt = whole.without(left_alone)
+    refuse_scripted(tgt.components)
+    pipeline_hooks.refuse_foreign_offloading(tgt.components)
     resolved = resolve(mode, storage=storage, device=dev, plugins=current(), storage_given=storage is not None)
     placement = resolved.placement.obj
     quantizer = resolved.quantizer.obj if resolved.quantizer else None
@@ -217,7 +238,7 @@ def apply(target: Any, mode: str, *, device: Any = None, weight_dtype: torch.dty
     if getattr(placement, "delegates", False):
         return _apply_choice(target, tgt, mode, placement, placement_options, resolved, dev,
                              storage=storage, weight_dtype=weight_dtype, offload_dir=offload_dir,
-                             components=component_names, exclude=excluded,
+                             components=component_names, exclude=excluded, exclude_components=left_alone,
                              extra={k: v for k, v in options.items() if k not in placement_options})
     if quantizer is None and (component_names is not None or excluded):
         raise InvalidOptionError(
@@ -228,7 +249,8 @@ def apply(target: Any, mode: str, *, device: Any = None, weight_dtype: torch.dty
             f"offload_dir= is for storages that write files (disk, mmap); storage "
             f"{resolved.storage.name if resolved.storage else None!r} does not use it"
         )
-    quantize_targets = tgt.select(component_names) if quantizer is not None else {}
+    # a component left out of the placement is still quantized when it is named explicitly
+    quantize_targets = (whole if component_names is not None else tgt).select(component_names) if quantizer else {}
     if quantizer is not None:
         if not quantize_targets:
             raise InvalidOptionError(
@@ -236,15 +258,13 @@ def apply(target: Any, mode: str, *, device: Any = None, weight_dtype: torch.dty
                 f"name the components with components=[...] (it has {', '.join(tgt.components)})"
             )
         refuse_compiled(quantize_targets, f"quantize with {quantizer.name}")
-    if tgt.is_pipeline:
-        pipeline_hooks.refuse_foreign_offloading(tgt.components)
     previous = handle_of(target)
     _refuse_foreign_handles(tgt, previous)
-    placement.check(tgt, placement_options, dev)
-    specs = placement.layout(tgt, placement_options)
+    specs = lay_out(placement, tgt, placement_options, dev)
     if quantizer is not None:
         quantizer.check(quantize_targets, weight_dtype=weight_dtype, exclude=excluded, options=quantizer_options)
-    session = storage_obj.open(device=dev, offload_dir=offload_dir, options=storage_options) if storage_obj else None
+    placing = Placing(tgt, placement, placement_options, storage_obj, storage_options, dev, offload_dir)
+    session = placing.open_session()
     reserved = None
     if session is not None:
         from .planner import stored_sizes
@@ -257,35 +277,85 @@ def apply(target: Any, mode: str, *, device: Any = None, weight_dtype: torch.dty
             raise
 
     # -- act: replace the old placement, quantize, place -------------------------------------------
+    quantized = {}
     try:
         if previous is not None:
             previous.remove()
-        quantized = {}
         if quantizer is not None:
             for name, module in quantize_targets.items():
                 quantized[name] = quantizer.quantize(module, weight_dtype=weight_dtype, exclude=excluded,
                                                      options=quantizer_options)
-        ledger = Ledger()
-        runtime = Runtime(tgt.components, specs, device=dev, session=session, ledger=ledger,
-                          prefetch=placement.prefetch(placement_options, dev),
-                          relayout=lambda name: [spec for spec in placement.layout(tgt, placement_options)
-                                                 if spec.component == name],
-                          pipeline=target if tgt.is_pipeline else None, refuse_edit=_refuse_fusing_packed)
-        runtime.install(reserved)
-    except BaseException:
+        runtime, ledger = placing.install(specs, session, reserved)
+    except BaseException as exc:
         if session is not None:
             session.close()
+        if previous is not None:
+            _revive(previous, exc, quantized)
         raise
     handle = Handle(tgt, resolved, dev, runtime, ledger, quantized)
-    if tgt.is_pipeline:
-        pipeline_hooks.install(tgt.components, dev, handle.remove)
-    for obj in [target, *tgt.components.values()]:
-        setattr(obj, HANDLE_ATTRIBUTE, handle)
+    handle._placing = placing
+    handle._attach()
     return handle
 
 
+@dataclass(eq=False)
+class Placing:
+    """Everything needed to place a target again the same way (a refused re-apply revives the old mode)."""
+
+    target: Target
+    placement: Any
+    options: Mapping[str, Any]
+    storage: Any
+    storage_options: Mapping[str, Any]
+    device: torch.device
+    offload_dir: Any
+
+    def open_session(self):
+        if self.storage is None:
+            return None
+        return self.storage.open(device=self.device, offload_dir=self.offload_dir, options=self.storage_options)
+
+    def install(self, specs, session, reserved=None) -> tuple[Runtime, Ledger]:
+        tgt, placement, options = self.target, self.placement, self.options
+        ledger = Ledger()
+        runtime = Runtime(tgt.components, specs, device=self.device, session=session, ledger=ledger,
+                          prefetch=placement.prefetch(options, self.device),
+                          relayout=lambda name: [spec for spec in placement.layout(tgt, options)
+                                                 if spec.component == name],
+                          pipeline=tgt.obj if tgt.is_pipeline else None, refuse_edit=_refuse_fusing_packed)
+        runtime.install(reserved)
+        return runtime, ledger
+
+
+def _revive(previous: Handle, failure: BaseException, quantized: dict) -> None:
+    """A re-apply failed after the old mode was removed: put the old mode back, so that a refused
+    apply changes nothing. The old handle becomes active again."""
+    if not previous._removed:
+        return
+    placing = previous._placing
+    try:
+        session = placing.open_session()
+        try:
+            specs = lay_out(placing.placement, placing.target, placing.options, placing.device)
+            runtime, ledger = placing.install(specs, session)
+        except BaseException:
+            if session is not None:
+                session.close()
+            raise
+    except BaseException as again:
+        logger.error("memmode: the new mode failed (%s) and the previous mode %s could not be put back (%s); "
+                     "the weights are in ordinary memory", failure, previous.mode, again)
+        return
+    previous._runtime, previous._ledger, previous._removed = runtime, ledger, False
+    previous._attach()
+    if quantized:
+        logger.warning("memmode: the new mode failed after quantizing %s; the previous mode %s is back, on the "
+                       "quantized weights", ", ".join(quantized), previous.mode)
+
+
 def _apply_choice(target, tgt: Target, mode: str, placement, placement_options, resolved: Resolved,
-                  device: torch.device, *, storage, weight_dtype, offload_dir, components, exclude, extra) -> Handle:
+                  device: torch.device, *, storage, weight_dtype, offload_dir, components, exclude, exclude_components,
+                  extra) -> Handle:
     """``auto``: let the placement choose a mode with the planner, then apply that."""
     if offload_dir is not None and storage is None:
         raise InvalidOptionError("with auto and offload_dir=, name the storage that writes there: storage='disk' or "
@@ -295,7 +365,7 @@ def _apply_choice(target, tgt: Target, mode: str, placement, placement_options, 
                               weight_dtype=weight_dtype, components=components, exclude=exclude)
     handle = apply(target, choice.mode, device=device, weight_dtype=weight_dtype, storage=choice.storage,
                    offload_dir=offload_dir, components=components, exclude=exclude or None,
-                   **choice.options, **extra)
+                   exclude_components=exclude_components or None, **choice.options, **extra)
     handle.requested_mode = mode
     handle.choice = choice
     logger.info("memmode: %s chose %s with storage %s (peak %d bytes on the device)", mode, choice.label(),

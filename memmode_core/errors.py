@@ -39,3 +39,8 @@ class DuplicatePluginError(MemmodeError):
 
 class InvalidOptionError(MemmodeError, TypeError):
     """An option or argument whose name is unknown or whose value is not acceptable."""
+
+
+class OffloadedWeightReadError(MemmodeError, RuntimeError):
+    """A computation used a weight memmode had offloaded: the model reads a submodule's weight
+    outside that submodule's forward. The message names the module whose forward failed."""

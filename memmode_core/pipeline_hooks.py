@@ -44,23 +44,29 @@ class ExecutionDeviceHook:
 
 
 def refuse_foreign_offloading(components: dict[str, nn.Module]) -> None:
-    """Another offloading scheme (accelerate's or diffusers' own hooks) already owns these weights."""
+    """Another offloading scheme (accelerate's or diffusers' own hooks) already owns these weights.
+
+    Checked on every module of every component, for pipelines and bare modules alike: accelerate's
+    sequential offload hooks each leaf (``_hf_hook`` on submodules) and leaves meta tensors behind,
+    which memmode must never try to store.
+    """
     for name, component in components.items():
-        hook = getattr(component, ATTRIBUTE, None)
-        if hook is not None and not isinstance(hook, ExecutionDeviceHook):
-            raise IncompatibleModeError(
-                f"component {name!r} already has accelerate offloading hooks ({type(hook).__name__}, from "
-                f"enable_model_cpu_offload, enable_sequential_cpu_offload or a device_map); call "
-                f"pipe.remove_all_hooks() before applying a memmode"
-            )
-        for sub in component.modules():
+        for path, sub in component.named_modules():
+            where = f"{name}.{path}" if path else name
+            hook = getattr(sub, ATTRIBUTE, None)
+            if hook is not None and not isinstance(hook, ExecutionDeviceHook):
+                raise IncompatibleModeError(
+                    f"{where!r} already has accelerate offloading hooks ({type(hook).__name__}, from "
+                    f"enable_model_cpu_offload, enable_sequential_cpu_offload, accelerate.cpu_offload or a "
+                    f"device_map); remove them first (pipe.remove_all_hooks(), or "
+                    f"accelerate.hooks.remove_hook_from_module(module, recurse=True)) and load the weights back"
+                )
             registry = getattr(sub, "_diffusers_hook", None)
             if registry is not None and getattr(registry, "get_hook", None) and \
                     registry.get_hook("group_offloading") is not None:
                 raise IncompatibleModeError(
-                    f"component {name!r} already uses diffusers' group offloading; remove it first "
-                    f"(build the component again, or call its _diffusers_hook.remove_hook('group_offloading', "
-                    f"recurse=True))"
+                    f"{where!r} already uses diffusers' group offloading; remove it first (build the component "
+                    f"again, or call its _diffusers_hook.remove_hook('group_offloading', recurse=True))"
                 )
 
 

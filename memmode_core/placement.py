@@ -12,7 +12,8 @@ from typing import Mapping
 
 import torch
 
-from .engine.layout import GroupSpec
+from .engine.layout import GroupSpec, Policy
+from .errors import IncompatibleModeError
 from .options import Option
 from .targets import Target
 
@@ -40,3 +41,33 @@ class Placement:
 
     def __repr__(self) -> str:
         return f"<placement {self.name}>"
+
+
+def lay_out(placement: Placement, target: Target, options: Mapping[str, object], device: torch.device) -> list[GroupSpec]:
+    """The placement's groups for ``target``, after the checks every placement gets from core.
+
+    Used by ``apply`` and by the planner, so that what ``plan`` predicts is what ``apply`` accepts.
+    """
+    placement.check(target, options, device)
+    specs = placement.layout(target, options)
+    refuse_unsupported_splits(target, specs, placement.name)
+    return specs
+
+
+def refuse_unsupported_splits(target: Target, specs: list[GroupSpec], placement: str) -> None:
+    """diffusers marks models that read a submodule's weights outside that submodule's forward
+    with ``_supports_group_offloading = False`` (DiT calls ``transformer_blocks[0].norm1.emb`` from
+    its own forward; VQModel reads ``embedding.weight`` directly). Split into groups, such a model
+    would compute with a weight that is not on the device. Moving it whole, or keeping it resident,
+    is fine."""
+    for name, module in target.components.items():
+        if getattr(module, "_supports_group_offloading", True) is not False:
+            continue
+        own = [s for s in specs if s.component == name]
+        if len(own) > 1 and any(s.policy is not Policy.RESIDENT for s in own):
+            raise IncompatibleModeError(
+                f"{placement} cannot split component {name!r} ({type(module).__name__}) into groups: the model declares "
+                f"_supports_group_offloading = False, because it reads weights of its submodules outside their "
+                f"forward. Use model_cpu_offload (the component moves whole), or leave it where it is with "
+                f"exclude_components=[{name!r}]"
+            )

@@ -37,6 +37,7 @@ from .engine.layout import GroupSpec, Policy
 from .engine.runtime import Group, claim_groups
 from .errors import IncompatibleModeError, InvalidOptionError
 from .options import byte_size, resolve_options
+from .placement import lay_out
 from .plugins import PluginSet, current
 from .targets import Target
 
@@ -327,7 +328,7 @@ def plan(target: Any, *, device: Any = None, vram_budget: Any = None, ram_budget
          quantizer: str | Iterable[str] | None = None, storage: str | None = None, weight_dtype=None,
          components: Iterable[str] | None = None, exclude: Iterable[str] | None = None,
          calls: Mapping[str, int] | None = None, steps: int = DEFAULT_STEPS,
-         **options: Any) -> list[PlanEntry]:
+         exclude_components: Iterable[str] | None = None, **options: Any) -> list[PlanEntry]:
     """Predict every installed placement × storage (× ``quantizer``) for ``target``; see the module docstring.
 
     ``vram_budget`` / ``ram_budget`` (bytes or strings such as ``"8GiB"``) decide ``fits``; the
@@ -336,7 +337,7 @@ def plan(target: Any, *, device: Any = None, vram_budget: Any = None, ram_budget
     """
     from .api import resolve_device
 
-    tgt = Target.of(target)
+    tgt = Target.of(target).without(exclude_components or ())
     dev = resolve_device(device)
     vram = byte_size(vram_budget) if vram_budget is not None else None
     ram = byte_size(ram_budget) if ram_budget is not None else None
@@ -359,8 +360,7 @@ def plan(target: Any, *, device: Any = None, vram_budget: Any = None, ram_budget
                 given = {k: v for k, v in {**options, **variant}.items() if k in {o.name for o in placement.options}}
                 popts = resolve_options([(preg.name, placement.options)], given)[preg.name]
                 try:
-                    placement.check(tgt, popts, dev)
-                    specs = placement.layout(tgt, popts)
+                    specs = lay_out(placement, tgt, popts, dev)
                 except (IncompatibleModeError, InvalidOptionError):
                     continue
                 groups = claim_groups(tgt.components, specs)

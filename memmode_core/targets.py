@@ -46,6 +46,31 @@ class Target:
             f"not {type(obj).__name__}"
         )
 
+    def without(self, names: Iterable[str]) -> "Target":
+        """The same target with the named components left out of the placement.
+
+        An excluded component is left exactly where the user put it: no groups, no hooks, no
+        storage (diffusers' ``exclude_modules`` of pipeline-level group offloading). Names are
+        checked against the components, and a placement needs at least one component left.
+        """
+        names = list(dict.fromkeys([names] if isinstance(names, str) else names))
+        if not names:
+            return self
+        if not self.is_pipeline:
+            raise InvalidOptionError(
+                f"exclude_components={names!r}: a bare module is one component; there is nothing to leave out"
+            )
+        unknown = [n for n in names if n not in self.components]
+        if unknown:
+            raise InvalidOptionError(
+                f"exclude_components={names!r}: {self.label} has no module component named "
+                f"{', '.join(map(repr, unknown))}; it has {', '.join(self.components)}"
+            )
+        kept = {n: m for n, m in self.components.items() if n not in names}
+        if not kept:
+            raise InvalidOptionError(f"exclude_components={names!r} leaves no component of {self.label} to place")
+        return Target(self.obj, self.is_pipeline, kept)
+
     @property
     def label(self) -> str:
         return type(self.obj).__name__
@@ -86,6 +111,24 @@ def refuse_compiled(components: dict[str, nn.Module], action: str) -> None:
                 f"cannot {action} {name!r}: it was already torch.compile'd, and compiled graphs keep the weights "
                 f"they were traced with. Apply the memmode first, then call torch.compile."
             )
+
+
+def refuse_scripted(components: dict[str, nn.Module]) -> None:
+    """TorchScript modules cannot be placed: their compiled methods read weights through the
+    script's own attribute slots, which memmode's ``tensor.data`` swaps and forward wrappers do not
+    reach, so a placement would offload weights that the script then never onloads."""
+    script_module = getattr(torch.jit, "ScriptModule", None)
+    if script_module is None:  # pragma: no cover
+        return
+    for name, module in components.items():
+        for path, sub in module.named_modules():
+            if isinstance(sub, script_module):
+                where = f"{name}.{path}" if path else name
+                raise IncompatibleModeError(
+                    f"cannot place {where!r}: it is a TorchScript module ({type(sub).__name__}), whose compiled "
+                    f"code memmode cannot hook. Apply the mode to the original nn.Module (before torch.jit.script), "
+                    f"or use torch.compile after apply"
+                )
 
 
 def is_fsdp1(module: nn.Module) -> bool:

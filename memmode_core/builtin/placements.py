@@ -71,10 +71,21 @@ class ModelGroupOffload(Placement):
             else:
                 block_modules = options["block_modules"]
                 if block_modules is None:
-                    block_modules = getattr(module, "_group_offload_block_modules", None) or ()
+                    block_modules = default_block_modules(module)
                 specs += block_groups(name, module, num_blocks_per_group=options["num_blocks_per_group"],
                                       block_modules=block_modules)
         return specs
+
+
+def default_block_modules(module: nn.Module) -> list[str]:
+    """The model's own ``_group_offload_block_modules`` that it actually has.
+
+    A model class lists every submodule it *may* have; a configuration can leave some out (a Flux
+    VAE is built with ``use_quant_conv=False``, so its ``quant_conv`` is None). Those are skipped,
+    as diffusers does; only names the user passes are checked.
+    """
+    present = dict(module.named_modules())
+    return [name for name in getattr(module, "_group_offload_block_modules", None) or () if name in present]
 
 
 def _small_table_filter(fragments: tuple[str, ...]):
@@ -157,9 +168,10 @@ class Auto(Placement):
 
         vram = options["vram_budget"] if options["vram_budget"] is not None else default_vram_budget(device)
         ram = options["ram_budget"] if options["ram_budget"] is not None else default_ram_budget()
+        left_alone = [name for name in Target.of(target.obj).components if name not in target.components]
         entries = plan(target.obj, device=device, vram_budget=vram, ram_budget=ram, quantizer=quantizer,
                        storage=storage, weight_dtype=weight_dtype, components=components, exclude=exclude,
-                       steps=options["steps"])
+                       steps=options["steps"], exclude_components=left_alone)
         return choose(entries, vram, ram)
 
 

@@ -26,7 +26,7 @@ MARKER = "__memmode_wrapper__"
 class MethodWrapper:
     """One wrapped method of one module. ``make(original, wrapper) -> function`` builds the wrapping function."""
 
-    __slots__ = ("module", "method", "original", "had_instance_attribute", "active")
+    __slots__ = ("module", "method", "original", "had_instance_attribute", "active", "function")
 
     def __init__(self, module: nn.Module, make: Callable[[Callable[..., Any], "MethodWrapper"], Callable[..., Any]],
                  method: str = "forward"):
@@ -41,10 +41,14 @@ class MethodWrapper:
         wrapper = torch.compiler.disable(make(self.original, self), recursive=False)
         setattr(wrapper, MARKER, self)
         setattr(module, method, wrapper)
+        self.function = wrapper
+
+    def on_top(self) -> bool:
+        """Whether calling the method reaches this wrapper first (nothing was wrapped around it since)."""
+        return self.module.__dict__.get(self.method) is self.function
 
     def remove(self) -> None:
-        current = self.module.__dict__.get(self.method)
-        if current is not None and getattr(current, MARKER, None) is self:
+        if self.on_top():
             if self.had_instance_attribute:
                 setattr(self.module, self.method, self.original)
             else:

@@ -135,19 +135,34 @@ def block_groups(component: str, module: nn.Module, *, num_blocks_per_group: int
             prefetchable=False,
         ))
         for path, container in containers:
-            children = list(container.named_children())
+            children = list(_blocks_of(container, path))
             for start in range(0, len(children), num_blocks_per_group):
                 chunk = children[start:start + num_blocks_per_group]
                 blocks = [m for _, m in chunk]
                 first, last = chunk[0][0], chunk[-1][0]
                 groups.append(GroupSpec(
-                    key=_key(component, f"{path}.{first}" + ("" if first == last else f"-{last}")),
+                    key=_key(component, first if first == last else f"{first}-{last[len(path) + 1:]}"),
                     component=component,
                     owners=_owners(m for b in blocks for m in _modules_within(b, scope_ids)),
                     entries=blocks,
                     exits=[blocks[-1]],
                 ))
     return [g for g in groups if g.owners]
+
+
+def _blocks_of(container: nn.Module, path: str) -> Iterator[tuple[str, nn.Module]]:
+    """The blocks of a container: its children, with nested containers opened.
+
+    A block is something that is *called*. A ``ModuleList`` inside a ``ModuleList`` (stages of
+    blocks) has no forward of its own, so as a block it would never be entered and its weights
+    would never be onloaded; its own children are the blocks instead. (A ``Sequential`` is called.)
+    """
+    for name, child in container.named_children():
+        child_path = f"{path}.{name}"
+        if isinstance(child, nn.ModuleList):
+            yield from _blocks_of(child, child_path)
+        else:
+            yield child_path, child
 
 
 def _walk_scope(module: nn.Module, path: str, scope_ids: set[int], rest: list[nn.Module],

@@ -30,7 +30,9 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from ..errors import OffloadedWeightReadError
 from ..ledger import Ledger, clock
+from ..pipeline_hooks import refuse_foreign_offloading
 from ..storage import StorageSession, Tensors, is_placeholder
 from . import watch
 from .hooks import MethodWrapper
@@ -224,7 +226,10 @@ class Runtime:
             if group.policy is Policy.RESIDENT:
                 group.assign({n: t.to("cpu") for n, t in group.tensors().items()})
             else:
-                group.assign(self._restore(group))
+                restored = self._restore(group)
+                if self._zero_copy:  # the live tensors are the stored ones; one replaced since is the newest value
+                    restored.update({s.name: s.tensor.data for s in group.slots if s.tensor.data_ptr() != s.rest_ptr})
+                group.assign(restored)
                 group.at_rest = {}  # the storage's copies (a file mapping, pinned memory) go with the session
             if group.resident:
                 group.resident = False
@@ -377,10 +382,16 @@ class Runtime:
         """Whether ``component``'s tensors are no longer the ones its groups were built from.
 
         Runs at each call of the component: a registration was reported, or a tracked tensor is no
-        longer registered where it was, or an offloaded one no longer holds its at-rest data.
+        longer registered where it was, or an offloaded one no longer holds its at-rest data, or a
+        hook was wrapped around one of the engine's (diffusers' ``enable_layerwise_casting`` after
+        ``apply``): the rebuild then installs the engine's wrappers outside it, so weights are
+        onloaded before that hook sees them and offloaded after it is done with them.
         """
         if component in self._dirty:
             return True
+        for wrapper in self._wrappers[component]:
+            if not wrapper.on_top():  # a hook installed after apply wraps ours: rebuild puts ours outside it
+                return True
         for group in self._groups_of[component]:
             check_data = not group.resident and group.policy is not Policy.RESIDENT and not self._zero_copy
             for slot in group.slots:
@@ -441,6 +452,9 @@ class Runtime:
         """Lay ``component`` out again and store what changed; keep the parts that did not change."""
         if self._relayout is None:
             raise RuntimeError("this runtime cannot rebuild: it was built without a layout function")
+        # another offloading scheme installed since apply would fight memmode over the weights; refuse
+        # before anything moves (remove() still gives every weight back from the storage)
+        refuse_foreign_offloading({component: self.components[component]})
         self._offload_component(component)
         for wrapper in self._wrappers[component]:
             wrapper.remove()
@@ -503,8 +517,8 @@ class Runtime:
             for slot in fresh:
                 found = previous.get(id(slot.tensor))
                 current = slot.tensor.data
-                if found is not None and found[0].policy is not Policy.RESIDENT and is_placeholder(current):
-                    current = self._restore_one(found[0], found[1].name)
+                if found is not None and found[0].policy is not Policy.RESIDENT:
+                    current = self._real_value(found[0], found[1], current)
                 values[slot.name] = current
             self._generation += 1
             key = f"{group.key}@{self._generation}"
@@ -515,6 +529,22 @@ class Runtime:
         group.parts = parts
         group.rest(at_rest)
         return {p.key for p in parts}
+
+    def _real_value(self, group: Group, slot: Slot, current: torch.Tensor) -> torch.Tensor:
+        """What an offloaded tensor really holds now, for storing it again.
+
+        Its at-rest placeholder, still in place: the stored value. A tensor computed *from* the
+        placeholder while the weight was offloaded — ``module.to(dtype)`` by a hook installed after
+        ``apply`` turns the one-element NaN into a full NaN tensor — is the stored value put through
+        the same cast; storing it would lose the weights. Anything else is a real new value.
+        """
+        if is_placeholder(current):
+            return self._restore_one(group, slot.name)
+        at_rest = group.at_rest.get(slot.name)
+        if (at_rest is not None and is_placeholder(at_rest) and current.shape == at_rest.shape
+                and _derived_from_placeholder(current, at_rest)):
+            return self._restore_one(group, slot.name).to(current.dtype)
+        return current
 
     def _restore_one(self, group: Group, name: str) -> torch.Tensor:
         for part in group.parts:
@@ -575,6 +605,10 @@ class Runtime:
                         args, kwargs = moved
                     try:
                         return original(*args, **kwargs)
+                    except RuntimeError as exc:
+                        if is_device_mismatch(exc):
+                            raise runtime.offloaded_read(module, exc) from exc
+                        raise
                     finally:
                         if group.resident and group.ready_event is None:
                             offload(group)
@@ -597,6 +631,10 @@ class Runtime:
                     if move and (moved := move_inputs(args, kwargs, device)) is not None:
                         args, kwargs = moved
                     return original(*args, **kwargs)
+                except RuntimeError as exc:
+                    if is_device_mismatch(exc):
+                        raise runtime.offloaded_read(module, exc) from exc
+                    raise
                 finally:
                     for group in exits:
                         if group.resident and group.ready_event is None:
@@ -620,6 +658,22 @@ class Runtime:
         if self._timings:
             self.settle()
 
+    def offloaded_read(self, module: nn.Module, error: RuntimeError) -> OffloadedWeightReadError:
+        """The clear error for a forward that computed with a weight left on the offload side (on
+        CUDA the at-rest copies are CPU tensors, so torch reports a device mismatch)."""
+        where = next((f"{name}.{path}" if path else name for name, root in self.components.items()
+                      for path, sub in root.named_modules() if sub is module), type(module).__name__)
+        component = where.split(".", 1)[0]
+        offloaded = [g.key for g in self._groups_of.get(component, ()) if not g.resident
+                     and g.policy is not Policy.RESIDENT]
+        shown = ", ".join(offloaded[:6]) + (f" and {len(offloaded) - 6} more" if len(offloaded) > 6 else "")
+        return OffloadedWeightReadError(
+            f"{where} ({type(module).__name__}) computed with a tensor that is not on {self.device}: the model reads "
+            f"a weight outside the forward of the module that owns it, and memmode had that weight offloaded "
+            f"(groups offloaded at that moment: {shown or 'none'}). Move this component whole (model_cpu_offload) "
+            f"or leave it out with exclude_components=[{component!r}]. Original error: {error}"
+        )
+
     def _install_edit_wrappers(self) -> None:
         """Wrap the weight-editing methods of the pipeline (all components) and of each component."""
         owners: list[tuple[object, list[str]]] = [(m, [n]) for n, m in self.components.items()]
@@ -639,6 +693,23 @@ class Runtime:
                     return original(*args, **kwargs)
             return edit
         return make
+
+
+#: what torch says when one operation gets tensors on two devices
+_DEVICE_MISMATCH = ("Expected all tensors to be on the same device", "found at least two devices")
+
+
+def is_device_mismatch(error: BaseException) -> bool:
+    message = str(error)
+    return any(text in message for text in _DEVICE_MISMATCH)
+
+
+def _derived_from_placeholder(current: torch.Tensor, at_rest: torch.Tensor) -> bool:
+    """Whether ``current`` holds nothing but the placeholder's fill (NaN for floats): a value
+    computed from the placeholder. Real weights are never entirely NaN."""
+    if not (current.dtype.is_floating_point and at_rest.dtype.is_floating_point) or current.numel() == 0:
+        return False
+    return bool(torch.isnan(current).all())
 
 
 def claim_groups(components: dict[str, nn.Module], specs: list[GroupSpec], *,
