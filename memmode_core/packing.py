@@ -2,8 +2,13 @@
 
 Tensors are ordered by element size, largest first, then by name. Every tensor's size is a
 multiple of its element size, so when the buffer starts suitably aligned, every tensor starts at a
-multiple of its own element size and the buffer can be viewed as typed tensors without a copy —
-no padding needed, which is what keeps packed copies exactly the size of the weights.
+multiple of its own element size and the buffer can be viewed as typed tensors without a copy.
+
+``align`` pads each tensor's start to a multiple of that many bytes. Buffers the CPU computes from
+directly (a mapped group file) use 64, the alignment of PyTorch's own CPU allocations: BLAS kernels
+pick their code path by the address of the weights, and a weight at another alignment can give a
+different last bit — memmode's lossless modes are bit-exact, so the weights must sit as a fresh
+tensor would. Buffers only ever copied from (a pinned slab) need no padding.
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ class Entry:
     end: int
 
 
-def pack(tensors: Tensors) -> tuple[Entry, ...]:
+def pack(tensors: Tensors, align: int = 1) -> tuple[Entry, ...]:
     """Where each tensor goes, in buffer order; the last entry's ``end`` is the buffer size."""
     entries, offset = [], 0
     for name, tensor in sorted(tensors.items(), key=lambda item: (-item[1].element_size(), item[0])):
+        offset += -offset % align
         size = tensor.numel() * tensor.element_size()
         entries.append(Entry(name, tensor.dtype, tuple(tensor.shape), offset, offset + size))
         offset += size

@@ -59,14 +59,16 @@ def test_files_are_safetensors_with_aligned_typed_data(store):
     tensors = group()
     stored = store.store(tensors)
     with safe_open(str(stored.path), framework="pt") as f:
-        assert set(f.keys()) == set(tensors)
+        padding = {k for k in f.keys() if k.startswith(group_format.PADDING_PREFIX)}
+        assert set(f.keys()) - padding == set(tensors)
         for name, tensor in tensors.items():
             assert torch.equal(f.get_tensor(name), tensor), name
+        assert padding and all(not f.get_tensor(k).any() for k in padding), "alignment padding is named zeros"
     layout = stored.layout
     assert layout.data_start % group_format.DATA_ALIGNMENT == 0
     assert stored.path.stat().st_size == layout.file_size
-    for entry in layout.entries:
-        assert entry.start % torch.empty((), dtype=entry.dtype).element_size() == 0, entry
+    for entry in layout.entries:  # every tensor where a fresh CPU allocation would put it (BLAS picks kernels by it)
+        assert entry.start % group_format.DATA_ALIGNMENT == 0, entry
 
 
 def test_mapped_views_and_reads_give_back_the_bytes(store):
@@ -310,7 +312,9 @@ def test_two_processes_writing_one_folder_at_once_leave_valid_files(tmp_path):
 def test_the_staging_chunks_carry_every_byte_once_in_place(chunk_bytes):
     host = group_format.host_tensors(group())
     layout = group_format.Layout.of(host)
-    data = torch.cat([host[e.name].reshape(-1).view(torch.uint8) for e in layout.entries])
+    data = torch.zeros(layout.data_bytes, dtype=torch.uint8)  # the data section, alignment gaps included
+    for e in layout.entries:
+        data[e.start:e.end] = host[e.name].reshape(-1).view(torch.uint8)
     out = {name: torch.full_like(t.reshape(-1).view(torch.uint8), 0xAB) for name, t in host.items()}
     copied = 0
     for begin, end, pieces in chunk_plan(layout, chunk_bytes):
@@ -319,7 +323,7 @@ def test_the_staging_chunks_carry_every_byte_once_in_place(chunk_bytes):
         for name, lo, hi, at in pieces:
             out[name][lo:hi] = chunk[at:at + hi - lo]
             copied += hi - lo
-    assert copied == layout.data_bytes
+    assert copied == sum(e.end - e.start for e in layout.entries)
     for name, tensor in host.items():
         assert torch.equal(out[name], tensor.reshape(-1).view(torch.uint8)), name
 

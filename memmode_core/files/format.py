@@ -48,8 +48,10 @@ def _dtype_names() -> dict[torch.dtype, str]:
 
 
 DTYPE_NAMES = _dtype_names()
-#: where the data starts, and therefore every mapping's first tensor, is aligned to this
+#: where the data starts, and every tensor in it, is aligned to this (see :mod:`memmode_core.packing`)
 DATA_ALIGNMENT = 64
+#: names of the zero-filled byte tensors that fill alignment gaps (safetensors allows no holes)
+PADDING_PREFIX = "__memmode_padding__."
 #: The hash that names files. It runs over every weight at each ``apply``, so its speed matters;
 #: measured single-threaded in CPython 3.11 / OpenSSL 3.0 on an AMD EPYC with SHA extensions, in
 #: GB/s: sha256 1.58, sha1 1.69, blake2b 0.79, md5 0.70, sha512 0.62, blake2s 0.48, sha3_256 0.41
@@ -87,12 +89,18 @@ class Layout:
 
     @classmethod
     def of(cls, tensors: Tensors) -> "Layout":
-        entries = pack(tensors)
+        entries = pack(tensors, align=DATA_ALIGNMENT)
         for entry in entries:
             if entry.dtype not in DTYPE_NAMES:
                 raise UnsupportedDtypeError(f"{entry.name}: dtype {entry.dtype} cannot be stored in a safetensors file")
-        described = {e.name: {"dtype": DTYPE_NAMES[e.dtype], "shape": list(e.shape),
-                              "data_offsets": [e.start, e.end]} for e in entries}
+        described = {}
+        end = 0
+        for e in entries:
+            if e.start > end:  # safetensors allows no holes: the alignment padding is a named byte tensor
+                described[f"{PADDING_PREFIX}{end}"] = {"dtype": "U8", "shape": [e.start - end],
+                                                        "data_offsets": [end, e.start]}
+            described[e.name] = {"dtype": DTYPE_NAMES[e.dtype], "shape": list(e.shape), "data_offsets": [e.start, e.end]}
+            end = e.end
         described["__metadata__"] = {"format": "pt", "writer": "memmode"}
         text = json.dumps(described, separators=(",", ":")).encode()
         text += b" " * (-(8 + len(text)) % DATA_ALIGNMENT)  # the format allows trailing spaces
@@ -126,11 +134,22 @@ def content_name(layout: Layout, tensors: Tensors) -> str:
     return digest.hexdigest()[:NAME_DIGITS]
 
 
+def file_digest_name(path: str | os.PathLike, layout: Layout) -> str:
+    """The content name of the bytes in the file now (what :func:`content_name` gave when it was
+    written), read through a mapping: equal to the file's name unless its content changed."""
+    flat = map_private(path)
+    return content_name(layout, views(flat, layout.entries, layout.data_start))
+
+
 def write(file, layout: Layout, tensors: Tensors) -> None:
     """Write the group to an open binary file (buffered writes loop until every byte is written)."""
     file.write(layout.header)
+    end = 0
     for entry in layout.entries:
+        if entry.start > end:
+            file.write(bytes(entry.start - end))  # alignment padding: zeros
         file.write(byte_view(tensors[entry.name]))
+        end = entry.end
 
 
 def map_private(path: str | os.PathLike) -> torch.Tensor:
