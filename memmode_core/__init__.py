@@ -16,7 +16,8 @@ __version__ = "0.1.0"
 
 from .api import Handle, apply, remove
 from .errors import (DuplicatePluginError, IncompatibleModeError, InvalidOptionError, MemmodeError,
-                     OffloadedWeightReadError, PluginLoadError, PluginNotInstalledError, StorageUnavailableError, UnknownModeError)
+                     OffloadedWeightReadError, PluginLoadError, PluginNotInstalledError, RestoreError,
+                     StorageUnavailableError, UnknownModeError)
 from .grammar import Mode, parse_mode
 from .hookspecs import hookimpl
 from .ledger import Report
@@ -32,5 +33,5 @@ __all__ = [
     "temporary_plugin", "Placement", "Quantizer", "Storage", "StorageSession", "Option",
     "MemmodeError", "UnknownModeError", "PluginNotInstalledError", "PluginLoadError", "IncompatibleModeError",
     "StorageUnavailableError", "DuplicatePluginError", "InvalidOptionError", "OffloadedWeightReadError",
-    "__version__",
+    "RestoreError", "__version__",
 ]

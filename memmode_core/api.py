@@ -118,16 +118,23 @@ class Handle:
             setattr(obj, HANDLE_ATTRIBUTE, self)
 
     def remove(self) -> None:
-        """Take every hook off and leave the weights in ordinary CPU memory. Idempotent."""
+        """Take every hook off and leave the weights in ordinary CPU memory. Idempotent.
+
+        If some groups' stored copies were lost (a deleted or damaged file), every other weight is
+        still restored and the mode is still fully removed; then :class:`RestoreError` names the
+        groups that could not be given back.
+        """
         if self._removed:
             return
         self._removed = True
-        self._runtime.remove()
-        pipeline_hooks.uninstall(self._components)
-        target = self.target
-        for obj in [target, *self._components.values()]:
-            if obj is not None and getattr(obj, HANDLE_ATTRIBUTE, None) is self:
-                delattr(obj, HANDLE_ATTRIBUTE)
+        try:
+            self._runtime.remove()
+        finally:
+            pipeline_hooks.uninstall(self._components)
+            target = self.target
+            for obj in [target, *self._components.values()]:
+                if obj is not None and getattr(obj, HANDLE_ATTRIBUTE, None) is self:
+                    delattr(obj, HANDLE_ATTRIBUTE)
         if self.quantized:
             logger.warning("memmode: removed %s; quantization of %s (%s) is not undone, the weights stay quantized",
                            self.mode, ", ".join(self.quantized), self.quantizer)
@@ -165,7 +172,24 @@ def resolve_device(device: Any) -> torch.device:
             dev = torch.device("cuda", torch.cuda.current_device())
     elif dev.type == "meta":
         raise InvalidOptionError("device='meta' cannot compute anything")
+    elif dev.type != "cpu" and not _accelerator_available(dev.type):
+        raise InvalidOptionError(
+            f"device={device!r}: no {dev.type} device is available in this process (torch.{dev.type} is missing or "
+            f"reports none); memmode would fail at the first forward"
+        )
     return dev
+
+
+def _accelerator_available(kind: str) -> bool:
+    """Whether torch can compute on devices of this type here (``mps``, ``xpu``, ``xla``, ...)."""
+    if kind == "mps":
+        return bool(torch.backends.mps.is_available())
+    backend = getattr(torch, kind, None)
+    is_available = getattr(backend, "is_available", None)
+    try:
+        return bool(is_available()) if callable(is_available) else False
+    except Exception:  # noqa: BLE001 - a backend that cannot even answer is not available
+        return False
 
 
 def _check_dtype(weight_dtype: Any) -> None:

@@ -44,3 +44,19 @@ class InvalidOptionError(MemmodeError, TypeError):
 class OffloadedWeightReadError(MemmodeError, RuntimeError):
     """A computation used a weight memmode had offloaded: the model reads a submodule's weight
     outside that submodule's forward. The message names the module whose forward failed."""
+
+
+class RestoreError(MemmodeError):
+    """``remove()`` could not give back some groups (their stored copy was lost or damaged).
+
+    Every other weight was restored and the mode is fully removed; ``failed`` maps each group key
+    that was not restored to why. Those groups' tensors hold NaN placeholders.
+    """
+
+    def __init__(self, failed: dict[str, str]) -> None:
+        self.failed = dict(failed)
+        lines = "; ".join(f"{key}: {why}" for key, why in self.failed.items())
+        super().__init__(
+            f"remove() restored every weight except {len(self.failed)} group(s), whose stored copy is lost and "
+            f"whose tensors now hold NaN placeholders: {lines}"
+        )

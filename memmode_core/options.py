@@ -74,9 +74,7 @@ def byte_size(value: Any) -> int | None:
     if isinstance(value, bool):
         raise TypeError("must be a number of bytes or a string such as '8GiB'")
     if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError("must not be negative")
-        return int(value)
+        return _finite_bytes(value)
     if isinstance(value, str):
         return parse_byte_size(value)
     raise TypeError("must be a number of bytes or a string such as '8GiB'")
@@ -100,9 +98,15 @@ def parse_byte_size(text: str) -> int:
         amount = float(number)
     except ValueError:
         raise ValueError(f"cannot read {text!r} as a size; write e.g. '8GiB'") from None
+    return _finite_bytes(amount * _UNITS[unit])
+
+
+def _finite_bytes(amount: float) -> int:
+    if amount != amount or amount in (float("inf"), float("-inf")):  # NaN, or a string such as '1e400GB'
+        raise ValueError("must be a finite number of bytes (None means no limit)")
     if amount < 0:
         raise ValueError("must not be negative")
-    return int(amount * _UNITS[unit])
+    return int(amount)
 
 
 def resolve_options(

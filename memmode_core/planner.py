@@ -339,8 +339,8 @@ def plan(target: Any, *, device: Any = None, vram_budget: Any = None, ram_budget
 
     tgt = Target.of(target).without(exclude_components or ())
     dev = resolve_device(device)
-    vram = byte_size(vram_budget) if vram_budget is not None else None
-    ram = byte_size(ram_budget) if ram_budget is not None else None
+    vram = _budget("vram_budget", vram_budget)
+    ram = _budget("ram_budget", ram_budget)
     plugins = current()
     quantizers = _quantizers(plugins, quantizer)
     sequence = call_sequence(tgt, calls if calls is not None else default_calls(tgt, steps))
@@ -373,6 +373,13 @@ def plan(target: Any, *, device: Any = None, vram_budget: Any = None, ram_budget
                     entries.append(_entry(mode, preg.name, qname, sreg, variant, sized, state, dev, prefetch))
     _judge(entries, vram, ram)
     return entries
+
+
+def _budget(name: str, value: Any) -> int | None:
+    try:
+        return byte_size(value)
+    except (TypeError, ValueError) as exc:
+        raise InvalidOptionError(f"{name}={value!r}: {exc}") from None
 
 
 def _quantizers(plugins: PluginSet, quantizer) -> list[tuple[str | None, Any]]:

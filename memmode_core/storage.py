@@ -15,6 +15,8 @@ A :class:`Storage` is what a plugin registers; ``open`` gives a :class:`StorageS
    ``stream`` the copies are issued on that stream (asynchronously where the memory allows); the
    engine makes the compute stream wait for them.
 4. ``restore(key)`` returns the tensors in ordinary CPU memory, for ``remove()``.
+   ``check(key)`` comes before every onload and every restore: a storage whose copies can break
+   behind its back (files) says so there, with a typed error, instead of handing back wrong bytes.
 5. ``close()`` releases whatever the session holds (memory, files it wrote).
 
 Tensors are passed as ``{slot_name: tensor}`` dicts; slot names are stable within a group.
@@ -43,6 +45,11 @@ class StorageSession:
 
     def restore(self, key: str) -> Tensors:
         raise NotImplementedError
+
+    def check(self, key: str) -> None:
+        """Raise ``StorageUnavailableError`` (naming what broke) if the group's stored copy is no longer
+        intact. The engine calls it before every onload — also when ``zero_copy`` skips ``fetch`` — and
+        before ``restore``; it must be cheap (a file storage stats its file)."""
 
     def zero_copy(self, device: torch.device) -> bool:
         """True when ``fetch(key, device)`` returns exactly the tensors ``put`` left at rest (the ``ram``

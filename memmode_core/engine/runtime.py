@@ -15,6 +15,10 @@ stream (``record_stream``) so the caching allocator never hands its memory to a 
 kernel may still read it. A group that was not prefetched (first call, a layer skipped or called
 out of order) is simply onloaded on the compute stream when it is entered.
 
+Threads: calls of one runtime's components, the edit methods it wraps, ``refresh`` and ``remove``
+hold one re-entrant lock, so two threads calling one placed pipeline run one call at a time and
+never see each other's half-done onloads (the group bookkeeping is not thread-safe by itself).
+
 Changing weights (see :mod:`memmode_core.engine.watch`): when a component's tensors changed — an
 adapter was injected, a parameter replaced — its groups are rebuilt before its next call. A rebuild
 lays the component out again and keeps every stored part whose tensors did not change, so loading
@@ -24,16 +28,17 @@ a LoRA stores the adapter's weights and nothing else.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
-from ..errors import OffloadedWeightReadError
+from ..errors import OffloadedWeightReadError, RestoreError
 from ..ledger import Ledger, clock
 from ..pipeline_hooks import refuse_foreign_offloading
-from ..storage import StorageSession, Tensors, is_placeholder
+from ..storage import StorageSession, Tensors, is_placeholder, placeholder
 from . import watch
 from .hooks import MethodWrapper
 from .inputs import move_inputs
@@ -171,6 +176,8 @@ class Runtime:
         self._member_of: dict[int, str] = {}
         self._editing = 0
         self._generation = 0
+        #: serializes calls of this runtime's components, edits, refresh and remove across threads
+        self.lock = threading.RLock()
 
     # -- install / remove ---------------------------------------------------------------------------
 
@@ -211,7 +218,17 @@ class Runtime:
         watch.watch(self)
 
     def remove(self) -> None:
-        """Unhook, and leave every weight in ordinary CPU memory."""
+        """Unhook, and leave every weight in ordinary CPU memory.
+
+        Every group that can be restored is, whatever happens to the others; a group whose stored
+        copy is lost (a deleted or damaged file) is left holding placeholders — never a mapping of
+        a broken file — and one :class:`RestoreError` names all of them once everything else is
+        undone (hooks off, storage closed).
+        """
+        with self.lock:
+            self._remove()
+
+    def _remove(self) -> None:
         watch.unwatch(self)
         for wrapper in self._edit_wrappers:
             wrapper.remove()
@@ -222,23 +239,32 @@ class Runtime:
             wrappers.clear()
         if self._cuda:
             torch.cuda.synchronize(self.device)
+        failed: dict[str, str] = {}
         for group in self.groups:
-            if group.policy is Policy.RESIDENT:
-                group.assign({n: t.to("cpu") for n, t in group.tensors().items()})
-            else:
-                restored = self._restore(group)
-                if self._zero_copy:  # the live tensors are the stored ones; one replaced since is the newest value
-                    restored.update({s.name: s.tensor.data for s in group.slots if s.tensor.data_ptr() != s.rest_ptr})
-                group.assign(restored)
+            try:
+                if group.policy is Policy.RESIDENT:
+                    group.assign({n: t.to("cpu") for n, t in group.tensors().items()})
+                else:
+                    restored = self._restore(group)
+                    if self._zero_copy:  # the live tensors are the stored ones; one replaced since is the newest
+                        restored.update({s.name: s.tensor.data for s in group.slots
+                                         if s.tensor.data_ptr() != s.rest_ptr})
+                    group.assign(restored)
+            except Exception as exc:  # noqa: BLE001 - every failure is reported, after the other groups
+                failed[group.key] = str(exc) or type(exc).__name__
+                group.assign({s.name: placeholder(s.tensor.data) for s in group.slots})
+            finally:
                 group.at_rest = {}  # the storage's copies (a file mapping, pinned memory) go with the session
-            if group.resident:
-                group.resident = False
-                group.ready_event = None
-                self.ledger.offloaded(group.nbytes, 0.0)
+                if group.resident:
+                    group.resident = False
+                    group.ready_event = None
+                    self.ledger.offloaded(group.nbytes, 0.0)
         for resident in self._resident.values():
             resident.clear()
         if self.session is not None:
             self.session.close()
+        if failed:
+            raise RestoreError(failed)
 
     # -- moving -------------------------------------------------------------------------------------
 
@@ -251,6 +277,7 @@ class Runtime:
     def _restore(self, group: Group) -> Tensors:
         tensors: Tensors = {}
         for part in group.parts:
+            self.session.check(part.key)
             tensors.update(part.translate(self.session.restore(part.key)))
         return tensors
 
@@ -276,6 +303,8 @@ class Runtime:
             self._fetch(nxt, self._copy_stream)
 
     def _fetch(self, group: Group, stream: "torch.cuda.Stream | None") -> None:
+        for part in group.parts:  # a broken file is a typed error here, never wrong bytes or a SIGBUS
+            self.session.check(part.key)
         if self._cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -436,6 +465,10 @@ class Runtime:
         A group resident on the device right now may have been edited there: its device copy is
         what is taken, not the stored one.
         """
+        with self.lock:
+            self._refresh()
+
+    def _refresh(self) -> None:
         if self._cuda:
             torch.cuda.synchronize(self.device)
         for name in self.components:
@@ -591,6 +624,7 @@ class Runtime:
         move = self.device.type != "cpu"  # on a CPU device every input already is where it computes
         device = self.device
         runtime = self
+        lock = self.lock
 
         def make(original, wrapper: MethodWrapper):
             if component is None and len(enters) == 1 and exits == enters:
@@ -614,16 +648,7 @@ class Runtime:
                             offload(group)
                 return forward
 
-            def forward(*args, **kwargs):
-                if not wrapper.active:
-                    return original(*args, **kwargs)
-                if component is not None:
-                    if depth[component] == 0 and not runtime._editing and runtime.changed(component):
-                        runtime.rebuild(component)
-                        return getattr(module, method)(*args, **kwargs)  # through the rebuilt wrappers
-                    depth[component] += 1
-                    if depth[component] == 1 and len(calls) < MAX_RECORDED_CALLS:
-                        calls.append(component)
+            def step(args, kwargs):
                 try:
                     for group in enters:
                         if not group.resident or group.ready_event is not None:
@@ -639,7 +664,27 @@ class Runtime:
                     for group in exits:
                         if group.resident and group.ready_event is None:
                             offload(group)
-                    if component is not None:
+
+            if component is None:
+                def forward(*args, **kwargs):
+                    if not wrapper.active:
+                        return original(*args, **kwargs)
+                    return step(args, kwargs)
+                return forward
+
+            def forward(*args, **kwargs):
+                if not wrapper.active:
+                    return original(*args, **kwargs)
+                with lock:  # one call of this handle's components at a time (see the module docstring)
+                    if depth[component] == 0 and not runtime._editing and runtime.changed(component):
+                        runtime.rebuild(component)
+                        return getattr(module, method)(*args, **kwargs)  # through the rebuilt wrappers
+                    depth[component] += 1
+                    if depth[component] == 1 and len(calls) < MAX_RECORDED_CALLS:
+                        calls.append(component)
+                    try:
+                        return step(args, kwargs)
+                    finally:
                         leave(component)
             return forward
         return make
@@ -689,7 +734,7 @@ class Runtime:
             def edit(*args, **kwargs):
                 if not wrapper.active:
                     return original(*args, **kwargs)
-                with self.editing(components, method):
+                with self.lock, self.editing(components, method):
                     return original(*args, **kwargs)
             return edit
         return make

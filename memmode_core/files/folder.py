@@ -9,8 +9,10 @@ processes, not bytes:
   writes files (so concurrent writers of the same content write it once and end up mapping the same
   file), and holds a **lease** for its whole life, a small locked file listing the files it uses,
   so that no session deletes a file that another live session still reads. A file its writer may
-  not delete yet is handed over, and the last user deletes it; a lease whose process died (its lock
-  is gone) is ignored and removed;
+  not delete yet is handed over, and the last user deletes it; a file survives if any session that
+  used it asked for ``keep_files=True``;
+- what a process killed mid-run left (its files, its lease: its lock is gone) is collected by the
+  next session that reserves room in the folder, unless that process asked to keep its files;
 - cleanup runs from a ``weakref.finalize``, so it also happens at interpreter exit, and never in a
   process forked from the one that made the folder.
 
@@ -36,6 +38,8 @@ except ImportError:  # Windows
 
 #: memmode's bookkeeping files start with a dot: leases, and temporary files being written
 LEASE_PATTERN = ".memmode-*.lease"
+#: a lease being created: locked first, then renamed to its ``.lease`` name
+PENDING_LEASE_SUFFIX = ".newlease"
 TEMP_PREFIX, TEMP_SUFFIX = ".memmode-", ".tmp"
 
 
@@ -63,7 +67,8 @@ class OffloadFolder:
             self.path.mkdir(parents=True, exist_ok=True)
         self._cleanup.folder_fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         if not self.private:
-            self._cleanup.lease = _Lease.create(self.path)
+            with self.locked():  # a scan (lock held) never meets a lease being created
+                self._cleanup.lease = _Lease.create(self.path, keep=self._cleanup.keep_files)
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -83,6 +88,13 @@ class OffloadFolder:
         for the whole write, so every temporary file seen then is an orphan."""
         for stale in self.path.glob(f"{TEMP_PREFIX}*{TEMP_SUFFIX}"):
             stale.unlink(missing_ok=True)
+
+    def collect_dead(self) -> list[str]:
+        """Remove what sessions killed mid-run left here (see :func:`collect_dead`). Call with the
+        lock held."""
+        if self.private:
+            return []
+        return collect_dead(self.path)
 
     def sync(self) -> None:
         """``fsync`` the folder itself, so that a rename in it survives a crash."""
@@ -140,9 +152,15 @@ class _Lease:
     """A session's claim on files of a shared folder: ``.memmode-<pid>-<token>.lease``.
 
     The session holds an exclusive ``flock`` on it for its whole life, so others can tell a live
-    lease (the lock is taken) from one left by a process that died (the kernel dropped the lock).
-    Lines are ``use <name>`` (the session reads the file) and ``own <name>`` (the session, or one
-    that handed it over, wrote it and it should be deleted once nobody uses it).
+    lease (the lock is taken) from one left by a process that died (the kernel dropped the lock —
+    unlike a pid, which the system reuses, a lock cannot outlive its process). The lease is created
+    under another name, locked, and only then renamed into place, so no other session ever sees
+    it unlocked while its process lives.
+
+    Lines are ``use <name>`` (the session reads the file), ``own <name>`` (the session, or one
+    that handed it over, wrote it and it should be deleted once nobody uses it), ``keep`` (the
+    session was opened with ``keep_files=True``: its files outlive it, even if it crashes) and
+    ``keep <name>`` (a session that asked to keep files used this one: its owner must not delete it).
     Every method runs with the folder lock held.
     """
 
@@ -151,56 +169,112 @@ class _Lease:
         self.fd = fd
 
     @classmethod
-    def create(cls, folder: Path) -> "_Lease":
-        path = folder / f".memmode-{os.getpid()}-{secrets.token_hex(6)}.lease"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    def create(cls, folder: Path, keep: bool = False) -> "_Lease":
+        stem = f".memmode-{os.getpid()}-{secrets.token_hex(6)}"
+        pending = folder / f"{stem}{PENDING_LEASE_SUFFIX}"
+        fd = os.open(pending, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if keep:
+                os.write(fd, b"keep\n")
+            path = folder / f"{stem}.lease"
+            os.rename(pending, path)
+        except BaseException:
+            os.close(fd)
+            pending.unlink(missing_ok=True)
+            raise
         return cls(path, fd)
 
     def record(self, what: str, name: str) -> None:
         os.write(self.fd, f"{what} {name}\n".encode())
 
     def finish(self, keep: bool) -> None:
-        """Drop the lease; unless ``keep``, delete the owned files nobody else uses and hand the
-        others over to a session that uses them."""
-        owned = set() if keep else _read_lease(self.path)["own"]  # with files handed over to this one
-        others = self._live_others() if owned else {}
-        for name in sorted(owned):
-            users = [lease for lease, entries in others.items() if name in entries["use"]]
-            if users:
-                with open(users[0], "a") as handover:
-                    handover.write(f"own {name}\n")
-            else:
-                (self.path.parent / name).unlink(missing_ok=True)
+        """Drop the lease. Unless ``keep``, delete the owned files nobody else uses or keeps and hand
+        the others over to a session that uses them; with ``keep``, make sure the owners of files
+        this session used do not delete them either (a file survives if any user asked to keep it)."""
+        mine = _read_lease(self.path)
+        live, dead = _scan(self.path.parent, self.path)
+        if keep:
+            for other, entries in {**live, **dead}.items():
+                for name in sorted(entries["own"] & (mine["use"] | mine["own"])):
+                    _append(other, f"keep {name}")
+        else:
+            _dispose(self.path.parent, mine, live)
+        collect_dead(self.path.parent, live, dead)
         self.path.unlink(missing_ok=True)
         os.close(self.fd)
 
-    def _live_others(self) -> dict[Path, dict[str, set[str]]]:
-        live = {}
-        for path in self.path.parent.glob(LEASE_PATTERN):
-            if path == self.path:
-                continue
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                live[path] = _read_lease(path)
-            else:  # its process is gone: the lease is stale
-                path.unlink(missing_ok=True)
-            finally:
-                os.close(fd)
-        return live
+
+def _scan(folder: Path, own: Path | None = None) -> tuple[dict[Path, dict], dict[Path, dict]]:
+    """Every other lease in ``folder``, split into live ones and ones whose process died."""
+    live: dict[Path, dict] = {}
+    dead: dict[Path, dict] = {}
+    for path in [*folder.glob(LEASE_PATTERN), *folder.glob(f".memmode-*{PENDING_LEASE_SUFFIX}")]:
+        if path == own:
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            live[path] = _read_lease(path)
+        else:
+            dead[path] = _read_lease(path)
+        finally:
+            os.close(fd)
+    return live, dead
 
 
-def _read_lease(path: Path) -> dict[str, set[str]]:
-    entries: dict[str, set[str]] = {"use": set(), "own": set()}
+def collect_dead(folder: Path, live: dict[Path, dict] | None = None, dead: dict[Path, dict] | None = None) -> list[str]:
+    """Clean up after sessions whose process died (a crash, ``kill -9``): delete the files they
+    owned that no live session uses and nobody asked to keep, hand the others over to a live user,
+    and remove their leases. Never touches a live session's files. Call with the folder lock held.
+    Returns the names of the files deleted."""
+    if live is None or dead is None:
+        live, dead = _scan(folder)
+    deleted: list[str] = []
+    for path, entries in dead.items():
+        if not entries["keep_all"]:
+            deleted += _dispose(folder, entries, live)
+        path.unlink(missing_ok=True)
+    return deleted
+
+
+def _dispose(folder: Path, entries: dict, live: dict[Path, dict]) -> list[str]:
+    """Delete or hand over the files a finished (or dead) session owned."""
+    deleted = []
+    for name in sorted(entries["own"] - entries["kept"]):
+        if any(name in other["kept"] or (other["keep_all"] and name in other["use"]) for other in live.values()):
+            continue  # a live session that keeps its files uses it: it stays, whoever ends first
+        users = [lease for lease, other in live.items() if name in other["use"]]
+        if users:
+            _append(users[0], f"own {name}")
+            live[users[0]]["own"].add(name)
+        else:
+            (folder / name).unlink(missing_ok=True)
+            deleted.append(name)
+    return deleted
+
+
+def _append(lease: Path, line: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        with open(lease, "a") as file:
+            file.write(line + "\n")
+
+
+def _read_lease(path: Path) -> dict:
+    entries: dict = {"use": set(), "own": set(), "kept": set(), "keep_all": False}
     with contextlib.suppress(FileNotFoundError):
         for line in path.read_text().splitlines():
             what, _, name = line.partition(" ")
-            if what in entries and name:
+            if what == "keep":
+                if name:
+                    entries["kept"].add(name)
+                else:
+                    entries["keep_all"] = True
+            elif what in ("use", "own") and name:
                 entries[what].add(name)
     return entries
 

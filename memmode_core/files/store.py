@@ -44,7 +44,7 @@ from . import folder as offload_folder, format as group_format
 from ..errors import InvalidOptionError, StorageUnavailableError
 from .format import Layout
 from .folder import OffloadFolder
-from ..options import Option
+from ..options import Option, one_of
 from ..staging import Fill, StagingRing
 from ..storage import Storage, StorageSession, Tensors
 
@@ -70,12 +70,72 @@ KEEP_FILES = Option(
 )
 
 
+#: how much a group file is checked before each onload and before remove() reads it back
+VERIFY_LEVELS = ("size", "hash", "none")
+
+VERIFY = Option(
+    "verify", "size",
+    "check each group file before it is read back: 'size' (one stat: size, identity and modification time; "
+    "a changed file is then hashed, so a truncated, replaced or edited file is an error), 'hash' (also the "
+    "content digest at every onload, ~0.6 s per GB read), 'none'",
+    one_of(*VERIFY_LEVELS),
+)
+
+
 @dataclass(frozen=True)
+class FileStamp:
+    """What ``stat`` says of a file: it changes when the file is truncated, replaced or written."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path: Path) -> "FileStamp":
+        st = os.stat(path)
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@dataclass
 class GroupFile:
-    """One stored group: where its file is and how its bytes are laid out."""
+    """One stored group: where its file is, how its bytes are laid out, and how it looked when its
+    content was last known to be right."""
 
     path: Path
     layout: Layout
+    stamp: FileStamp | None = None
+
+    def check(self, verify: str = "size") -> None:
+        """Raise ``StorageUnavailableError`` naming the file unless it still holds this group's bytes.
+
+        Cheap by default: one ``stat``. A file whose stamp changed is hashed: a peer that rewrote
+        the same content (same name, new inode) is accepted, anything else is refused. A short file
+        is refused before it is mapped, so reading it can never raise SIGBUS.
+        """
+        if verify == "none":
+            return
+        try:
+            now = FileStamp.of(self.path)
+        except OSError as exc:
+            raise self._broken(f"it cannot be read ({exc.strerror or exc})") from None
+        if now.size != self.layout.file_size:
+            raise self._broken(f"it is {now.size} bytes long and the group needs {self.layout.file_size} "
+                               f"(truncated or replaced)")
+        if now == self.stamp and verify != "hash":
+            return
+        try:
+            intact = group_format.file_digest_name(self.path, self.layout) == self.path.name[len(FILE_PREFIX):
+                                                                                              -len(FILE_SUFFIX)]
+        except (OSError, ValueError) as exc:
+            raise self._broken(f"it cannot be read ({exc})") from None
+        if not intact:
+            raise self._broken("its content no longer matches its name (modified in place, or another file "
+                               "put in its place)")
+        self.stamp = now
+
+    def _broken(self, why: str) -> StorageUnavailableError:
+        return StorageUnavailableError(f"group file {self.path} is not the one memmode wrote: {why}")
 
     def map(self) -> tuple[torch.Tensor, Tensors]:
         """The file mapped privately (see :func:`~memmode_core.files.format.map_private`): its bytes as
@@ -117,6 +177,10 @@ class GroupFileStore:
         try:
             with self._folder.locked():
                 self._folder.sweep_temporaries()
+                collected = self._folder.collect_dead()
+                if collected:
+                    logger.info("memmode: removed %d group files left in %s by sessions that died",
+                                len(collected), self.folder)
                 existing = sum(f.stat().st_size for f in self.folder.glob(f"{FILE_PREFIX}*{FILE_SUFFIX}"))
                 fd, probe = self._folder.temporary_file()
                 os.close(fd)
@@ -165,8 +229,9 @@ class GroupFileStore:
                                    "file); rewriting it", path)
                 self._write(path, layout, host)
                 self._folder.wrote(name)
+            stamp = FileStamp.of(path)
         self._sizes[name] = layout.file_size
-        return GroupFile(path, layout)
+        return GroupFile(path, layout, stamp)
 
     def _write(self, path: Path, layout: Layout, tensors: Tensors) -> None:
         temporary = None
@@ -193,6 +258,23 @@ class GroupFileStore:
         self._sizes.clear()
 
 
+def check_offload_dir(offload_dir) -> None:
+    """Refuse an ``offload_dir`` that cannot be a folder, before anything is created or touched."""
+    try:
+        path = os.fsdecode(offload_dir)
+    except TypeError:
+        raise InvalidOptionError(f"offload_dir={offload_dir!r} is not a path") from None
+    if not path.strip():
+        raise InvalidOptionError(
+            "offload_dir='' names no folder (it would write into the current directory); give a folder, or leave "
+            "it out for a private temporary one"
+        )
+    if "\0" in path:
+        raise InvalidOptionError(f"offload_dir={path!r} contains a NUL character, which no path may hold")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise StorageUnavailableError(f"offload_dir={path!r} is a file, not a folder; give a folder for the group files")
+
+
 # -- the storage side: what disk and mmap share ------------------------------------------------------
 
 
@@ -200,7 +282,7 @@ class GroupFileStorage(Storage):
     """Base of the storages that keep each group in a group file (``disk``, ``mmap``)."""
 
     uses_offload_dir = True
-    options = (KEEP_FILES,)
+    options = (KEEP_FILES, VERIFY)
     #: whether an offload folder on tmpfs defeats the storage's purpose (saving RAM), and deserves a warning
     warn_in_ram = False
 
@@ -210,6 +292,8 @@ class GroupFileStorage(Storage):
         return None
 
     def open(self, *, device: torch.device, offload_dir: str | None, options: Mapping[str, object]) -> StorageSession:
+        if offload_dir is not None:
+            check_offload_dir(offload_dir)
         if options["keep_files"] and offload_dir is None:
             raise InvalidOptionError(
                 f"keep_files=True needs offload_dir=: without it storage {self.name!r} writes to a private "
@@ -217,7 +301,9 @@ class GroupFileStorage(Storage):
             )
         store = GroupFileStore(offload_dir, keep_files=bool(options["keep_files"]), owner=self.name,
                                warn_in_ram=self.warn_in_ram)
-        return self.session(store, device)
+        session = self.session(store, device)
+        session.verify = options["verify"]
+        return session
 
     def session(self, store: GroupFileStore, device: torch.device) -> StorageSession:
         raise NotImplementedError
@@ -230,6 +316,8 @@ class GroupFileSession(StorageSession):
         self.store = store
         self.device = device
         self.files: dict[str, GroupFile] = {}
+        #: see :data:`VERIFY`
+        self.verify = "size"
         #: page-locked bounce buffers for uploads to a CUDA device (allocated on the first upload)
         self.staging = StagingRing() if device.type == "cuda" else None
 
@@ -240,6 +328,12 @@ class GroupFileSession(StorageSession):
         group_file = self.store.store(tensors)
         self.files[key] = group_file
         return group_file
+
+    def check(self, key: str) -> None:
+        group_file = self.files.get(key)
+        if group_file is None:
+            raise StorageUnavailableError(f"storage {self.store.owner!r} holds no group {key!r}")
+        group_file.check(self.verify)
 
     def upload(self, group_file: GroupFile, fill: Fill, device: torch.device,
                stream: "torch.cuda.Stream | None") -> Tensors:

@@ -1,0 +1,641 @@
+"""Storage faults and concurrency (issue 12): lose nothing, never crash, never compute with a wrong file.
+
+Fault injection through real files — ``os.truncate``, deletion, a file renamed over another, bytes
+flipped in place, a child process killed with SIGKILL — on the ``disk`` and ``mmap`` storages, and
+two threads calling one model under every storage:
+
+1. ``remove()`` after lost or short files restores every group it can, then raises ``RestoreError``
+   naming exactly the groups it could not restore; the handle is gone, no hook is left.
+2. A file truncated after ``apply`` is a ``StorageUnavailableError`` naming it at the next call, never
+   a SIGBUS (run in a child process, so that a signal fails the test instead of killing pytest).
+3. ``verify=``: ``"size"`` (default: size, inode and mtime at each onload), ``"hash"`` (the content
+   too), ``"none"``; a bad value is an ``InvalidOptionError``.
+4. A later session collects the files and lease of a process killed with ``kill -9``, never those of a
+   live peer, never files a dead session asked to keep.
+5. Two threads, one model, 300 calls per storage, every output exact.
+6. Small refusals at ``apply`` (before anything is touched), and the ``keep_files`` rule for sessions
+   sharing a folder.
+
+Scenarios that may touch a truncated mapping run in a forked child (:func:`fault_helpers.in_forked_child`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import memmode_core as memmode
+from memmode_core import InvalidOptionError, MemmodeError, StorageUnavailableError
+
+from fakes import PoisonPlugin
+from fault_helpers import (BLOCK_KEY, BLOCKS, all_groups, data_offset, describe_status_code, differing,
+                           in_forked_child, make_blocks, make_inputs, modify_in_place, read_line, snapshot,
+                           stored_groups)
+from test_core_apply import hook_count
+from tiny_pipelines import make_pipeline, run
+
+TESTS_DIR = Path(__file__).resolve().parent
+FILE_STORAGES = ["disk", "mmap"]
+GROUP_FILES = "memmode-*.safetensors"
+LEASES = ".memmode-*.lease"
+
+
+def restore_error() -> type:
+    """``memmode_core.RestoreError`` (looked up at call time: it is part of the issue 12 contract)."""
+    error = getattr(memmode, "RestoreError", None)
+    if error is None:
+        pytest.fail("memmode_core has no RestoreError (issue 12: remove() names the groups it could not restore)")
+    assert issubclass(error, MemmodeError)
+    return error
+
+
+def apply_blocks(model, storage: str, folder: Path | None, **options):
+    kwargs = {"offload_dir": folder} if folder is not None else {}
+    return memmode.apply(model, "model_group_offload", device="cpu", storage=storage,
+                         offload_type="block_level", **kwargs, **options)
+
+
+def names_in(folder: Path, pattern: str = "*") -> set[str]:
+    return {p.name for p in Path(folder).glob(pattern)} if Path(folder).exists() else set()
+
+
+def assert_removed_after_failures(handle, target, groups, snap, *, must: set[str], maybe: set[str] = frozenset()):
+    """``handle.remove()`` raises ``RestoreError`` whose ``.failed`` names every group of ``must``, perhaps
+    some of ``maybe``, and no other; the message names them; afterwards the handle is removed, no hook
+    is left, every other group holds its original weights bit for bit, and a second remove() is a no-op."""
+    components = dict(getattr(target, "components", None) or {"module": target})
+    with pytest.raises(restore_error()) as info:
+        handle.remove()
+    err = info.value
+    assert isinstance(err, MemmodeError)
+    failed = err.failed
+    assert isinstance(failed, dict), f".failed is {type(failed).__name__}, not a dict"
+    assert must <= set(failed) <= must | maybe, f"failed groups {sorted(failed)}, expected {sorted(must)}" + (
+        f" (and perhaps {sorted(maybe)})" if maybe else "")
+    for key, why in failed.items():
+        assert isinstance(why, str) and why.strip(), f"no reason given for {key}: {why!r}"
+        assert key in str(err), f"the message does not name {key}: {err}"
+    assert not handle.active
+    assert hook_count(target) == 0, "a memmode wrapper or hook is left"
+    for obj in [target, *components.values()]:
+        assert getattr(obj, "_memmode_handle", None) is None, f"{type(obj).__name__} still points to the handle"
+    intact = {key: tensors for key, tensors in groups.items() if key not in failed}
+    assert differing(intact, snap) == {}, "groups reported as restored do not hold their original weights"
+    handle.remove()  # the second time: nothing to do, no error
+    assert not handle.active
+    return err
+
+
+# -- 1. remove() after lost or short files --------------------------------------------------------------
+
+
+def _damage(path: Path, fault: str) -> None:
+    if fault == "delete":
+        os.unlink(path)
+    elif fault == "truncate":
+        os.truncate(path, path.stat().st_size // 2)
+    else:
+        raise AssertionError(fault)
+
+
+@pytest.mark.parametrize("fault", ["delete", "truncate"])
+@pytest.mark.parametrize("storage", FILE_STORAGES)
+def test_remove_restores_every_group_it_can_then_names_the_lost_ones(storage, fault, tmp_path):
+    """Case 1: two group files deleted / truncated after apply; remove() restores the four intact groups
+    bit for bit, then raises RestoreError whose .failed names exactly the two lost groups (mmap+delete:
+    the mapping still holds them, so they may be restored instead); handle removed, no hook left,
+    a second remove() does nothing. Runs in a forked child: a truncated mapping must not kill pytest."""
+    in_forked_child(_remove_after_lost_files, storage, fault, tmp_path / "offload")
+
+
+def _remove_after_lost_files(storage: str, fault: str, folder: Path) -> None:
+    model = make_blocks(0)
+    snap = snapshot({"module": model})
+    (x,) = make_inputs(0)
+    with torch.no_grad():
+        expected = model(x)
+        handle = apply_blocks(model, storage, folder)
+        assert torch.equal(model(x), expected), "before the fault the output equals the model without memmode"
+    groups = stored_groups(handle)
+    every = all_groups(handle)
+    assert sorted(groups) == sorted(BLOCK_KEY.format(i) for i in range(BLOCKS))
+    victims = {BLOCK_KEY.format(1), BLOCK_KEY.format(4)}
+    for key in victims:
+        _damage(groups[key].path, fault)
+    # an mmap session maps its files at apply: a deleted file is still readable through the mapping,
+    # so restoring that group from it is as right as reporting it lost
+    maybe = victims if (storage == "mmap" and fault == "delete") else set()
+    assert_removed_after_failures(handle, model, every, snap, must=victims - maybe, maybe=maybe)
+
+
+def test_remove_on_a_pipeline_names_the_lost_groups_by_component(tmp_path):
+    """Case 1 on a real pipeline (flux, disk, block level): the files of one transformer block and one
+    text-encoder layer deleted; remove() restores every other group of every component, raises
+    RestoreError naming exactly "transformer/transformer_blocks.0" and "text_encoder/encoder.layers.1",
+    and leaves the pipeline without handle or hooks."""
+    pipe = make_pipeline("flux")
+    components = {k: v for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)}
+    snap = snapshot(components)
+    expected = run(make_pipeline("flux"), "flux", 0)
+    handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage="disk", offload_dir=tmp_path / "off")
+    assert torch.equal(run(pipe, "flux", 0), expected), "before the fault the output equals full load"
+    groups = stored_groups(handle)
+    every = all_groups(handle)
+    victims = {"transformer/transformer_blocks.0", "text_encoder/encoder.layers.1"}
+    assert victims <= set(groups), sorted(groups)
+    for key in victims:
+        for path in groups[key].paths:
+            path.unlink()
+    assert_removed_after_failures(handle, pipe, every, snap, must=victims)
+    assert memmode.remove(pipe) is False
+
+
+# -- 2. a file truncated after apply: a clear error at the next call, never SIGBUS ---------------------
+
+_TRUNCATED_CALL = textwrap.dedent("""
+    import json, os, sys
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    torch.set_num_threads(1)
+    import memmode_core as memmode
+    from fault_helpers import make_blocks, make_inputs, stored_groups
+
+    root = sys.argv[2]
+    for storage in sys.argv[3:]:
+        result = {"storage": storage}
+        model = make_blocks(0)
+        (x,) = make_inputs(0)
+        with torch.no_grad():
+            expected = model(x)
+            handle = memmode.apply(model, "model_group_offload", device="cpu", storage=storage,
+                                   offload_dir=os.path.join(root, storage))
+            result["exact_before"] = torch.equal(model(x), expected)
+            path = stored_groups(handle)["module/blocks.2"].path
+            result["file"] = path.name
+            os.truncate(path, path.stat().st_size // 2)
+            print(json.dumps({"storage": storage, "calling": True}), flush=True)
+            try:
+                model(x)
+            except memmode.StorageUnavailableError as exc:
+                result["outcome"] = "StorageUnavailableError"
+                result["message"] = str(exc)
+            except BaseException as exc:
+                result["outcome"] = type(exc).__name__
+                result["message"] = str(exc)
+            else:
+                result["outcome"] = "no error"
+        print(json.dumps(result), flush=True)
+        try:  # not this case's subject (case 1 is), but it must not kill the process either
+            handle.remove()
+        except BaseException as exc:
+            pass
+        print(json.dumps({"storage": storage, "removed": True}), flush=True)
+""")
+
+
+@pytest.fixture(scope="module")
+def truncated_calls(tmp_path_factory):
+    """One child process runs the truncation scenario under disk, then mmap, and reports each."""
+    root = tmp_path_factory.mktemp("truncated")
+    done = subprocess.run([sys.executable, "-c", _TRUNCATED_CALL, str(TESTS_DIR), str(root), *FILE_STORAGES],
+                          capture_output=True, text=True, timeout=180)
+    results = {}
+    for line in done.stdout.splitlines():
+        with contextlib.suppress(ValueError):
+            entry = json.loads(line)
+            results.setdefault(entry["storage"], {}).update(entry)
+    return done, results
+
+
+@pytest.mark.parametrize("storage", FILE_STORAGES)
+def test_a_file_truncated_after_apply_is_a_clear_error_not_a_signal(storage, truncated_calls):
+    """Case 2: a group file truncated to half after apply; the next call of the model (CPU) raises
+    StorageUnavailableError naming the file, in a child process that must exit normally (a SIGBUS,
+    exit -7 / 135, fails the test instead of killing pytest)."""
+    done, results = truncated_calls
+    result = results.get(storage, {})
+    if "outcome" not in result:
+        pytest.fail(f"the child process never finished the {storage} scenario "
+                    f"({'it had started the call' if result.get('calling') else 'before the call'}): "
+                    f"{describe_status_code(done.returncode)}\n{done.stderr[-3000:]}")
+    assert result["exact_before"], "before the fault the output equals the model without memmode"
+    assert result["outcome"] == "StorageUnavailableError", f"{result['outcome']}: {result['message']}"
+    assert result["file"] in result["message"], f"the error does not name the file: {result['message']}"
+    assert result.get("removed"), (f"the child died in remove() after the error: "
+                                   f"{describe_status_code(done.returncode)}\n{done.stderr[-3000:]}")
+    assert done.returncode == 0, f"{describe_status_code(done.returncode)}\n{done.stderr[-3000:]}"
+
+
+# -- 3. verification: truncated, replaced, modified files -----------------------------------------------
+
+
+def _fault_at_next_call(storage: str, fault: str, folder: Path, verify: str | None) -> None:
+    model = make_blocks(0)
+    snap = snapshot({"module": model})
+    (x,) = make_inputs(0)
+    options = {} if verify is None else {"verify": verify}
+    with torch.no_grad():
+        expected = model(x)
+        handle = apply_blocks(model, storage, folder, **options)
+        assert torch.equal(model(x), expected), "before the fault the output equals the model without memmode"
+        assert torch.equal(model(x), expected)
+    groups = stored_groups(handle)
+    every = all_groups(handle)
+    victim, source = groups[BLOCK_KEY.format(2)], groups[BLOCK_KEY.format(4)]
+    assert victim.path != source.path and victim.path.stat().st_size == source.path.stat().st_size
+    maybe: set[str] = set()
+    must = {victim.key}
+    if fault == "truncate":
+        os.truncate(victim.path, victim.path.stat().st_size // 2)
+    elif fault == "replace":  # same size, another group's bytes: only the file's identity tells
+        os.replace(source.path, victim.path)
+        # the source's file is gone: disk cannot restore it; mmap still has it mapped
+        (maybe if storage == "mmap" else must).add(source.key)
+    elif fault == "modify":  # a byte flipped in place: the mtime changes
+        modify_in_place(victim.path, data_offset(victim.layout), keep_mtime=False)
+    elif fault == "modify-keep-mtime":  # only the content tells
+        modify_in_place(victim.path, data_offset(victim.layout), keep_mtime=True)
+    else:
+        raise AssertionError(fault)
+    with torch.no_grad(), pytest.raises(StorageUnavailableError) as info:
+        model(x)
+    assert victim.path.name in str(info.value), f"the error does not name the file: {info.value}"
+    assert_removed_after_failures(handle, model, every, snap, must=must, maybe=maybe)
+
+
+@pytest.mark.parametrize("fault", ["truncate", "replace", "modify"])
+@pytest.mark.parametrize("storage", FILE_STORAGES)
+def test_default_verification_detects_a_changed_file_at_the_next_call(storage, fault, tmp_path):
+    """Case 3, verify="size" (the default): a file truncated, another group's file renamed over it
+    (os.replace: same size, other inode), or a byte flipped in place (new mtime) after apply; the next
+    call raises StorageUnavailableError naming the file; then remove() raises RestoreError naming the
+    damaged group and restores the others bit for bit."""
+    in_forked_child(_fault_at_next_call, storage, fault, tmp_path / "offload", None)
+
+
+@pytest.mark.parametrize("storage", FILE_STORAGES)
+def test_hash_verification_detects_flipped_bytes_with_the_mtime_put_back(storage, tmp_path):
+    """Case 3, verify="hash": a byte flipped in place and the mtime restored with os.utime(ns=...);
+    the content digest catches it at the next call (StorageUnavailableError naming the file), and
+    remove() raises RestoreError naming the group, with every other group intact."""
+    in_forked_child(_fault_at_next_call, storage, "modify-keep-mtime", tmp_path / "offload", "hash")
+
+
+def _flip_unseen_by_metadata(storage: str, folder: Path) -> None:
+    model = make_blocks(0)
+    (x,) = make_inputs(0)
+    with torch.no_grad():
+        expected = model(x)
+        handle = apply_blocks(model, storage, folder)
+        assert torch.equal(model(x), expected)
+        victim = stored_groups(handle)[BLOCK_KEY.format(2)]
+        modify_in_place(victim.path, data_offset(victim.layout), keep_mtime=True)
+        got = model(x)  # size, inode and mtime unchanged: the default check costs one stat and reads no byte
+    assert not torch.equal(got, expected), "the flipped byte is in a weight the model uses"
+    with contextlib.suppress(MemmodeError):
+        handle.remove()
+
+
+@pytest.mark.parametrize("storage", FILE_STORAGES)
+def test_default_verification_is_metadata_only(storage, tmp_path):
+    """Case 3, the documented cost of the default: verify="size" checks size, inode and mtime (one
+    stat per onload) and reads no content, so a flip with the mtime put back goes through — that is
+    what verify="hash" is for (previous test)."""
+    in_forked_child(_flip_unseen_by_metadata, storage, tmp_path / "offload")
+
+
+@pytest.mark.parametrize("verify", ["size", "hash", "none"])
+@pytest.mark.parametrize("storage", FILE_STORAGES)
+def test_every_verify_value_computes_exactly(storage, verify, tmp_path):
+    """Case 3: verify="size" | "hash" | "none" are accepted by disk and mmap and, on intact files, give
+    exactly the output of the model without memmode, call after call; remove() gives the weights back."""
+    model = make_blocks(0)
+    snap = snapshot({"module": model})
+    inputs = make_inputs(1, count=3)
+    with torch.no_grad():
+        expected = [model(x) for x in inputs]
+        handle = apply_blocks(model, storage, tmp_path / "offload", verify=verify)
+        groups = all_groups(handle)
+        for _ in range(2):
+            assert all(torch.equal(model(x), e) for x, e in zip(inputs, expected))
+    handle.remove()
+    assert differing(groups, snap) == {}
+
+
+@pytest.mark.parametrize("value", ["sha256", "", True, None])
+@pytest.mark.parametrize("storage", FILE_STORAGES)
+def test_an_invalid_verify_value_is_refused_before_anything_is_touched(storage, value, tmp_path):
+    """Case 3: verify= other than "size", "hash", "none" is an InvalidOptionError from apply, with the
+    model untouched and no file written."""
+    model = make_blocks(0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    folder = tmp_path / "offload"
+    with pytest.raises(InvalidOptionError, match="verify"):
+        apply_blocks(model, storage, folder, verify=value)
+    assert_untouched(model, before)
+    assert names_in(folder, GROUP_FILES) == set()
+
+
+# -- 4. collecting what a crashed process left ----------------------------------------------------------
+
+_SESSION_CHILD = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    torch.set_num_threads(1)
+    import memmode_core as memmode
+    from fault_helpers import make_blocks, make_inputs
+
+    folder, seed, keep = sys.argv[2], int(sys.argv[3]), sys.argv[4] == "keep"
+    model = make_blocks(seed)
+    (x,) = make_inputs(seed)
+
+    def pause(module, args, output):  # inside block 3's forward: its group is onloaded
+        print("ready", flush=True)
+        time.sleep(300)
+
+    print("imported", flush=True)
+    sys.stdin.readline()
+    handle = memmode.apply(model, "model_group_offload", device="cpu", storage="disk", offload_dir=folder,
+                           keep_files=keep)
+    model.blocks[3][0].register_forward_hook(pause)
+    with torch.no_grad():
+        model(x)
+""")
+
+
+class _Scene:
+    """What the crash-collection scenario saw (see the ``crash_scene`` fixture)."""
+
+    def __init__(self) -> None:
+        self.children: dict[str, subprocess.Popen] = {}
+        self.files: dict[str, set[str]] = {}
+        self.leases: dict[str, set[str]] = {}
+        self.before_parent: set[str] = set()
+        self.after_parent: set[str] = set()
+        self.parent_files: set[str] = set()
+        self.error: str | None = None
+        self.folder: Path | None = None
+
+
+@pytest.fixture(scope="module")
+def crash_scene(tmp_path_factory):
+    """Three child processes apply disk storage in one folder D (different weights each) and stop in
+    the middle of a forward: "dead" and "dead_keep" (keep_files=True) are killed with SIGKILL, "live"
+    stays; then this process applies another model in D. Records the folder before and after that apply."""
+    folder = tmp_path_factory.mktemp("crash") / "D"
+    folder.mkdir()
+    scene = _Scene()
+    scene.folder = folder
+    roles = [("dead", 1, "no"), ("dead_keep", 2, "keep"), ("live", 3, "no")]
+    handle = None
+    try:
+        for role, seed, keep in roles:  # all import at once (the slow part)...
+            scene.children[role] = subprocess.Popen(
+                [sys.executable, "-c", _SESSION_CHILD, str(TESTS_DIR), str(folder), str(seed), keep],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
+        for role, _, _ in roles:  # ...and apply one after the other, to tell whose files are whose
+            child = scene.children[role]
+            assert read_line(child, 120) == "imported"
+            listed = names_in(folder)
+            child.stdin.write(b"go\n")
+            child.stdin.flush()
+            assert read_line(child, 60) == "ready"
+            new = names_in(folder) - listed
+            scene.files[role] = {n for n in new if Path(n).match(GROUP_FILES)}
+            scene.leases[role] = {n for n in new if Path(n).match(LEASES)}
+            assert len(scene.files[role]) == BLOCKS and len(scene.leases[role]) == 1, (role, sorted(new))
+        for role in ("dead", "dead_keep"):
+            scene.children[role].send_signal(signal.SIGKILL)
+            assert scene.children[role].wait(30) == -signal.SIGKILL
+        scene.before_parent = names_in(folder)
+        model = make_blocks(0)
+        handle = apply_blocks(model, "disk", folder)
+        scene.parent_files = {p.name for g in stored_groups(handle).values() for p in g.paths}
+        scene.after_parent = names_in(folder)
+    except AssertionError as exc:
+        scene.error = str(exc)
+    yield scene
+    if handle is not None:
+        with contextlib.suppress(Exception):
+            handle.remove()
+    for child in scene.children.values():
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+        for stream in (child.stdin, child.stdout, child.stderr):
+            stream.close()
+
+
+def _scene(crash_scene: _Scene) -> _Scene:
+    if crash_scene.error:
+        pytest.fail(f"the crash scenario could not be set up: {crash_scene.error}")
+    return crash_scene
+
+
+def test_a_killed_sessions_files_and_lease_are_collected_by_the_next_apply(crash_scene):
+    """Case 4: a child applies disk storage in D and is killed with SIGKILL mid-forward; its group files
+    and lease stay in D. The next apply (another model, same D) removes them, and writes its own."""
+    scene = _scene(crash_scene)
+    dead = scene.files["dead"] | scene.leases["dead"]
+    assert dead <= scene.before_parent, "SIGKILL leaves the files and the lease (the scenario's premise)"
+    assert not dead & scene.after_parent, f"left after the next apply: {sorted(dead & scene.after_parent)}"
+    assert len(scene.parent_files) == BLOCKS and scene.parent_files <= scene.after_parent
+
+
+def test_a_live_peers_files_and_lease_are_never_collected(crash_scene):
+    """Case 4: a child that is alive (sleeping mid-forward) in D keeps its files and lease through
+    another session's apply in D, and can still be killed at the end."""
+    scene = _scene(crash_scene)
+    live = scene.files["live"] | scene.leases["live"]
+    assert scene.children["live"].poll() is None, "the live peer died"
+    assert live <= scene.after_parent, f"a live peer lost {sorted(live - scene.after_parent)}"
+    assert live <= names_in(scene.folder), "a live peer's files vanished later"
+
+
+def test_a_killed_sessions_kept_files_are_not_collected(crash_scene):
+    """Case 4: a child that applied with keep_files=True and was killed with SIGKILL keeps its group
+    files through the next apply in the same folder (they are not collected)."""
+    scene = _scene(crash_scene)
+    assert scene.files["dead_keep"] <= scene.before_parent
+    assert scene.files["dead_keep"] <= scene.after_parent, \
+        f"kept files collected: {sorted(scene.files['dead_keep'] - scene.after_parent)}"
+
+
+# -- 5. two threads, one model ---------------------------------------------------------------------------
+
+CALLS_PER_THREAD = 150
+
+
+@pytest.mark.parametrize("storage", ["ram", "disk", "mmap", "poison"])
+def test_two_threads_calling_one_model_get_exact_outputs(storage, tmp_path):
+    """Case 5: two threads call the same model (6 blocks of Linear 64x64, block-level group offload),
+    150 calls each with their own inputs, under ram, disk, mmap and poison (NaN placeholders at rest);
+    every output equals the model without memmode for that input, no exception, nothing left resident
+    on the device at the end (ledger), and remove() gives back the weights intact."""
+    plugin = (memmode.temporary_plugin(PoisonPlugin(), name="poison", distribution="tests")
+              if storage == "poison" else contextlib.nullcontext())
+    with plugin:
+        model = make_blocks(5)
+        snap = snapshot({"module": model})
+        inputs = [make_inputs(100 + t, count=CALLS_PER_THREAD) for t in range(2)]
+        with torch.no_grad():
+            expected = [[model(x) for x in xs] for xs in inputs]
+        folder = tmp_path / "offload" if storage in FILE_STORAGES else None
+        handle = apply_blocks(model, storage, folder)
+        groups = all_groups(handle)
+        barrier = threading.Barrier(2)
+        errors: list[str] = []
+        wrong: list[tuple[int, int]] = []
+
+        def work(t: int) -> None:
+            with torch.no_grad():
+                barrier.wait(timeout=30)
+                for i, x in enumerate(inputs[t]):
+                    try:
+                        out = model(x)
+                    except BaseException as exc:  # noqa: BLE001 - reported below
+                        errors.append(f"thread {t} call {i}: {type(exc).__name__}: {exc}")
+                        continue
+                    if not torch.equal(out, expected[t][i]):
+                        wrong.append((t, i))
+
+        threads = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not any(thread.is_alive() for thread in threads), "the threads did not finish (a deadlock?)"
+        assert errors == [], f"{len(errors)} calls raised, first: {errors[:3]}"
+        assert wrong == [], f"{len(wrong)} of {2 * CALLS_PER_THREAD} outputs differ, first: {wrong[:5]}"
+        assert handle.report().resident_device_bytes == 0
+        handle.remove()
+        assert differing(groups, snap) == {}
+
+
+# -- 6. small refusals, and the keep_files rule ----------------------------------------------------------
+
+
+def assert_untouched(model, before: dict[str, torch.Tensor]) -> None:
+    after = model.state_dict()
+    assert set(after) == set(before)
+    assert all(torch.equal(after[k], v) for k, v in before.items()), "the model's weights changed"
+    assert hook_count(model) == 0 and getattr(model, "_memmode_handle", None) is None
+    assert memmode.remove(model) is False
+
+
+def _refused(model, error: type, **kwargs) -> MemmodeError:
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(error) as info:
+        memmode.apply(model, kwargs.pop("mode", "model_group_offload"), device=kwargs.pop("device", "cpu"), **kwargs)
+    assert isinstance(info.value, MemmodeError), f"{type(info.value).__name__} is not a MemmodeError"
+    assert_untouched(model, before)
+    return info.value
+
+
+@pytest.mark.parametrize("storage", FILE_STORAGES)
+def test_an_empty_offload_dir_is_refused(storage, tmp_path, monkeypatch):
+    """Case 6: offload_dir="" (which would write into the current directory) is an InvalidOptionError;
+    nothing is written in the current directory."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    _refused(make_blocks(0), InvalidOptionError, storage=storage, offload_dir="")
+    assert list(cwd.iterdir()) == []
+
+
+@pytest.mark.parametrize("storage", FILE_STORAGES)
+def test_an_offload_dir_with_a_nul_byte_is_a_memmode_error(storage, tmp_path):
+    """Case 6: an offload_dir containing "\\0" is a MemmodeError (not the bare ValueError of os calls),
+    with nothing written."""
+    err = _refused(make_blocks(0), MemmodeError, storage=storage, offload_dir=str(tmp_path / "off\0load"))
+    assert type(err) is not ValueError
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("storage", FILE_STORAGES)
+def test_an_offload_dir_that_is_a_regular_file_says_so(storage, tmp_path):
+    """Case 6: offload_dir naming an existing regular file is a StorageUnavailableError whose message
+    says it is a file, not a folder (not only "[Errno 17] File exists"); the file is left as it was."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a regular file")
+    err = _refused(make_blocks(0), StorageUnavailableError, storage=storage, offload_dir=blocker)
+    message = str(err)
+    assert re.search(r"is a (regular )?file|not a (folder|directory)", message, re.I), message
+    assert blocker.read_text() == "a regular file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["not-a-folder"]
+
+
+@pytest.mark.parametrize("budget", [float("inf"), "1e400GB"], ids=["inf", "1e400GB"])
+def test_an_infinite_vram_budget_is_refused(budget):
+    """Case 6: vram_budget=float('inf') or '1e400GB' with mode "auto" is an InvalidOptionError (not an
+    OverflowError), with the model untouched."""
+    _refused(make_blocks(0), InvalidOptionError, mode="auto", vram_budget=budget)
+
+
+@pytest.mark.parametrize("device", ["xla", "mps"])
+def test_an_unavailable_accelerator_is_refused_at_apply(device):
+    """Case 6: device="xla" / "mps" where that backend is not available is an InvalidOptionError at
+    apply saying it is not available (not a failure at the first forward)."""
+    if device == "mps" and torch.backends.mps.is_available():
+        pytest.skip("MPS is available here")
+    err = _refused(make_blocks(0), InvalidOptionError, device=device, mode="model_cpu_offload")
+    assert re.search(r"not available|unavailable|no \S+ device is available", str(err)), str(err)
+
+
+@pytest.mark.parametrize("device", ["privateuseone", "xpu", "hpu"])
+def test_an_unknown_or_unavailable_device_type_is_refused_at_apply(device):
+    """Case 6: device types torch can name but this machine cannot compute on (privateuseone without
+    a registered backend, xpu / hpu without their runtime) are an InvalidOptionError at apply."""
+    if device == "xpu" and getattr(torch, "xpu", None) is not None and torch.xpu.is_available():
+        pytest.skip("XPU is available here")
+    _refused(make_blocks(0), InvalidOptionError, device=device, mode="model_cpu_offload")
+
+
+def _files_of(handle) -> set[str]:
+    return {p.name for g in stored_groups(handle).values() for p in g.paths}
+
+
+@pytest.mark.parametrize("first_to_remove", ["writer", "reuser"])
+@pytest.mark.parametrize("writer_keeps", [True, False], ids=["writer-keeps", "reuser-keeps"])
+@pytest.mark.parametrize("storage", FILE_STORAGES)
+def test_a_file_survives_if_any_session_that_used_it_kept_files(storage, writer_keeps, first_to_remove, tmp_path):
+    """Case 6, the keep_files rule: two sessions share one offload_dir and the same weights (the first
+    writes the files, the second reuses them), one with keep_files=True and one with False; whichever
+    removes first, the files are there after both removed, and no lease is left."""
+    folder = tmp_path / "shared"
+    writer = apply_blocks(make_blocks(0), storage, folder, keep_files=writer_keeps)
+    reuser = apply_blocks(make_blocks(0), storage, folder, keep_files=not writer_keeps)
+    files = _files_of(writer)
+    assert len(files) == BLOCKS and _files_of(reuser) == files
+    first, second = (writer, reuser) if first_to_remove == "writer" else (reuser, writer)
+    first.remove()
+    assert files <= names_in(folder, GROUP_FILES), "deleted while another session uses them"
+    second.remove()
+    assert files <= names_in(folder, GROUP_FILES), "a session asked to keep these files"
+    assert names_in(folder, LEASES) == set()
+
+
+@pytest.mark.parametrize("storage", FILE_STORAGES)
+def test_files_nobody_kept_are_gone_after_the_last_session(storage, tmp_path):
+    """Case 6, the keep_files rule: two sessions sharing a folder and the same weights, both
+    keep_files=False: the files outlive the first remove() and are gone after the second."""
+    folder = tmp_path / "shared"
+    first = apply_blocks(make_blocks(0), storage, folder)
+    second = apply_blocks(make_blocks(0), storage, folder)
+    files = _files_of(first)
+    first.remove()
+    assert files <= names_in(folder, GROUP_FILES)
+    second.remove()
+    assert names_in(folder, GROUP_FILES) == set() and names_in(folder, LEASES) == set()
