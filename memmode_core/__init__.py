@@ -15,6 +15,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .api import Handle, apply, remove
+from .costs import StorageCost
+from .engine.layout import GroupSpec, Policy
 from .errors import (DuplicatePluginError, IncompatibleModeError, InvalidOptionError, MemmodeError,
                      OffloadedWeightReadError, PluginLoadError, PluginNotInstalledError, RestoreError,
                      StorageUnavailableError, UnknownModeError)
@@ -26,11 +28,13 @@ from .placement import Placement
 from .planner import NoModeFitsError, PlanEntry, plan
 from .plugins import PluginInfo, list_plugins, temporary_plugin
 from .quantizer import Quantizer
-from .storage import Storage, StorageSession
+from .storage import Storage, StorageSession, Tensors, is_placeholder, placeholder
+from .targets import Target
 
 __all__ = [
     "apply", "remove", "plan", "PlanEntry", "NoModeFitsError", "Handle", "Report", "parse_mode", "Mode", "list_plugins", "PluginInfo", "hookimpl",
-    "temporary_plugin", "Placement", "Quantizer", "Storage", "StorageSession", "Option",
+    "temporary_plugin", "Placement", "Quantizer", "Storage", "StorageSession", "StorageCost", "Option",
+    "GroupSpec", "Policy", "Target", "Tensors", "placeholder", "is_placeholder",
     "MemmodeError", "UnknownModeError", "PluginNotInstalledError", "PluginLoadError", "IncompatibleModeError",
     "StorageUnavailableError", "DuplicatePluginError", "InvalidOptionError", "OffloadedWeightReadError",
     "RestoreError", "__version__",

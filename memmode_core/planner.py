@@ -24,7 +24,6 @@ latency per synchronous onload; a prefetching placement hides most of its copies
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 from dataclasses import asdict, dataclass, field
@@ -33,6 +32,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
+from .costs import StorageCost, probe
 from .engine.layout import GroupSpec, Policy
 from .engine.runtime import Group, claim_groups
 from .errors import IncompatibleModeError, InvalidOptionError
@@ -41,10 +41,6 @@ from .placement import lay_out
 from .plugins import PluginSet, current
 from .targets import Target
 
-#: Host-to-device bandwidth (bytes/s) by where a storage keeps its copies, when it cannot be measured.
-DEFAULT_BANDWIDTH = {"pageable": 10e9, "pinned": 25e9, "mapped": 6e9, "disk": 2e9, "device": math.inf}
-#: Seconds of fixed cost per synchronous onload (a copy call, a stream synchronisation).
-ONLOAD_LATENCY = {"cuda": 20e-6, "cpu": 1e-6}
 #: Share of a prefetching placement's copy time hidden behind compute.
 PREFETCH_OVERLAP = 0.9
 #: Denoising steps of the default call profile.
@@ -268,36 +264,12 @@ def _owners(group: Group) -> list[nn.Module]:
 # -- bandwidth ------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def measured_bandwidth(device_type: str, kind: str) -> float:
-    """Host-to-device bytes/s, measured once per process on CUDA for pageable and pinned memory."""
-    if device_type != "cuda" or kind not in ("pageable", "pinned") or not torch.cuda.is_available():
-        return DEFAULT_BANDWIDTH[kind]
-    nbytes = 256 << 20
-    host = torch.empty(nbytes, dtype=torch.uint8)
-    if kind == "pinned":
-        host = host.pin_memory()
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dev.copy_(host)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    dev.copy_(host, non_blocking=kind == "pinned")
-    end.record()
-    end.synchronize()
-    return nbytes / (start.elapsed_time(end) / 1e3)
-
-
-def _memory_kind(storage) -> str:
-    return getattr(storage, "memory_kind", "pageable") if storage is not None else "device"
-
-
-def _seconds(entry_bytes: int, onloads: int, kind: str, device: torch.device, prefetch: bool) -> float:
+def _seconds(cost: StorageCost | None, moved: int, onloads: int, device: torch.device, prefetch: bool) -> float:
     """Estimated seconds a call spends moving weights (the quantity ``auto`` minimises)."""
-    latency = onloads * ONLOAD_LATENCY.get(device.type, ONLOAD_LATENCY["cuda"])
-    if device.type == "cpu" and kind in ("pageable", "mapped"):
-        return latency  # the storage's copy is what the CPU computes with: nothing is copied
-    copy = entry_bytes / measured_bandwidth(device.type, kind) if entry_bytes else 0.0
-    return copy * (1 - PREFETCH_OVERLAP) + latency * (1 - PREFETCH_OVERLAP) if prefetch else copy + latency
+    if cost is None:  # nothing offloaded: nothing moves
+        return 0.0
+    seconds = cost.fetch_seconds(moved, onloads)
+    return seconds * (1 - PREFETCH_OVERLAP) if prefetch else seconds
 
 
 # -- budgets --------------------------------------------------------------------------------------------
@@ -404,22 +376,31 @@ def _storages(plugins: PluginSet, placement, device: torch.device, only: str | N
 
 
 def _entry(mode, placement, quantizer, sreg, variant, sized, state: _Replay, device, prefetch) -> PlanEntry:
-    storage = sreg.obj if sreg is not None else None
-    kind = _memory_kind(storage)
+    cost = _cost(sreg.obj, device) if sreg is not None else None
     offloaded = sum(s.nbytes for s in sized if s.group.policy is not Policy.RESIDENT)
     held = {"pageable": 0, "pinned": 0, "disk": 0}
-    if kind in ("pageable", "pinned"):
-        held[kind] = offloaded
-    elif kind in ("disk", "mapped"):
-        held["disk"] = offloaded
+    if cost is not None:
+        held = {"pageable": round(offloaded * cost.pageable_per_byte), "pinned": round(offloaded * cost.pinned_per_byte),
+                "disk": round(offloaded * cost.disk_per_byte)}
     if device.type == "cpu":  # the device is the RAM: resident weights are host memory too
         held["pageable"] += sum(s.nbytes for s in sized if s.group.policy is Policy.RESIDENT)
     return PlanEntry(
         mode=mode, placement=placement, quantizer=quantizer, storage=sreg.name if sreg is not None else None,
         options=dict(variant), peak_device_bytes=state.peak, transfer_bytes_per_call=state.moved,
         onloads_per_call=state.onloads, pageable_bytes=held["pageable"], pinned_bytes=held["pinned"],
-        disk_bytes=held["disk"], seconds_per_call=_seconds(state.moved, state.onloads, kind, device, prefetch),
+        disk_bytes=held["disk"], seconds_per_call=_seconds(cost, state.moved, state.onloads, device, prefetch),
     )
+
+
+def _cost(storage, device: torch.device) -> StorageCost:
+    """The storage's declared or measured cost; a storage whose ``cost`` fails is measured instead."""
+    try:
+        cost = storage.cost(device)
+        if isinstance(cost, StorageCost):
+            return cost
+    except Exception:  # noqa: BLE001 - a plugin's cost() must not break planning
+        pass
+    return probe(storage, device)
 
 
 def _judge(entries: list[PlanEntry], vram: int | None, ram: int | None) -> None:

@@ -19,6 +19,8 @@ A :class:`Storage` is what a plugin registers; ``open`` gives a :class:`StorageS
    behind its back (files) says so there, with a typed error, instead of handing back wrong bytes.
 5. ``close()`` releases whatever the session holds (memory, files it wrote).
 
+The :class:`Storage` itself also says what it costs (:meth:`Storage.cost`), for the planner.
+
 Tensors are passed as ``{slot_name: tensor}`` dicts; slot names are stable within a group.
 """
 
@@ -28,6 +30,7 @@ from typing import Mapping
 
 import torch
 
+from .costs import StorageCost, probe
 from .options import Option
 
 Tensors = dict[str, torch.Tensor]
@@ -80,6 +83,15 @@ class Storage:
     def unavailable_reason(self, device: torch.device | None = None) -> str | None:
         """Why this storage cannot be used (for ``device`` if given), or None when it can."""
         return None
+
+    def cost(self, device: torch.device) -> StorageCost:
+        """What holding and fetching offloaded weights costs on ``device`` (see :mod:`memmode_core.costs`).
+
+        The planner and ``auto`` price this storage with it. Declare it when you know it (a storage
+        that compresses holds fewer bytes and fetches at its decompression speed); by default the
+        storage is measured once per process by :func:`memmode_core.costs.probe`.
+        """
+        return probe(self, device)
 
     def open(self, *, device: torch.device, offload_dir: str | None, options: Mapping[str, object]) -> StorageSession:
         raise NotImplementedError

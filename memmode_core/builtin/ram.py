@@ -11,6 +11,7 @@ from typing import Mapping
 
 import torch
 
+from ..costs import StorageCost, copying_cost
 from ..hookspecs import hookimpl
 from ..storage import Storage, StorageSession, Tensors, host_copy, to_device
 
@@ -56,6 +57,9 @@ class RamStorage(Storage):
 
     def open(self, *, device: torch.device, offload_dir: str | None, options: Mapping[str, object]) -> StorageSession:
         return RamSession()
+
+    def cost(self, device: torch.device) -> StorageCost:
+        return copying_cost("pageable", device, pageable=1.0, zero_copy_on_cpu=True)
 
 
 @hookimpl

@@ -23,6 +23,7 @@ import contextlib
 
 import torch
 
+from memmode_core.costs import StorageCost, copying_cost
 from memmode_core.files import format as group_format
 from memmode_core.files.store import GroupFile, GroupFileSession, GroupFileStorage, GroupFileStore
 from memmode_core.storage import Tensors, host_copy, placeholder, to_device
@@ -95,8 +96,8 @@ class DiskStorage(GroupFileStorage):
     """
 
     name = "disk"
-    #: read by the planner: every onload reads the file
-    memory_kind = "disk"
+    def cost(self, device: torch.device) -> StorageCost:
+        return copying_cost("disk", device, disk=1.0)  # every onload reads the file
     #: files on tmpfs are RAM: the point of this storage is lost
     warn_in_ram = True
     description = "safetensors files, one per group, read back on each onload (RAM: only what is on the device)"

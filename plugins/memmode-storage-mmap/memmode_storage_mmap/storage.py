@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from memmode_core.costs import StorageCost, copying_cost
 from memmode_core.files.store import GroupFileSession, GroupFileStorage, GroupFileStore
 from memmode_core.storage import Tensors
 
@@ -79,8 +80,9 @@ class MmapStorage(GroupFileStorage):
     """
 
     name = "mmap"
-    #: read by the planner: on the CPU nothing is copied; to a GPU, copies from the page cache
-    memory_kind = "mapped"
+    def cost(self, device: torch.device) -> StorageCost:
+        # on the CPU nothing is copied; to a GPU, copies from the page cache; the files are on disk
+        return copying_cost("mapped", device, disk=1.0, zero_copy_on_cpu=True)
     description = "memory-mapped safetensors files: zero-copy on CPU, one copy in RAM shared by all processes"
 
     def session(self, store: GroupFileStore, device: torch.device) -> MmapSession:

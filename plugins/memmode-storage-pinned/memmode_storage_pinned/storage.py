@@ -19,6 +19,7 @@ from typing import Mapping
 import torch
 
 from memmode_core import packing
+from memmode_core.costs import StorageCost, copying_cost
 from memmode_core.errors import StorageUnavailableError
 from memmode_core.options import Option, byte_size
 from memmode_core.storage import Storage, StorageSession, Tensors, host_copy
@@ -139,13 +140,14 @@ class PinnedStorage(Storage):
     """
 
     name = "pinned"
-    #: read by the planner: copies from here run at page-locked bandwidth
-    memory_kind = "pinned"
     description = "page-locked CPU memory, exactly sized, for asynchronous copies to a CUDA GPU"
     options = (
         Option("pinned_limit", None, "pin at most this many bytes (e.g. '24GiB'); the groups beyond it stay in "
                "pageable memory (default: pin every offloaded group)", byte_size),
     )
+
+    def cost(self, device: torch.device) -> StorageCost:
+        return copying_cost("pinned", device, pinned=1.0)  # copies run at page-locked bandwidth
 
     def unavailable_reason(self, device: torch.device | None = None) -> str | None:
         if not torch.cuda.is_available():
