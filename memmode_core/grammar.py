@@ -15,7 +15,8 @@ import torch
 
 from .errors import (IncompatibleModeError, PluginLoadError, PluginNotInstalledError, StorageUnavailableError,
                      UnknownModeError)
-from .plugins import AUTOLOAD_ENV, DISABLE_ENV, PluginSet, Registration, autoload_enabled, disabled_names, normalize
+from .plugins import (AUTOLOAD_ENV, DISABLE_ENV, PluginSet, Registration, autoload_enabled, clash_error,
+                      disabled_names, normalize, provided_by, registration_disabled)
 
 SEPARATOR = "_and_"
 
@@ -102,7 +103,13 @@ def lookup(plugins: PluginSet, kind: str, name: str, *, mode: str | None) -> Reg
     reg = plugins.get(kind, name)
     if reg is not None:
         return reg
+    if (kind, name) in plugins.clashes:
+        raise clash_error(plugins.clashes[(kind, name)])
     subject = f"{kind} {name!r}" + (f" (in mode {mode!r})" if mode and mode != name else "")
+    for off in plugins.disabled_registrations:
+        if (off.kind, off.name) == (kind, name):
+            raise UnknownModeError(f"{subject} is provided by {off.distribution}, but disabled by "
+                                   f"{DISABLE_ENV}={registration_disabled(off)}")
     distribution = FIRST_PARTY.get((kind, name))
     if distribution is not None:
         failed = [f for f in plugins.failures if normalize(f.distribution) == normalize(distribution)]
@@ -118,6 +125,10 @@ def lookup(plugins: PluginSet, kind: str, name: str, *, mode: str | None) -> Reg
                 f"{AUTOLOAD_ENV} is set; if it is not installed: pip install {distribution}")
         raise PluginNotInstalledError(f"{subject} is provided by {distribution}, which is not installed: "
                                       f"pip install {distribution}")
+    for source in plugins.disabled:
+        if (kind, name) in provided_by(source):
+            raise UnknownModeError(f"{subject} is provided by the plugin {source.name} ({source.distribution}), "
+                                   f"which is disabled by {DISABLE_ENV}")
     installed = plugins.names(kind)
     message = f"unknown {subject}. Installed {kind}s: {', '.join(installed) or 'none'}."
     suggestion = _closest(plugins, kind, name, mode)
@@ -130,14 +141,22 @@ def lookup(plugins: PluginSet, kind: str, name: str, *, mode: str | None) -> Reg
 
 
 def _closest(plugins: PluginSet, kind: str, name: str, mode: str | None) -> str | None:
-    """The nearest spelling: of the whole mode when a mode was given, else of the name."""
-    known_quantizers = sorted(set(plugins.names("quantizer")) | {n for k, n in FIRST_PARTY if k == "quantizer"})
-    if mode is not None:
-        candidates = list(plugins.names("placement"))
-        candidates += [f"{p}{SEPARATOR}{q}" for p in plugins.names("placement") for q in known_quantizers]
-        match = difflib.get_close_matches(mode, candidates, n=1, cutoff=0.6)
-        if match:
-            return match[0]
-    pool = plugins.names(kind) + [n for k, n in FIRST_PARTY if k == kind]
-    match = difflib.get_close_matches(name, sorted(set(pool)), n=1, cutoff=0.6)
-    return match[0] if match else None
+    """The nearest spelling of the part that is wrong; in a mode, the other part is kept as written
+    (``keep_frist_offload_and_int8wo`` -> ``keep_first_offload_and_int8wo``, not some other mode)."""
+    def known(k: str) -> list[str]:
+        return sorted(set(plugins.names(k)) | {n for kk, n in FIRST_PARTY if kk == k}
+                      | {n for kk, n in plugins.clashes if kk == k})
+
+    parsed = parse_mode(mode) if mode is not None and kind in ("placement", "quantizer") else None
+    if parsed is not None and parsed.quantizer is None:
+        # no separator: perhaps it is missing ("model_group_offload_qfloat8")
+        pool = known("placement") + [f"{p}{SEPARATOR}{q}" for p in known("placement") for q in known("quantizer")]
+        match = difflib.get_close_matches(mode, pool, n=1, cutoff=0.6)
+        return match[0] if match else None
+    match = difflib.get_close_matches(name, known(kind), n=1, cutoff=0.6)
+    if not match:
+        return None
+    if parsed is None:
+        return match[0]
+    fixed = Mode(match[0], parsed.quantizer) if kind == "placement" else Mode(parsed.placement, match[0])
+    return str(fixed)

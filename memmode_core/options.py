@@ -115,10 +115,23 @@ def resolve_options(
     """Route ``given`` keywords to the declaring owners; fill defaults; refuse unknown names.
 
     ``declared`` is ``[(owner_label, options), ...]``; the result maps each owner label to its
-    complete option dict. A keyword declared by several owners goes to each of them.
+    complete option dict. Options are one flat namespace per mode (``apply(..., offload_type=...,
+    keep_files=...)``), so two owners of one mode declaring the same name is an error naming both:
+    a value meant for one must never silently reach the other.
     """
     declared = [(owner, {opt.name: opt for opt in options}) for owner, options in declared]
-    known = {name for _, opts in declared for name in opts}
+    declarers: dict[str, list[str]] = {}
+    for owner, opts in declared:
+        for name in opts:
+            declarers.setdefault(name, []).append(owner)
+    shared = {name: owners for name, owners in declarers.items() if len(owners) > 1}
+    if shared:
+        name, owners = sorted(shared.items())[0]
+        raise InvalidOptionError(
+            f"option {name!r} is declared by both {' and '.join(owners)}: options of one mode share one namespace, "
+            f"so a value could not say whose it is. One of the plugins must rename it (e.g. prefix it with its name)"
+        )
+    known = set(declarers)
     unknown = sorted(set(given) - known)
     if unknown:
         accepted = ", ".join(sorted(known)) or "none"

@@ -9,7 +9,12 @@ names that clash with nothing) is recorded and isolated instead of taking the ot
 
 - ``MEMMODE_DISABLE_PLUGIN_AUTOLOAD=1`` skips entry points (the built-ins still register).
 - ``MEMMODE_DISABLE_PLUGINS=a,b`` skips plugins by plugin name, distribution name, or the name of
-  a single registration.
+  a registration; ``distribution:name`` skips exactly one distribution's registration of ``name``
+  (the unambiguous way to choose between two packages that register the same name).
+
+Two registrations of one name in one kind are a *clash*: that name becomes an error naming both
+distributions (:class:`~memmode_core.errors.DuplicatePluginError` when it is used), and everything
+else keeps working; ``memmode list`` shows both rows with the clash as the reason.
 """
 
 from __future__ import annotations
@@ -74,6 +79,8 @@ class PluginFailure:
     distribution: str
     version: str | None
     error: str
+    #: the kinds its hooks would have registered, when it got as far as having hooks
+    kinds: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,8 @@ class PluginSource:
     obj: Any
     distribution: str
     version: str | None
+    #: how to load ``obj`` when it was not loaded (a disabled entry point)
+    load: Any = None
 
 
 @dataclass
@@ -92,7 +101,12 @@ class PluginSet:
 
     registrations: dict[str, dict[str, Registration]] = field(default_factory=lambda: {k: {} for k in KINDS})
     failures: list[PluginFailure] = field(default_factory=list)
+    #: plugins not loaded because ``MEMMODE_DISABLE_PLUGINS`` names them
     disabled: list[PluginSource] = field(default_factory=list)
+    #: single registrations ``MEMMODE_DISABLE_PLUGINS`` names (their plugin loaded)
+    disabled_registrations: list[Registration] = field(default_factory=list)
+    #: ``(kind, name)`` registered by several plugins: every registration of it, in discovery order
+    clashes: dict[tuple[str, str], list[Registration]] = field(default_factory=dict)
 
     def get(self, kind: str, name: str) -> Registration | None:
         return self.registrations[kind].get(name)
@@ -193,8 +207,32 @@ def temporary_plugin(obj: Any, *, name: str | None = None, distribution: str = "
 
 
 def disabled_names() -> set[str]:
+    """The plain entries of ``MEMMODE_DISABLE_PLUGINS``: plugin, distribution or registration names."""
+    return {entry for entry in _disable_entries() if ":" not in entry}
+
+
+def disabled_pairs() -> set[tuple[str, str]]:
+    """The ``distribution:name`` entries: one distribution's registration of one name."""
+    return {tuple(entry.split(":", 1)) for entry in _disable_entries() if ":" in entry}
+
+
+def _disable_entries() -> list[str]:
     raw = os.environ.get(DISABLE_ENV, "")
-    return {normalize(part.strip()) for part in raw.split(",") if part.strip()}
+    entries = []
+    for part in raw.split(","):
+        dist, colon, name = part.strip().partition(":")
+        if part.strip():
+            entries.append(f"{normalize(dist.strip())}:{name.strip()}" if colon else normalize(part.strip()))
+    return entries
+
+
+def registration_disabled(reg: Registration) -> str | None:
+    """The ``MEMMODE_DISABLE_PLUGINS`` entry that disables this one registration, if any."""
+    if normalize(reg.name) in disabled_names():
+        return reg.name
+    if (normalize(reg.distribution), reg.name) in disabled_pairs():
+        return f"{reg.distribution}:{reg.name}"
+    return None
 
 
 def autoload_enabled() -> bool:
@@ -216,7 +254,7 @@ def discover() -> PluginSet:
         (result.disabled if is_disabled(source.name, source.distribution) else sources).append(source)
     if autoload_enabled():
         for ep in _entry_points():
-            placeholder = PluginSource(ep.name, None, ep.distribution, ep.version)
+            placeholder = PluginSource(ep.name, None, ep.distribution, ep.version, ep.entry_point.load)
             if is_disabled(ep.name, ep.distribution):
                 result.disabled.append(placeholder)
                 continue
@@ -231,22 +269,33 @@ def discover() -> PluginSet:
     for source in temporary:
         (result.disabled if is_disabled(source.name, source.distribution) else sources).append(source)
 
-    owners: dict[tuple[str, str], Registration] = {}
     for source in sources:
-        staged = _register_one(manager, source, result)
-        for reg in staged:
-            if normalize(reg.name) in disabled:
+        for reg in _register_one(manager, source, result):
+            if registration_disabled(reg):
+                result.disabled_registrations.append(reg)
                 continue
-            clash = owners.get((reg.kind, reg.name))
-            if clash is not None:
-                raise DuplicatePluginError(
-                    f"two plugins register the {reg.kind} {reg.name!r}: {clash.distribution} "
-                    f"(plugin {clash.plugin}) and {reg.distribution} (plugin {reg.plugin}). Uninstall one, "
-                    f"or skip one with {DISABLE_ENV}={reg.plugin}."
-                )
-            owners[(reg.kind, reg.name)] = reg
-            result.registrations[reg.kind][reg.name] = reg
+            key = (reg.kind, reg.name)
+            if key in result.clashes:
+                result.clashes[key].append(reg)
+            elif reg.name in result.registrations[reg.kind]:  # a clash: the name is nobody's until resolved
+                result.clashes[key] = [result.registrations[reg.kind].pop(reg.name), reg]
+            else:
+                result.registrations[reg.kind][reg.name] = reg
     return result
+
+
+def clash_error(registrations: list[Registration]) -> DuplicatePluginError:
+    """The error for a name several plugins register, with the unambiguous way to choose."""
+    kind, name = registrations[0].kind, registrations[0].name
+    who = " and ".join(f"{r.distribution} {r.version or ''} (plugin {r.plugin})".replace("  ", " ")
+                       for r in registrations)
+    keep = registrations[0]
+    others = ",".join(f"{r.distribution}:{name}" for r in registrations[1:])
+    return DuplicatePluginError(
+        f"the {kind} {name!r} is registered by {who}. Uninstall all but one, or choose one: "
+        f"{DISABLE_ENV}={others} keeps {keep.distribution}'s (each 'distribution:name' entry skips only that "
+        f"distribution's {name!r}). Every other name still works."
+    )
 
 
 def _register_one(manager: pluggy.PluginManager, source: PluginSource, result: PluginSet) -> list[Registration]:
@@ -260,7 +309,7 @@ def _register_one(manager: pluggy.PluginManager, source: PluginSource, result: P
     except Exception as exc:
         if manager.is_registered(source.obj):
             manager.unregister(source.obj)
-        result.failures.append(_failure(source, "has invalid hooks", exc))
+        result.failures.append(_failure(source, "has invalid hooks", exc, _kinds_of(source.obj)))
         return []
     staged: list[Registration] = []
     try:
@@ -275,9 +324,32 @@ def _register_one(manager: pluggy.PluginManager, source: PluginSource, result: P
             raise DuplicatePluginError(f"it registers the {kind} {name!r} twice")
     except Exception as exc:
         manager.unregister(source.obj)
-        result.failures.append(_failure(source, "failed to register", exc))
+        result.failures.append(_failure(source, "failed to register", exc, _kinds_of(source.obj)))
         return []
     return staged
+
+
+def _kinds_of(obj: Any) -> tuple[str, ...]:
+    """The kinds a plugin object has hooks for (what it would have provided)."""
+    return tuple(kind for kind, hook in hookspecs.HOOK_FOR_KIND.items() if callable(getattr(obj, hook, None)))
+
+
+def provided_by(source: PluginSource) -> list[tuple[str, str]]:
+    """``(kind, name)`` a plugin that was not loaded (disabled) would register; best effort, for
+    error messages only: it loads the plugin and calls its hooks on a throwaway manager."""
+    obj = source.obj
+    try:
+        if obj is None and source.load is not None:
+            obj = source.load()
+        if obj is None:
+            return []
+        manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        manager.add_hookspecs(hookspecs)
+        scratch = PluginSet()
+        return [(r.kind, r.name) for r in _register_one(manager, PluginSource(source.name, obj, source.distribution,
+                                                                              source.version), scratch)]
+    except Exception:  # noqa: BLE001 - a broken disabled plugin simply provides nothing we can name
+        return []
 
 
 def _check_hooks(manager: pluggy.PluginManager, obj: Any) -> None:
@@ -309,11 +381,11 @@ def _registrar(kind: str, source: PluginSource, staged: list[Registration]):
     return register
 
 
-def _failure(source: PluginSource, what: str, exc: BaseException) -> PluginFailure:
+def _failure(source: PluginSource, what: str, exc: BaseException, kinds: tuple[str, ...] = ()) -> PluginFailure:
     where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
     location = f" ({where.filename}:{where.lineno})" if where else ""
     return PluginFailure(source.name, source.distribution, source.version,
-                         f"{what}: {type(exc).__name__}: {exc}{location}")
+                         f"{what}: {type(exc).__name__}: {exc}{location}", kinds)
 
 
 # -- the cached view -----------------------------------------------------------------------------
@@ -353,14 +425,27 @@ def list_plugins() -> list[PluginInfo]:
             reason = reg.unavailable_reason()
             rows.append(PluginInfo(kind, reg.name, reg.distribution, reg.version, reason is None, reason,
                                    reg.description))
+        for (clash_kind, name), regs in plugins.clashes.items():
+            if clash_kind != kind:
+                continue
+            for reg in regs:
+                others = ", ".join(r.distribution for r in regs if r is not reg)
+                rows.append(PluginInfo(kind, name, reg.distribution, reg.version, False,
+                                       f"clash: {others} also registers {kind} {name!r}; choose with "
+                                       f"{DISABLE_ENV}=<distribution>:{name}", reg.description))
+    for reg in plugins.disabled_registrations:
+        rows.append(PluginInfo(reg.kind, reg.name, reg.distribution, reg.version, False,
+                               f"disabled by {DISABLE_ENV}={registration_disabled(reg)}", reg.description))
     for failure in plugins.failures:
+        would = (f"a plugin that could not be loaded; it would provide: {', '.join(failure.kinds)}" if failure.kinds
+                 else "a plugin that could not be loaded (what it provides is unknown: it did not get that far)")
         rows.append(PluginInfo("plugin", failure.plugin, failure.distribution, failure.version, False,
-                               failure.error, "a plugin that could not be loaded"))
+                               failure.error, would))
     for source in plugins.disabled:
         rows.append(PluginInfo("plugin", source.name, source.distribution, source.version, False,
                                f"disabled by {DISABLE_ENV}", "a plugin that was not loaded"))
     return rows
 
 
-__all__ = ["Registration", "PluginFailure", "PluginInfo", "PluginSet", "current", "discover", "list_plugins",
-           "reset", "temporary_plugin"]
+__all__ = ["Registration", "PluginFailure", "PluginInfo", "PluginSet", "clash_error", "current", "discover",
+           "list_plugins", "provided_by", "reset", "temporary_plugin"]

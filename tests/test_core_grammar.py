@@ -66,6 +66,15 @@ def test_closest_spelling_of_a_whole_mode(nothing_installed):
         memmode.apply(torch.nn.Linear(2, 2), "model_group_offload_qfloat8", device="cpu")
 
 
+@pytest.mark.parametrize("mode, suggestion", [
+    ("model_grup_offload_and_mystery", "model_group_offload_and_mystery"),  # the quantizer half is kept as written
+    ("model_cpu_offload_and_qflot8", "model_cpu_offload_and_qfloat8"),  # the placement half is kept
+])
+def test_did_you_mean_changes_only_the_half_that_is_wrong(nothing_installed, mode, suggestion):
+    with pytest.raises(UnknownModeError, match=f"Did you mean '{suggestion}'"):
+        memmode.apply(torch.nn.Linear(2, 2), mode, device="cpu")
+
+
 @pytest.mark.parametrize("mode, package", [
     ("model_cpu_offload_and_qfloat8", "memmode-qfloat8"),
     ("model_group_offload_and_qfloat8_preconverted", "memmode-qfloat8"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import re
 import subprocess
 import sys
 import types
@@ -12,7 +13,7 @@ import torch
 
 import memmode_core as memmode
 from memmode_core import hookimpl, plugins
-from memmode_core.errors import DuplicatePluginError, PluginLoadError, UnknownModeError
+from memmode_core.errors import DuplicatePluginError, InvalidOptionError, PluginLoadError, UnknownModeError
 from memmode_core.storage import Storage
 
 from fakes import PoisonPlugin
@@ -217,19 +218,66 @@ def test_a_misspelt_hook_makes_the_plugin_invalid(installed):
     assert "unknown hook 'memmode_register_storage'" in row("typo").reason
 
 
-def test_duplicate_names_in_one_kind_name_both_distributions(installed):
-    installed(FakeDistribution("memmode-first", "1.0", [FakeEntryPoint("first", storage_plugin("twin"))]),
-              FakeDistribution("memmode-second", "1.0", [FakeEntryPoint("second", storage_plugin("twin"))]))
+def test_a_clash_makes_only_that_name_an_error(installed):
+    """Two packages registering one name: that name is an error naming both; every other mode, and the
+    listing (both rows, the clash as the reason), keep working."""
+    installed(FakeDistribution("memmode-first", "1.0", [FakeEntryPoint("first", storage_plugin("twin", "solo"))]),
+              FakeDistribution("memmode-second", "2.0", [FakeEntryPoint("second", storage_plugin("twin"))]))
+    twins = [r for r in memmode.list_plugins() if r.name == "twin"]
+    assert {r.distribution for r in twins} == {"memmode-first", "memmode-second"}
+    assert all(not r.available and "clash" in r.reason for r in twins)
+    assert row("solo").available and row("ram").available
+    handle = memmode.apply(torch.nn.Linear(2, 2), "model_group_offload", device="cpu", storage="solo")
+    handle.remove()
     with pytest.raises(DuplicatePluginError) as raised:
-        memmode.list_plugins()
-    assert "memmode-first" in str(raised.value) and "memmode-second" in str(raised.value)
-    assert isinstance(raised.value, ValueError)
+        memmode.apply(torch.nn.Linear(2, 2), "model_group_offload", device="cpu", storage="twin")
+    message = str(raised.value)
+    assert "memmode-first" in message and "memmode-second" in message and isinstance(raised.value, ValueError)
+    assert "MEMMODE_DISABLE_PLUGINS=memmode-second:twin" in message
+
+
+def test_the_suggested_fix_for_a_clash_picks_one_provider(installed, monkeypatch):
+    first, second = storage_plugin("twin", "solo"), storage_plugin("twin")
+    installed(FakeDistribution("memmode-first", "1.0", [FakeEntryPoint("twin", first)]),
+              FakeDistribution("memmode-second", "2.0", [FakeEntryPoint("second", second)]))
+    with pytest.raises(DuplicatePluginError) as raised:
+        memmode.apply(torch.nn.Linear(2, 2), "model_group_offload", device="cpu", storage="twin")
+    suggestion = re.search(r"MEMMODE_DISABLE_PLUGINS=(\S+)", str(raised.value)).group(1)
+    monkeypatch.setenv(plugins.DISABLE_ENV, suggestion)
+    available = [r for r in memmode.list_plugins() if r.name == "twin" and r.available]
+    assert [r.distribution for r in available] == ["memmode-first"]
+    (off,) = [r for r in memmode.list_plugins() if r.name == "twin" and not r.available]
+    assert off.distribution == "memmode-second" and "disabled" in off.reason  # still listed, with why
+    assert row("solo").available
+    memmode.apply(torch.nn.Linear(2, 2), "model_group_offload", device="cpu", storage="twin").remove()
 
 
 def test_a_plugin_clashing_with_a_builtin_is_a_duplicate(installed):
     installed(FakeDistribution("memmode-myram", "1.0", [FakeEntryPoint("myram", storage_plugin("ram"))]))
     with pytest.raises(DuplicatePluginError, match="memmode-core.*memmode-myram"):
-        plugins.current()
+        memmode.apply(torch.nn.Linear(2, 2), "model_group_offload", device="cpu", storage="ram")
+    memmode.apply(torch.nn.Linear(2, 2), "model_full_load", device="cpu").remove()  # needs no storage: works
+
+
+def test_an_unknown_name_from_a_disabled_plugin_says_it_is_disabled(installed, monkeypatch):
+    installed(FakeDistribution("memmode-extra", "1.0", [FakeEntryPoint("extra", storage_plugin("zstore"))]))
+    monkeypatch.setenv(plugins.DISABLE_ENV, "memmode-extra")
+    with pytest.raises(UnknownModeError, match="zstore.*memmode-extra.*disabled by MEMMODE_DISABLE_PLUGINS"):
+        memmode.apply(torch.nn.Linear(2, 2), "model_group_offload", device="cpu", storage="zstore")
+
+
+def test_a_broken_plugins_row_says_what_it_would_have_provided(installed):
+    module = types.ModuleType("halfbroken")
+
+    @hookimpl
+    def memmode_register_quantizers(register):
+        raise RuntimeError("no GPU kernels here")
+
+    module.memmode_register_quantizers = memmode_register_quantizers
+    installed(FakeDistribution("memmode-halfbroken", "1.0", [FakeEntryPoint("halfbroken", module)]))
+    broken = row("halfbroken")
+    assert not broken.available and "no GPU kernels" in broken.reason
+    assert "would provide: quantizer" in broken.description
 
 
 # -- environment variables -----------------------------------------------------------------------------
@@ -249,7 +297,7 @@ def test_plugins_can_be_disabled_by_plugin_distribution_or_registration_name(ins
     ep = FakeEntryPoint("fakestore", storage_plugin("extra", "second"))
     installed(FakeDistribution("memmode-fakestore", "1.0", [ep]))
     monkeypatch.setenv(plugins.DISABLE_ENV, f"unrelated, {blocked}")
-    names = {r.name for r in rows("storage")}
+    names = {r.name for r in rows("storage") if r.available}
     assert "extra" not in names
     if blocked == "extra":  # only that registration goes
         assert "second" in names
@@ -274,3 +322,31 @@ def test_temporary_plugins_do_not_leak(installed):
     with memmode.temporary_plugin(PoisonPlugin(), name="poison", distribution="tests", version="0"):
         assert row("poison").distribution == "tests"
     assert not [r for r in rows() if r.name == "poison"]
+
+
+def test_two_plugins_of_one_mode_declaring_one_option_is_an_error_naming_both(installed):
+    """Options are one flat namespace per mode: a storage declaring the placement's option name would
+    silently receive the placement's value, so it is refused at apply, naming both."""
+    from memmode_core import Option
+
+    class Greedy(Storage):
+        name = "greedy"
+        description = "declares a placement's option"
+        options = (Option("offload_type", "x", "clashes with model_group_offload"),)
+
+        def open(self, *, device, offload_dir, options):
+            raise AssertionError("must be refused before opening")
+
+    class GreedyPlugin:
+        @hookimpl
+        def memmode_register_storages(self, register):
+            register(Greedy())
+
+    installed()
+    target = torch.nn.Linear(2, 2)
+    before = target.weight.detach().clone()
+    with memmode.temporary_plugin(GreedyPlugin(), name="greedy", distribution="memmode-greedy"):
+        with pytest.raises(InvalidOptionError, match="'offload_type'.*placement model_group_offload.*storage greedy"):
+            memmode.apply(target, "model_group_offload", device="cpu", storage="greedy", offload_type="leaf_level")
+        memmode.apply(target, "model_cpu_offload", device="cpu", storage="ram").remove()  # other modes still work
+    assert torch.equal(target.weight, before) and not hasattr(target, "_memmode_handle")
