@@ -17,9 +17,11 @@ import torch
 from torch import nn
 
 from . import pipeline_hooks
+from .devices import resolve_device
 from .engine.runtime import Runtime
 from .errors import IncompatibleModeError, InvalidOptionError
-from .grammar import Resolved, resolve
+from . import quantization
+from .grammar import Resolved, lookup, resolve
 from .ledger import Ledger, Report, clock
 from .options import resolve_options
 from .plugins import current
@@ -155,40 +157,6 @@ def _weakrefable(obj: Any) -> bool:
         weakref.ref(obj)
         return True
     except TypeError:
-        return False
-
-
-def resolve_device(device: Any) -> torch.device:
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise InvalidOptionError(f"device={device!r} is not a torch device: {exc}") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise InvalidOptionError(f"device={device!r}: CUDA is not available on this machine")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-    elif dev.type == "meta":
-        raise InvalidOptionError("device='meta' cannot compute anything")
-    elif dev.type != "cpu" and not _accelerator_available(dev.type):
-        raise InvalidOptionError(
-            f"device={device!r}: no {dev.type} device is available in this process (torch.{dev.type} is missing or "
-            f"reports none); memmode would fail at the first forward"
-        )
-    return dev
-
-
-def _accelerator_available(kind: str) -> bool:
-    """Whether torch can compute on devices of this type here (``mps``, ``xpu``, ``xla``, ...)."""
-    if kind == "mps":
-        return bool(torch.backends.mps.is_available())
-    backend = getattr(torch, kind, None)
-    is_available = getattr(backend, "is_available", None)
-    try:
-        return bool(is_available()) if callable(is_available) else False
-    except Exception:  # noqa: BLE001 - a backend that cannot even answer is not available
         return False
 
 
@@ -431,6 +399,17 @@ def _refuse_foreign_handles(tgt: Target, previous: Handle | None) -> None:
                 f"component {name!r} is already placed by memmode mode {other.mode!r} applied to "
                 f"{type(owner).__name__}; call remove() on that first"
             )
+
+
+def convert(quantizer: Any, module: nn.Module, **kwargs: Any):
+    """Pack ``module``'s layers in a quantizer's format ahead of ``apply`` (the order FSDP2 needs).
+
+    ``quantizer``: a registered name (``"qfloat4"``) or a ``Quantizer``; see
+    :func:`memmode_core.quantization.convert` for the rest.
+    """
+    if isinstance(quantizer, str):
+        quantizer = lookup(current(), "quantizer", quantizer, mode=None).obj
+    return quantization.convert(quantizer, module, **kwargs)
 
 
 def remove(target: Any) -> bool:

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .costs import StorageCost, probe
+from .devices import resolve_device
 from .engine.layout import GroupSpec, Policy
 from .engine.runtime import Group, claim_groups
 from .errors import IncompatibleModeError, InvalidOptionError
@@ -307,8 +308,6 @@ def plan(target: Any, *, device: Any = None, vram_budget: Any = None, ram_budget
     entry ``auto`` would choose has ``chosen=True``. ``options`` are placement options applied to
     every candidate that accepts them (e.g. ``num_blocks_per_group=2``).
     """
-    from .api import resolve_device
-
     tgt = Target.of(target).without(exclude_components or ())
     dev = resolve_device(device)
     vram = _budget("vram_budget", vram_budget)

@@ -20,6 +20,7 @@ else keeps working; ``memmode list`` shows both rows with the clash as the reaso
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import re
 import threading
@@ -144,14 +145,19 @@ def core_version() -> str:
         return __version__
 
 
-def builtin_sources() -> list[PluginSource]:
-    from .builtin import placements, ram
+#: The plugins built into memmode-core: plugin name -> module. They are loaded by name, exactly as an
+#: entry point is, and register through the same hooks: discovery sits below every plugin (built-in
+#: placements such as ``auto`` use the planner, which uses discovery), so it never imports one directly.
+BUILTIN_PLUGINS = {
+    "memmode-core.placements": "memmode_core.builtin.placements",
+    "memmode-core.ram": "memmode_core.builtin.ram",
+}
 
+
+def builtin_sources() -> list[PluginSource]:
     version = core_version()
-    return [
-        PluginSource("memmode-core.placements", placements, CORE_DISTRIBUTION, version),
-        PluginSource("memmode-core.ram", ram, CORE_DISTRIBUTION, version),
-    ]
+    return [PluginSource(name, importlib.import_module(module), CORE_DISTRIBUTION, version)
+            for name, module in BUILTIN_PLUGINS.items()]
 
 
 @dataclass(frozen=True)

@@ -71,14 +71,26 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .errors import IncompatibleModeError, InvalidOptionError
-from .quantizer import DEFAULT_EXCLUDE, OUTSIDE_BLOCKS, PAYLOAD, Quantizer
+
+if TYPE_CHECKING:  # the contract sits above these mechanics: its default check/quantize call them
+    from .quantizer import Quantizer
+
+#: the key of ``Quantizer.pack``'s result that takes the place of the layer's ``weight`` parameter
+PAYLOAD = "weight_packed"
+
+#: The default-exclusion rule "layers outside the repeated blocks" (a rule, not a name fragment).
+OUTSIDE_BLOCKS = "<outside blocks>"
+
+#: What every quantizer leaves at full precision unless told otherwise (measured; see the module
+#: docstring). ``exclude=`` adds to it; the ``default_exclude`` option replaces it.
+DEFAULT_EXCLUDE: tuple[str, ...] = (OUTSIDE_BLOCKS,)
 from .targets import is_fsdp1
 
 #: attribute of a packed ``nn.Linear`` holding its :class:`PackedLayer` record
@@ -554,7 +566,7 @@ def check_component(quantizer: Quantizer, name: str, component: nn.Module, *, ex
         raise IncompatibleModeError(
             f"{quantizer.name} only installs the dequantizing forward on layers converted to {fmt} beforehand, and "
             f"{name!r} holds no {fmt} layer. Convert it while its weights are whole, before any sharding "
-            f"(memmode_core.quantization.convert({fmt!r}, model)), or use {fmt} on an unsharded model."
+            f"(memmode_core.convert({fmt!r}, model)), or use {fmt} on an unsharded model."
         )
     wrapped = [p for p in plan.to_pack if _data_type(p.module.weight) is not torch.Tensor
                and not _is_dtensor(p.module.weight)]
@@ -569,7 +581,7 @@ def check_component(quantizer: Quantizer, name: str, component: nn.Module, *, ex
         raise IncompatibleModeError(
             f"cannot quantize {name!r} with {quantizer.name}: its weights are already sharded (DTensor, e.g. "
             f"{sharded[0]}.weight), and scales must be computed on whole weights. Convert before sharding: "
-            f"memmode_core.quantization.convert({fmt!r}, model) on every rank while the weights are whole, then "
+            f"memmode_core.convert({fmt!r}, model) on every rank while the weights are whole, then "
             f"fully_shard, then apply the mode."
         )
     meta = [p.path for p in plan.to_pack if p.module.weight.is_meta]
@@ -661,10 +673,8 @@ def convert(quantizer: Quantizer | str, module: nn.Module, *, exclude: Iterable[
     if not isinstance(module, nn.Module):
         raise TypeError(f"convert() takes a torch.nn.Module such as pipe.transformer, not {type(module).__name__}")
     if isinstance(quantizer, str):
-        from .grammar import lookup
-        from .plugins import current
-
-        quantizer = lookup(current(), "quantizer", quantizer, mode=None).obj
+        raise TypeError(f"quantization.convert() takes a Quantizer instance; for a registered name use "
+                        f"memmode_core.convert({quantizer!r}, module)")
     options = {"default_exclude": tuple(default_exclude)}
     plan = check_component(quantizer, type(module).__name__, module, exclude=tuple(exclude), options=options)
     before = _component_bytes(module)

@@ -34,25 +34,15 @@ A complete third-party quantizer is therefore a page::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 import torch
 from torch import nn
 
 from .options import Option, names_list
+from .quantization import (DEFAULT_EXCLUDE, OUTSIDE_BLOCKS, PAYLOAD, QuantizationSummary, check_components,
+                           quantize_component)
 
-if TYPE_CHECKING:
-    from .quantization import QuantizationSummary
-
-#: the key of :meth:`Quantizer.pack`'s result that takes the place of the layer's ``weight`` parameter
-PAYLOAD = "weight_packed"
-
-#: The default-exclusion rule "layers outside the repeated blocks" (a rule, not a name fragment).
-OUTSIDE_BLOCKS = "<outside blocks>"
-
-#: What every quantizer leaves at full precision unless told otherwise (measured; see
-#: :mod:`memmode_core.quantization`). ``exclude=`` adds to it; the ``default_exclude`` option replaces it.
-DEFAULT_EXCLUDE: tuple[str, ...] = (OUTSIDE_BLOCKS,)
 
 #: The option every quantizer accepts. A plugin that declares options of its own extends
 #: ``Quantizer.options`` (``options = Quantizer.options + (Option(...),)``) rather than replacing it.
@@ -124,15 +114,11 @@ class Quantizer:
     def check(self, components: Mapping[str, nn.Module], *, weight_dtype: torch.dtype | None,
               exclude: tuple[str, ...], options: Mapping[str, object]) -> None:
         """Raise ``IncompatibleModeError`` before anything is touched if these components cannot be quantized."""
-        from .quantization import check_components
-
         check_components(self, components, weight_dtype=weight_dtype, exclude=exclude, options=options)
 
     def quantize(self, component: nn.Module, *, weight_dtype: torch.dtype | None, exclude: tuple[str, ...],
-                 options: Mapping[str, object]) -> "QuantizationSummary":
+                 options: Mapping[str, object]) -> QuantizationSummary:
         """Quantize ``component`` in place and return a summary of what was done."""
-        from .quantization import quantize_component
-
         return quantize_component(self, component, weight_dtype=weight_dtype, exclude=exclude, options=options)
 
     def __repr__(self) -> str:

@@ -94,7 +94,7 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
         for mode in SUPPORTED:
             model = build_transformer()
             if mode.endswith("qfloat4"):
-                quantization.convert("qfloat4", model)
+                memmode.convert("qfloat4", model)
             else:
                 convert(model)
             shard(model, mesh)

@@ -1,0 +1,45 @@
+"""Which device computes: ``apply(device=...)`` and ``plan(device=...)`` resolve it here, before
+anything is touched. An accelerator that is not available in this process is refused now rather
+than at the first forward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .errors import InvalidOptionError
+
+
+def resolve_device(device: Any) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidOptionError(f"device={device!r} is not a torch device: {exc}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidOptionError(f"device={device!r}: CUDA is not available on this machine")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type == "meta":
+        raise InvalidOptionError("device='meta' cannot compute anything")
+    elif dev.type != "cpu" and not _accelerator_available(dev.type):
+        raise InvalidOptionError(
+            f"device={device!r}: no {dev.type} device is available in this process (torch.{dev.type} is missing or "
+            f"reports none); memmode would fail at the first forward"
+        )
+    return dev
+
+
+def _accelerator_available(kind: str) -> bool:
+    """Whether torch can compute on devices of this type here (``mps``, ``xpu``, ``xla``, ...)."""
+    if kind == "mps":
+        return bool(torch.backends.mps.is_available())
+    backend = getattr(torch, kind, None)
+    is_available = getattr(backend, "is_available", None)
+    try:
+        return bool(is_available()) if callable(is_available) else False
+    except Exception:  # noqa: BLE001 - a backend that cannot even answer is not available
+        return False

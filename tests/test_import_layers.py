@@ -1,0 +1,133 @@
+"""memmode_core's modules depend on each other in one direction: no import cycle, and no import from a
+lower layer to a higher one.
+
+The layers, bottom to top (documented in ``memmode_core/__init__.py``):
+
+0. contracts — what plugins implement and what every layer shares: errors, options, hookspecs, devices,
+   costs, storage, placement, targets, the group vocabulary (``engine.layout``) and the byte packing;
+1. mechanics — the engine (runtime, hooks, inputs, watch, ledger, staging, group files, pipeline hooks)
+   and quantization (the mechanics, then the ``Quantizer`` base class whose default ``check`` and
+   ``quantize`` are those mechanics);
+2. discovery — plugins, grammar (it checks registrations against the base classes, ``Quantizer`` included);
+3. planner;
+4. built-in plugins (``auto`` asks the planner);
+5. apply, the VideoX-Fun drop-in, the CLI and its demo pipeline, the package itself.
+
+Every import counts — at module level or inside a function — except those under ``if TYPE_CHECKING:``,
+which never run. Discovery loads the built-in plugins by module name, as it loads entry points.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "memmode_core"
+
+LAYERS = [
+    ("contracts", ["errors", "options", "units", "hookspecs", "devices", "costs", "storage", "placement", "targets",
+                   "engine.layout", "packing"]),
+    ("mechanics", ["engine", "ledger", "staging", "files", "pipeline_hooks", "quantization", "quantizer"]),
+    ("discovery", ["plugins", "grammar"]),
+    ("planner", ["planner"]),
+    ("builtin", ["builtin"]),
+    ("top", ["api", "compat", "cli", "demo", "__init__", "__main__"]),
+]
+
+
+def module_names() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        found[".".join(parts[:-1]) if parts[-1] == "__init__" and len(parts) > 1 else ".".join(parts)] = path
+    return found
+
+
+def layer_of(module: str) -> int:
+    best, rank = -1, None
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, rank = len(prefix), index
+    assert rank is not None, f"memmode_core.{module} is in no layer: add it to LAYERS"
+    return rank
+
+
+def _runtime_imports(tree: ast.AST):
+    """Import nodes, skipping ``if TYPE_CHECKING:`` blocks."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from (n for child in node.orelse for n in _runtime_imports(child))
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        yield from _runtime_imports(node)
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = module_names()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in _runtime_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".") if package else []
+                    base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+                    origin = ".".join([*base, *([node.module] if node.module else [])])
+                elif (node.module or "").startswith("memmode_core"):
+                    origin = node.module[len("memmode_core"):].lstrip(".")
+                else:
+                    continue
+                for alias in node.names:
+                    candidate = f"{origin}.{alias.name}".lstrip(".")
+                    target = candidate if candidate in modules else origin
+                    if target in modules and target != name:
+                        graph[name].add(target)
+            else:
+                for alias in node.names:
+                    if alias.name.startswith("memmode_core."):
+                        target = alias.name[len("memmode_core."):]
+                        if target in modules and target != name:
+                            graph[name].add(target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_import_graph_of_memmode_core_has_no_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(f"memmode_core.{m}" if m else "memmode_core" for m in cycle)
+
+
+def test_imports_only_point_down_the_layers():
+    upward = [(module, target) for module, targets in import_graph().items() for target in targets
+              if layer_of(target) > layer_of(module)]
+    assert upward == [], "imports from a lower layer to a higher one: " + ", ".join(f"{a} -> {b}" for a, b in upward)
+
+
+def test_the_check_sees_imports_inside_functions():
+    """The checker itself: a function-level import is an edge (that is how cycles used to hide)."""
+    tree = ast.parse("def f():\n    from .planner import plan\nif TYPE_CHECKING:\n    from .api import Handle\n")
+    found = [ast.unparse(n) for n in _runtime_imports(tree)]
+    assert found == ["from .planner import plan"]
