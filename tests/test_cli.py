@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 
-from memmode_core.cli import main
+import pytest
+import torch
+
+import memmode_core
+from memmode_core.cli import build_parser, main
 
 
 def test_list_json_has_the_fields_of_the_brief(capsys):
@@ -115,3 +120,155 @@ def test_plan_with_an_impossible_budget_says_auto_would_refuse(capsys):
 def test_bad_mode_is_a_clean_error(capsys):
     assert main(["run", "--size", "tiny", "--mode", "model_cpu_ofload", "--no-progress"]) == 2
     assert "Did you mean 'model_cpu_offload'" in capsys.readouterr().err
+
+
+# -- plugin options: --option NAME=VALUE ---------------------------------------------------------------
+
+
+def test_option_values_are_python_literals_else_strings():
+    args = build_parser().parse_args([
+        "run", "--option", "offload_type=leaf_level", "--option", "num_blocks_per_group=2",
+        "--option", "keep_files=True", "--option", "use_stream=None", "--option", "ratio=0.5",
+        "--option", "block_modules=['blocks', 'layers']", "--option", "pinned_limit=8GiB",
+        "--option", "path=/tmp/a=b", "--option", "empty=",
+    ])
+    assert args.option == [("offload_type", "leaf_level"), ("num_blocks_per_group", 2), ("keep_files", True),
+                           ("use_stream", None), ("ratio", 0.5), ("block_modules", ["blocks", "layers"]),
+                           ("pinned_limit", "8GiB"), ("path", "/tmp/a=b"), ("empty", "")]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--option", "offload_type"], "expected NAME=VALUE"),
+    (["plan", "--option", "=2"], "expected NAME=VALUE"),
+    (["run", "--option", "use_stream=True", "--option", "use_stream=False"], "--option use_stream given twice"),
+    (["run", "--option", "device=cpu"], "use --device"),
+    (["plan", "--option", "vram_budget=8GiB"], "use --vram"),
+])
+def test_a_malformed_option_is_a_usage_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert err.splitlines()[-1].startswith(f"memmode {argv[0]}: error:")
+
+
+def test_run_passes_options_to_apply(monkeypatch, capsys):
+    seen = []
+    real_apply = memmode_core.apply
+
+    def spy(pipe, mode, **kwargs):
+        seen.append(kwargs)
+        return real_apply(pipe, mode, **kwargs)
+
+    monkeypatch.setattr(memmode_core, "apply", spy)
+    assert main(["run", "--size", "tiny", "--steps", "1", "--json", "--mode", "model_group_offload",
+                 "--option", "offload_type=leaf_level", "--option", "use_stream=False"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert seen[0]["offload_type"] == "leaf_level" and seen[0]["use_stream"] is False
+    assert data["options"] == {"offload_type": "leaf_level", "use_stream": False}
+    assert data["results"][0]["mode"] == "model_group_offload" and data["results"][0]["refused"] is None
+
+
+def test_plan_passes_placement_options_to_every_candidate_that_declares_them(capsys):
+    def peaks(*options):
+        assert main(["plan", "--size", "tiny", "--json", *options]) == 0
+        entries = json.loads(capsys.readouterr().out)["entries"]
+        return {(e["mode"], e["storage"], e["options"].get("offload_type")): e["peak_device_bytes"] for e in entries}
+
+    default, two_blocks = peaks(), peaks("--option", "num_blocks_per_group=2")
+    assert default.keys() == two_blocks.keys()
+    for key in default:
+        if key[0] == "model_group_offload" and key[2] == "block_level":  # both blocks in one group: a higher peak
+            assert two_blocks[key] > default[key], key
+        else:  # candidates without the option (or at leaf level, where it does not apply) are unchanged
+            assert two_blocks[key] == default[key], key
+
+
+@pytest.mark.parametrize("command", ["run", "plan"])
+def test_an_option_no_plugin_declares_is_the_invalid_option_message(command, capsys):
+    assert main([command, "--size", "tiny", "--steps", "1", "--no-progress" if command == "run" else "--json",
+                 "--option", "num_block_per_group=2"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("memmode: error: unexpected option num_block_per_group")
+    assert "num_blocks_per_group" in captured.err  # what is accepted
+    assert "Traceback" not in captured.err and captured.out == ""
+
+
+# -- run --compare goes on past a refused mode ---------------------------------------------------------------
+
+
+def test_compare_marks_a_refused_mode_in_its_row_and_goes_on(capsys):
+    # model_full_load with a storage is incompatible; model_cpu_ofload is unknown; model_cpu_offload runs
+    assert main(["run", "--size", "tiny", "--steps", "1", "--no-progress", "--storage", "ram",
+                 "--compare", "model_full_load", "model_cpu_ofload", "model_cpu_offload"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    header = next(line for line in lines if line.startswith("mode"))
+    assert header.split()[-1] == "note"
+    rows = {line.split()[0]: line for line in lines[lines.index(header) + 2:]}
+    assert list(rows) == ["model_full_load", "model_cpu_ofload", "model_cpu_offload"]
+    assert "refused: " in rows["model_full_load"] and "storage='ram'" in rows["model_full_load"]
+    assert "refused: " in rows["model_cpu_ofload"] and "'model_cpu_offload'" in rows["model_cpu_ofload"]  # did you mean
+    assert "refused" not in rows["model_cpu_offload"] and " ram " in rows["model_cpu_offload"]
+    assert "device cpu" in captured.out and captured.err == ""
+
+
+def test_compare_json_has_the_refusal_and_exits_non_zero_when_nothing_ran(capsys):
+    assert main(["run", "--size", "tiny", "--steps", "1", "--json", "--compare", "model_full_load",
+                 "model_cpu_ofload"]) == 0
+    full, typo = json.loads(capsys.readouterr().out)["results"]
+    assert full["refused"] is None and full["output_shape"]
+    assert typo["requested"] == "model_cpu_ofload" and typo["mode"] is None
+    assert "'model_cpu_ofload'" in typo["refused"] and "\n" not in typo["refused"]
+
+    assert main(["run", "--size", "tiny", "--steps", "1", "--no-progress", "--compare", "nothing_a",
+                 "nothing_b"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out.count("refused: ") == 2
+    assert captured.err == "memmode: error: every mode was refused\n"
+
+
+# -- a closed pipe ---------------------------------------------------------------------------------------
+
+
+def test_a_closed_pipe_ends_the_output_quietly():
+    """``memmode list --json | head -1`` and ``memmode list | (reader gone)``: no traceback on stderr."""
+    command = [sys.executable, "-m", "memmode_core.cli", "list"]
+    # the reader reads one line, then goes away (head -1)
+    head_read, head_write = os.pipe()
+    head = subprocess.Popen([*command, "--json"], stdout=head_write, stderr=subprocess.PIPE)
+    # the reader is gone before the first byte is written: the write fails for certain
+    gone_read, gone_write = os.pipe()
+    os.close(gone_read)
+    gone = subprocess.Popen(command, stdout=gone_write, stderr=subprocess.PIPE)
+    os.close(head_write)
+    os.close(gone_write)
+    with os.fdopen(head_read, "rb") as reader:
+        first = reader.readline()
+    assert first == b"[\n"
+    for child, statuses in ((head, (0, 141)), (gone, (141,))):
+        _, err = child.communicate(timeout=120)
+        err = err.decode()
+        assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
+        assert child.returncode in statuses, (child.returncode, err)
+
+
+# -- the demo pipeline is public API -----------------------------------------------------------------------
+
+
+def test_the_demo_pipeline_is_public_api():
+    import memmode_core as memmode
+    from memmode_core.demo import SIZES, demo_call, make_demo_pipeline
+
+    assert "tiny" in SIZES
+    pipe = make_demo_pipeline("tiny")
+    reference = demo_call(pipe, steps=1)  # the size is read off the pipeline
+    dims = SIZES["tiny"]
+    assert reference.dtype == torch.float32 and reference.shape[-2:] == (dims.height, dims.width)
+    handle = memmode.apply(pipe, "model_group_offload", device="cpu")
+    try:
+        assert torch.equal(demo_call(pipe, steps=1), reference)  # lossless: exactly the full-load output
+        assert handle.report().onloads > 0
+    finally:
+        handle.remove()

@@ -1,24 +1,36 @@
-"""The ``memmode`` command: ``list``, ``run`` and ``plan``."""
+"""The ``memmode`` command: ``list``, ``run`` and ``plan``.
+
+It uses memmode_core's public API (``import memmode_core as memmode``), except for reading which
+options the installed plugins declare (``_declared_option_names``), which has no public form yet.
+Exit status: 0 on success; 2 for a usage error or a ``MemmodeError`` (printed as one line, no
+traceback), and for ``run --compare`` when every mode was refused; 141 when the reader of stdout went
+away early (``memmode list | head -1``), quietly.
+"""
 
 from __future__ import annotations
 
 import argparse
+import ast
+import inspect
 import json
+import os
 import sys
 
-from .. import __version__
-from ..errors import MemmodeError
-from ..units import format_bytes
+import memmode_core as memmode
+
+from .table import format_bytes
+
+#: exit status when the reader of stdout went away (128 + SIGPIPE, what a shell reports for ``cmd | head``)
+BROKEN_PIPE_STATUS = 141
 
 
 # -- list ------------------------------------------------------------------------------------------
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from ..plugins import list_plugins
     from .table import render
 
-    rows = list_plugins()
+    rows = memmode.list_plugins()
     if args.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
         return 0
@@ -57,7 +69,7 @@ def _dtype(name: str | None):
     except AttributeError:
         dtype = None
     if not isinstance(dtype, torch.dtype):
-        raise MemmodeError(f"--dtype {name!r} is not a torch dtype (e.g. bfloat16, float16, float32)")
+        raise memmode.MemmodeError(f"--dtype {name!r} is not a torch dtype (e.g. bfloat16, float16, float32)")
     return dtype
 
 
@@ -66,12 +78,12 @@ def _pipeline_source(args: argparse.Namespace):
     import torch
 
     if args.model is None:
-        from .demo import SIZES, build_demo_pipeline, demo_call
+        from .demo import SIZES, demo_call, make_demo_pipeline
 
         dtype = _dtype(args.dtype) or torch.float32
 
         def load():
-            return build_demo_pipeline(args.size, seed=args.seed, dtype=dtype)
+            return make_demo_pipeline(args.size, seed=args.seed, dtype=dtype)
 
         def call(pipe, callback=None):
             return demo_call(pipe, size=args.size, steps=args.steps, seed=args.seed, callback=callback)
@@ -104,6 +116,85 @@ def _pipeline_source(args: argparse.Namespace):
     return load, call, f"{args.model}"
 
 
+# -- plugin options (--option NAME=VALUE) ---------------------------------------------------------------
+
+
+def literal_value(text: str) -> object:
+    """``'2'`` -> 2, ``'True'`` -> True, ``'[1, 2]'`` -> [1, 2]; what is not a Python literal stays a string
+    (``'leaf_level'``, ``'8GiB'``, ``'/tmp/x'``)."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return text
+
+
+def parse_option(text: str) -> tuple[str, object]:
+    """``--option NAME=VALUE`` -> ``(NAME, literal_value(VALUE))``."""
+    name, equals, value = text.partition("=")
+    name = name.strip()
+    if not equals or not name or any(c.isspace() for c in name):
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE (e.g. offload_type=leaf_level), got {text!r}")
+    return name, literal_value(value)
+
+
+#: flags that set what an option of the same name would (``--option device=cuda`` means ``--device cuda``)
+_FLAG_FOR = {"device": "--device", "storage": "--storage", "vram_budget": "--vram", "ram_budget": "--ram",
+             "quantizer": "--quantizer", "steps": "--steps"}
+
+
+def _options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """``args.option`` as the keywords for ``apply`` (run) or ``plan``; usage errors through ``parser``."""
+    parser = getattr(args, "subparser", parser)  # its usage line, not the top-level one
+    pairs = getattr(args, "option", None) or []
+    options: dict = {}
+    for name, value in pairs:
+        if name in options:
+            parser.error(f"--option {name} given twice")
+        options[name] = value
+    if not options:
+        return options
+    function = memmode.plan if args.command == "plan" else memmode.apply
+    own = [p.name for p in inspect.signature(function).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    for name in options:
+        if name in own:
+            hint = f"; use {_FLAG_FOR[name]}" if name in _FLAG_FOR else ""
+            parser.error(f"--option {name}: {name} is an argument of memmode_core.{function.__name__}, "
+                         f"not a plugin option{hint}")
+    return options
+
+
+def _refuse_undeclared(options: dict) -> None:
+    """An option no installed plugin declares is an ``InvalidOptionError``, before any pipeline is loaded
+    (``plan`` itself ignores an option no candidate declares)."""
+    if not options:
+        return
+    declared = _declared_option_names()
+    if declared is None:
+        return
+    unknown = sorted(set(options) - declared)
+    if unknown:
+        raise memmode.InvalidOptionError(
+            f"unexpected option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: no installed placement, "
+            f"storage or quantizer declares {'them' if len(unknown) > 1 else 'it'}; declared options: "
+            f"{', '.join(sorted(declared)) or 'none'}")
+
+
+def _declared_option_names() -> set[str] | None:
+    """The option names of every loaded plugin; None when the plugin set cannot be read this way."""
+    try:
+        from .. import plugins  # memmode_core has no public listing of declared options yet
+
+        registrations = plugins.current().registrations
+        return {option.name for by_name in registrations.values() for registration in by_name.values()
+                for option in getattr(registration.obj, "options", ())}
+    except (ImportError, AttributeError, TypeError):  # laid out differently: apply still refuses unknown options
+        return None
+
+
+def _describe_options(options: dict) -> str:
+    return ", ".join(f"{name}={value!r}" for name, value in options.items())
+
+
 # -- run -------------------------------------------------------------------------------------------
 
 
@@ -117,46 +208,65 @@ def _cmd_run(args: argparse.Namespace) -> int:
         require_matplotlib()  # before minutes of work, not after
     load, call, description = _pipeline_source(args)
     modes = args.compare or [args.mode]
+    _refuse_undeclared(args.options)
+    # --compare goes on past a refused mode; a single --mode that is refused is an error
     results = run_modes(load, call, modes, device=args.device, storage=args.storage, steps=args.steps,
-                        progress=not args.no_progress and not args.json, trace=bool(args.plot))
-    if args.plot:
+                        progress=not args.no_progress and not args.json, trace=bool(args.plot),
+                        apply_options=args.options, keep_going=bool(args.compare))
+    ran = [r for r in results if r.ran]
+    if args.plot and ran:
         from .plotting import plot_traces
 
-        plot_traces(results, args.plot)
+        plot_traces(ran, args.plot)
     if args.json:
-        print(json.dumps({"pipeline": description, "steps": args.steps,
-                          "results": [r.as_dict() for r in results]}, indent=2))
-        return 0
-    print(f"{description}, {args.steps} steps, device {results[0].device}")
-    print(render(
-        ["mode", "storage", "s/call", "peak on device", "moved/call", "RAM (offloaded)", "disk"],
-        [((r.mode if r.requested == r.mode else f"{r.requested} -> {r.mode}"), r.storage or "-",
-          f"{r.seconds_per_call:.2f}", format_bytes(r.peak_device_bytes), format_bytes(r.bytes_transferred),
-          format_bytes(r.offloaded_ram_bytes), format_bytes(r.disk_bytes) if r.disk_bytes else "-")
-         for r in results],
-        right=["s/call", "peak on device", "moved/call", "RAM (offloaded)", "disk"],
-    ))
-    if args.plot:
-        print(f"plot written to {args.plot}")
+        print(json.dumps({"pipeline": description, "steps": args.steps, "options": args.options,
+                          "results": [r.as_dict() for r in results]}, indent=2, default=repr))
+    else:
+        device = f", device {ran[0].device}" if ran else ""
+        print(f"{description}, {args.steps} step{'s' if args.steps != 1 else ''}{device}")
+        if args.options:
+            print(f"options: {_describe_options(args.options)}")
+        refused = any(not r.ran for r in results)
+        headers = ["mode", "storage", "s/call", "peak on device", "moved/call", "RAM (offloaded)", "disk"]
+        print(render(headers + (["note"] if refused else []), [_run_row(r, refused) for r in results],
+                     right=headers[2:]))
+        if args.plot and ran:
+            print(f"plot written to {args.plot}")
+    if not ran:
+        print("memmode: error: every mode was refused", file=sys.stderr)
+        return 2
     return 0
+
+
+def _run_row(r, with_note: bool) -> tuple:
+    if not r.ran:
+        return (r.requested, "-", "-", "-", "-", "-", "-", f"refused: {r.refused}")
+    row = ((r.mode if r.requested == r.mode else f"{r.requested} -> {r.mode}"), r.storage or "-",
+           f"{r.seconds_per_call:.2f}", format_bytes(r.peak_device_bytes), format_bytes(r.bytes_transferred),
+           format_bytes(r.offloaded_ram_bytes), format_bytes(r.disk_bytes) if r.disk_bytes else "-")
+    return row + ("",) if with_note else row
 
 
 # -- plan ------------------------------------------------------------------------------------------
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from ..planner import plan
     from .table import render
 
+    _refuse_undeclared(args.options)
     load, _, description = _pipeline_source(args)
     pipe = load()
-    entries = plan(pipe, device=args.device, vram_budget=args.vram, ram_budget=args.ram,
-                   quantizer=args.quantizer or None, steps=args.steps)
+    # placement options go to every candidate whose placement declares them
+    entries = memmode.plan(pipe, device=args.device, vram_budget=args.vram, ram_budget=args.ram,
+                           quantizer=args.quantizer or None, steps=args.steps, **args.options)
     if args.json:
         print(json.dumps({"pipeline": description, "steps": args.steps, "vram_budget": args.vram,
-                          "ram_budget": args.ram, "entries": [e.as_dict() for e in entries]}, indent=2))
+                          "ram_budget": args.ram, "options": args.options,
+                          "entries": [e.as_dict() for e in entries]}, indent=2, default=repr))
         return 0
     print(f"{description}: predicted per call of {args.steps} steps")
+    if args.options:
+        print(f"options: {_describe_options(args.options)} (for each mode whose plugins declare them)")
     rows = []
     for e in sorted(entries, key=lambda e: (not e.fits, e.seconds_per_call, e.peak_device_bytes)):
         options = ", ".join(f"{k}={v}" for k, v in e.options.items())
@@ -193,11 +303,15 @@ def _add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, help="with --model")
     parser.add_argument("--num-frames", dest="num_frames", type=int, help="with --model (video pipelines)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--option", action="append", type=parse_option, metavar="NAME=VALUE",
+                        help="a plugin option, repeatable: --option offload_type=leaf_level --option "
+                             "num_blocks_per_group=2 (VALUE is read as a Python literal when it is one: 2, "
+                             "True, None, [1, 2]; else kept as a string)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memmode", description="GPU memory modes for diffusers pipelines.")
-    parser.add_argument("--version", action="version", version=f"memmode {__version__}")
+    parser.add_argument("--version", action="version", version=f"memmode {memmode.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
 
     listing = commands.add_parser("list", help="what is installed: placements, quantizers, storages")
@@ -207,28 +321,51 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run a pipeline under a mode and report time and memory")
     _add_pipeline_arguments(run)
     run.add_argument("--mode", default="model_group_offload", help="the mode (default: model_group_offload)")
-    run.add_argument("--compare", nargs="+", metavar="MODE", help="run several modes side by side")
+    run.add_argument("--compare", nargs="+", metavar="MODE",
+                     help="run several modes side by side; a refused mode gets a row saying why and the others "
+                          "still run (exit status 0 when at least one ran)")
     run.add_argument("--storage", help="where offloaded weights wait (default: pinned on CUDA if installed, else ram)")
     run.add_argument("--plot", metavar="FILE.png", help="draw resident device bytes over time for each mode")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
-    run.set_defaults(func=_cmd_run)
+    run.set_defaults(func=_cmd_run, subparser=run)
 
     planning = commands.add_parser("plan", help="what each mode would cost, and which one auto would pick")
     _add_pipeline_arguments(planning)
     planning.add_argument("--vram", help="device budget for weights, e.g. 8GiB")
     planning.add_argument("--ram", help="RAM budget for offloaded weights, e.g. 32GiB")
     planning.add_argument("--quantizer", nargs="+", metavar="NAME", help="also plan these quantizers")
-    planning.set_defaults(func=_cmd_plan, steps=20)
+    planning.set_defaults(func=_cmd_plan, subparser=planning, steps=20)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
-    except MemmodeError as exc:
-        print(f"memmode: error: {exc}", file=sys.stderr)
-        return 2
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        args.options = _options(parser, args)
+        try:
+            status = args.func(args)
+        except memmode.MemmodeError as exc:
+            print(f"memmode: error: {exc}", file=sys.stderr)
+            status = 2
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        return status
+    except BrokenPipeError:
+        _discard_stdout()
+        return BROKEN_PIPE_STATUS
+
+
+def _discard_stdout() -> None:
+    """The reader of stdout went away (``memmode list | head -1``): what is still buffered goes to
+    devnull, so that the interpreter's final flush does not print a second error."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no real stdout (captured, closed): nothing to redirect
+        pass
 
 
 if __name__ == "__main__":  # pragma: no cover

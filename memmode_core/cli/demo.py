@@ -1,5 +1,8 @@
 """The built-in pipeline ``memmode run`` uses when no ``--model`` is given.
 
+Public API as ``memmode_core.demo`` (``make_demo_pipeline``, ``demo_call``, ``SIZES``): plugin
+authors test their plugin on it (see docs/getting-started.md).
+
 A Wan 2.2-shaped text-to-video pipeline (two transformer experts, a UMT5 text encoder, the Wan VAE
 with its feature cache) built from configs in code with random weights: nothing is downloaded,
 and the same seed always builds the same weights. Its outputs are noise; what it is good for is
@@ -57,8 +60,13 @@ def _seeded(seed: int, build):
         return build().eval()
 
 
-def build_demo_pipeline(size: str = "small", seed: int = 0, dtype: torch.dtype = torch.float32):
-    """A fresh Wan 2.2-shaped pipeline of ``size`` (see ``SIZES``) on the CPU."""
+def make_demo_pipeline(size: str = "small", seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A fresh Wan 2.2-shaped ``diffusers.WanPipeline`` of ``size`` (a key of ``SIZES``) on the CPU.
+
+    The same ``seed`` always builds the same weights; the progress bar is off.
+    """
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {', '.join(sorted(SIZES))}, not {size!r}")
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -96,15 +104,33 @@ def build_demo_pipeline(size: str = "small", seed: int = 0, dtype: torch.dtype =
     return pipe
 
 
+def demo_size(pipe) -> str:
+    """The key of ``SIZES`` a pipeline from ``make_demo_pipeline`` was built with."""
+    config = getattr(getattr(pipe, "transformer", None), "config", None)
+    for name, dims in SIZES.items():
+        if config is not None and (config.num_attention_heads, config.attention_head_dim, config.num_layers) == \
+                (dims.heads, dims.head_dim, dims.layers):
+            return name
+    raise ValueError("not a pipeline from make_demo_pipeline: pass size=")
+
+
 def demo_call_kwargs(size: str = "small", steps: int = 4) -> dict:
+    """The keyword arguments of one demo call (prompt, frames, resolution, steps, ``output_type='pt'``)."""
     dims = SIZES[size]
     return dict(prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, height=dims.height, width=dims.width,
                 num_frames=dims.frames, num_inference_steps=steps, guidance_scale=4.0, guidance_scale_2=3.0,
                 max_sequence_length=32, output_type="pt")
 
 
-def demo_call(pipe, *, size: str = "small", steps: int = 4, seed: int = 0, callback=None) -> torch.Tensor:
-    """One call of the demo pipeline; returns the frames as a float32 CPU tensor."""
+def demo_call(pipe, *, size: str | None = None, steps: int = 4, seed: int = 0, callback=None) -> torch.Tensor:
+    """One call of the demo pipeline; returns the frames as a float32 CPU tensor.
+
+    ``size`` defaults to the size ``pipe`` was built with. The same ``seed`` gives the same output,
+    so a lossless mode's output equals the full-load output exactly. ``callback`` is diffusers'
+    ``callback_on_step_end``.
+    """
+    if size is None:
+        size = demo_size(pipe)
     extra = {}
     if callback is not None:
         extra["callback_on_step_end"] = callback

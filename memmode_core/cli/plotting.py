@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..errors import MemmodeError
+import memmode_core as memmode
 
 
 def require_matplotlib():
     try:
         import matplotlib
     except ImportError:
-        raise MemmodeError("--plot needs matplotlib: pip install 'memmode-core[plot]' (or pip install matplotlib)") \
+        raise memmode.MemmodeError("--plot needs matplotlib: pip install 'memmode-core[plot]' (or pip install matplotlib)") \
             from None
     return matplotlib
 
@@ -23,7 +23,7 @@ def plot_traces(results: Sequence, path: str) -> None:
 
     figure, axes = plt.subplots(figsize=(9, 4.5), dpi=120)
     for result in results:
-        if not result.trace:
+        if not result.trace:  # a refused mode has none
             continue
         times = [t for t, _ in result.trace]
         mib = [b / 2**20 for _, b in result.trace]

@@ -2,7 +2,9 @@
 
 Each mode gets a freshly loaded pipeline (a quantizer changes the weights for good), one warm-up
 call (it records the execution order that prefetching follows), then one measured call whose
-ledger is reported.
+ledger is reported. With ``keep_going`` (``memmode run --compare``) a mode that ``apply`` refuses
+(any ``MemmodeError``: an unknown name, an incompatible combination, an option its plugins do not
+declare) gets a result with ``refused`` set to the one-line reason, and the other modes still run.
 """
 
 from __future__ import annotations
@@ -15,23 +17,37 @@ from typing import Any, Callable
 
 import torch
 
-from ..api import apply
+import memmode_core as memmode
 
 
 @dataclass
 class RunResult:
+    """One mode's measured call; a refused mode has ``refused`` (the reason) and ``None`` figures."""
+
     requested: str
-    mode: str
+    mode: str | None
     storage: str | None
-    device: str
-    seconds_per_call: float
-    peak_device_bytes: int
-    bytes_transferred: int
-    transfer_seconds: float
-    offloaded_ram_bytes: int
-    disk_bytes: int
-    output_shape: tuple[int, ...]
+    device: str | None
+    seconds_per_call: float | None
+    peak_device_bytes: int | None
+    bytes_transferred: int | None
+    transfer_seconds: float | None
+    offloaded_ram_bytes: int | None
+    disk_bytes: int | None
+    output_shape: tuple[int, ...] | None
     trace: list[tuple[float, int]] = field(default_factory=list, repr=False)
+    refused: str | None = None
+
+    @classmethod
+    def refusal(cls, requested: str, error: BaseException) -> "RunResult":
+        reason = " ".join(str(error).split()) or type(error).__name__  # one line
+        return cls(requested=requested, mode=None, storage=None, device=None, seconds_per_call=None,
+                   peak_device_bytes=None, bytes_transferred=None, transfer_seconds=None, offloaded_ram_bytes=None,
+                   disk_bytes=None, output_shape=None, refused=reason)
+
+    @property
+    def ran(self) -> bool:
+        return self.refused is None
 
     def as_dict(self, with_trace: bool = False) -> dict:
         data = asdict(self)
@@ -49,14 +65,26 @@ def accepts_step_callback(pipe: Any) -> bool:
 
 def run_modes(load: Callable[[], Any], call: Callable[..., torch.Tensor], modes: list[str], *,
               device: Any = None, storage: str | None = None, steps: int, progress: bool = True,
-              trace: bool = False, apply_options: dict | None = None) -> list[RunResult]:
-    """Measure ``call(pipe, callback=...)`` on a fresh ``load()`` under each of ``modes``."""
+              trace: bool = False, apply_options: dict | None = None, keep_going: bool = False) -> list[RunResult]:
+    """Measure ``call(pipe, callback=...)`` on a fresh ``load()`` under each of ``modes``.
+
+    ``apply_options`` go to ``memmode_core.apply`` as keywords for every mode. With ``keep_going``, a
+    mode ``apply`` refuses becomes a ``RunResult.refusal`` instead of an exception.
+    """
     from tqdm.auto import tqdm
 
     results = []
     for mode in modes:
         pipe = load()
-        handle = apply(pipe, mode, device=device, storage=storage, **(apply_options or {}))
+        try:
+            handle = memmode.apply(pipe, mode, device=device, storage=storage, **(apply_options or {}))
+        except memmode.MemmodeError as error:
+            if not keep_going:
+                raise
+            results.append(RunResult.refusal(mode, error))
+            del pipe
+            gc.collect()
+            continue
         bar = tqdm(total=2 * steps, desc=f"{handle.mode}", unit="step", disable=not progress, leave=False)
         callback = _step_callback(bar) if accepts_step_callback(pipe) else None
         try:
