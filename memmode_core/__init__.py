@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 
 from .api import Handle, apply, convert, remove
 from .costs import StorageCost
-from .engine.layout import GroupSpec, Policy
+from .engine.layout import GroupSpec, Policy, block_groups, leaf_groups, whole_component
 from .errors import (DuplicatePluginError, IncompatibleModeError, InvalidOptionError, MemmodeError,
                      OffloadedWeightReadError, PluginLoadError, PluginNotInstalledError, RestoreError,
                      StorageUnavailableError, UnknownModeError)
@@ -45,7 +45,7 @@ from .targets import Target
 __all__ = [
     "apply", "remove", "convert", "plan", "PlanEntry", "NoModeFitsError", "Handle", "Report", "parse_mode", "Mode", "list_plugins", "PluginInfo", "hookimpl",
     "temporary_plugin", "Placement", "Quantizer", "Storage", "StorageSession", "StorageCost", "Option",
-    "GroupSpec", "Policy", "Target", "Tensors", "placeholder", "is_placeholder",
+    "GroupSpec", "Policy", "block_groups", "leaf_groups", "whole_component", "Target", "Tensors", "placeholder", "is_placeholder",
     "MemmodeError", "UnknownModeError", "PluginNotInstalledError", "PluginLoadError", "IncompatibleModeError",
     "StorageUnavailableError", "DuplicatePluginError", "InvalidOptionError", "OffloadedWeightReadError",
     "RestoreError", "__version__",

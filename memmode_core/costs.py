@@ -113,11 +113,11 @@ def _probe(storage: "Storage", device: torch.device) -> StorageCost:
         session.put("probe/small", small)
         held = session.stats()
         zero_copy = session.zero_copy(device)
-        latency = _best_time(lambda: session.fetch("probe/small", device), repeat=20, device=device)
+        latency = _best_time(lambda: session.fetch("probe/small", device), repeat=30, device=device)
         if zero_copy:
             bandwidth = None
         else:
-            seconds = _best_time(lambda: session.fetch("probe/big", device), repeat=3, device=device)
+            seconds = _best_time(lambda: session.fetch("probe/big", device), repeat=7, device=device)
             bandwidth = PROBE_BYTES / max(seconds - latency, 1e-9)
     finally:
         session.close()

@@ -12,7 +12,7 @@ from typing import Mapping
 
 import torch
 
-from .engine.layout import GroupSpec, Policy
+from .engine.layout import GroupSpec, Policy, owns_tensors
 from .errors import IncompatibleModeError
 from .options import Option
 from .targets import Target
@@ -50,8 +50,31 @@ def lay_out(placement: Placement, target: Target, options: Mapping[str, object],
     """
     placement.check(target, options, device)
     specs = placement.layout(target, options)
+    refuse_malformed_layout(target, specs, placement.name)
     refuse_unsupported_splits(target, specs, placement.name)
     return specs
+
+
+def refuse_malformed_layout(target: Target, specs: list[GroupSpec], placement: str) -> None:
+    """A layout must give every group its own key and put every module that holds tensors in a group:
+    two groups under one key would overwrite each other's stored copy, and a module left out would
+    stay wherever it is (on CUDA, a device mismatch at the first call). A plugin bug, caught at apply."""
+    keys: dict[str, int] = {}
+    for spec in specs:
+        keys[spec.key] = keys.get(spec.key, 0) + 1
+    repeated = sorted(key for key, count in keys.items() if count > 1)
+    if repeated:
+        raise IncompatibleModeError(f"placement {placement!r} laid out several groups under the key "
+                                    f"{repeated[0]!r}; every group needs its own key (a placement bug)")
+    owners = {id(module) for spec in specs for module in spec.owners}
+    for name, component in target.components.items():
+        for path, module in component.named_modules():
+            if id(module) not in owners and owns_tensors(module):
+                raise IncompatibleModeError(
+                    f"placement {placement!r} left {name}.{path or '<root>'} ({type(module).__name__}), which holds "
+                    f"weights, out of every group; a layout must cover every module with parameters or buffers "
+                    f"(a placement bug)"
+                )
 
 
 def refuse_unsupported_splits(target: Target, specs: list[GroupSpec], placement: str) -> None:

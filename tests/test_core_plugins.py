@@ -350,3 +350,46 @@ def test_two_plugins_of_one_mode_declaring_one_option_is_an_error_naming_both(in
             memmode.apply(target, "model_group_offload", device="cpu", storage="greedy", offload_type="leaf_level")
         memmode.apply(target, "model_cpu_offload", device="cpu", storage="ram").remove()  # other modes still work
     assert torch.equal(target.weight, before) and not hasattr(target, "_memmode_handle")
+
+
+class _Layout(memmode.Placement):
+    """A third-party placement whose layout is given by the test."""
+
+    name = "given_layout"
+    description = "test placement"
+
+    def __init__(self, make):
+        self.make = make
+
+    def layout(self, target, options):
+        return self.make(target.components["module"])
+
+
+@pytest.mark.parametrize("bug, match", [
+    ("same key", "several groups under the key 'module/x'"),
+    ("module left out", r"left module\.1 \(Linear\).*out of every group"),
+])
+def test_a_malformed_layout_is_refused_before_anything_changes(installed, bug, match):
+    from memmode_core import GroupSpec
+
+    target = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    if bug == "same key":
+        make = lambda m: [GroupSpec("module/x", "module", [m[0]], [m[0]], [m[0]]),  # noqa: E731
+                          GroupSpec("module/x", "module", [m[1]], [m[1]], [m[1]])]
+    else:
+        make = lambda m: [GroupSpec("module/0", "module", [m[0]], [m[0]], [m[0]])]  # noqa: E731
+
+    class Plugin:
+        @hookimpl
+        def memmode_register_placements(self, register):
+            register(_Layout(make))
+
+    installed()
+    with memmode.temporary_plugin(Plugin(), name="given", distribution="memmode-given"), \
+            memmode.temporary_plugin(PoisonPlugin(), name="poison", distribution="tests"):
+        for storage in ("ram", "poison"):
+            with pytest.raises(memmode.IncompatibleModeError, match=match):
+                memmode.apply(target, "given_layout", device="cpu", storage=storage)
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+    assert not hasattr(target, "_memmode_handle")
