@@ -29,8 +29,8 @@ from .api import Handle, apply, convert, remove
 from .costs import StorageCost
 from .engine.layout import GroupSpec, Policy, block_groups, leaf_groups, whole_component
 from .errors import (DuplicatePluginError, IncompatibleModeError, InvalidOptionError, MemmodeError,
-                     OffloadedWeightReadError, PluginLoadError, PluginNotInstalledError, RestoreError,
-                     StorageUnavailableError, UnknownModeError)
+                     OffloadedWeightReadError, PluginLoadError, PluginNotInstalledError, QuantizedWeightWriteError,
+                     RestoreError, StorageUnavailableError, UnknownModeError)
 from .grammar import Mode, parse_mode
 from .hookspecs import hookimpl
 from .ledger import Report
@@ -48,5 +48,5 @@ __all__ = [
     "GroupSpec", "Policy", "block_groups", "leaf_groups", "whole_component", "Target", "Tensors", "placeholder", "is_placeholder",
     "MemmodeError", "UnknownModeError", "PluginNotInstalledError", "PluginLoadError", "IncompatibleModeError",
     "StorageUnavailableError", "DuplicatePluginError", "InvalidOptionError", "OffloadedWeightReadError",
-    "RestoreError", "__version__",
+    "RestoreError", "QuantizedWeightWriteError", "__version__",
 ]

@@ -60,3 +60,10 @@ class RestoreError(MemmodeError):
             f"remove() restored every weight except {len(self.failed)} group(s), whose stored copy is lost and "
             f"whose tensors now hold NaN placeholders: {lines}"
         )
+
+
+class QuantizedWeightWriteError(IncompatibleModeError, RuntimeError):
+    """An in-place write into a quantized layer's ``weight`` stand-in, refused before it happens.
+
+    An :class:`IncompatibleModeError`, and a ``RuntimeError`` as well: the error torch raised for such a
+    write before memmode refused it (code that caught that keeps working)."""

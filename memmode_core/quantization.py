@@ -77,7 +77,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import IncompatibleModeError, InvalidOptionError
+from .errors import IncompatibleModeError, InvalidOptionError, QuantizedWeightWriteError
 
 if TYPE_CHECKING:  # the contract sits above these mechanics: its default check/quantize call them
     from .quantizer import Quantizer
@@ -168,14 +168,43 @@ class QuantizedLinear(nn.Linear):
         cast activations to it) and device (peft moves an adapter there). The stand-in has the
         full-precision shape, the compute dtype and the packed tensors' current device, and holds
         no memory: one NaN broadcast to that shape. Code that reads its values gets NaN, and code
-        that writes into it (merging an adapter into the base weight) fails: nothing computes
-        with a wrong weight or loses a write silently. The forward never reads it. State dicts
+        that writes into it (merging an adapter into the base weight, ``weight.data += delta``) gets
+        an ``IncompatibleModeError`` before anything is written (:class:`WeightStandIn`): nothing
+        computes with a wrong weight or loses a write silently. The forward never reads it. State dicts
         carry it under ``weight`` too (diffusers' LoRA loaders look the weight up there); loading
         it back is a no-op, loading a real full-precision weight into the layer is an error.
         """
         record: PackedLayer = self._memmode_packed
         payload = self.weight_packed
-        return torch.full((), float("nan"), dtype=record.compute_dtype, device=payload.device).expand(record.shape)
+        nan = torch.full((), float("nan"), dtype=record.compute_dtype, device=payload.device).expand(record.shape)
+        stand_in = nan.as_subclass(WeightStandIn)
+        stand_in._memmode_format = record.format
+        return stand_in
+
+    def _apply(self, fn, recurse=True):
+        """``module.to(dtype)`` / ``.half()`` / ``.float()`` move a quantized layer's tensors but keep their dtypes.
+
+        The packed codes and their scales must keep theirs (a float32 scale cast to bfloat16 silently
+        changes every dequantized value; NVFP4's float8 block scales would be cast too), and the bias keeps
+        its own as well: the layer computes in its compute dtype whatever its storage holds, and code that
+        casts a layer before writing into its weight (VideoX-Fun's ``merge_lora``: ``layer.to(device,
+        dtype)``, then ``layer.weight.data += ...``) then leaves the layer exactly as it was when the write
+        is refused. Devices change as asked. The cast copies made by ``fn`` are discarded (scales and
+        biases: small).
+        """
+        originals = {name: (t.data if isinstance(t, nn.Parameter) else t)
+                     for name, t in (*self._parameters.items(), *self._buffers.items()) if t is not None}
+        result = super()._apply(fn, recurse)
+        for name, original in originals.items():
+            if name in self._parameters and self._parameters[name] is not None:
+                current = self._parameters[name]
+                if current.dtype != original.dtype:
+                    current.data = original.to(device=current.device)
+            elif name in self._buffers and self._buffers[name] is not None:
+                current = self._buffers[name]
+                if current.dtype != original.dtype:
+                    self._buffers[name] = original.to(device=current.device)
+        return result
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # ``<layer>.weight`` stays in state dicts, as the stand-in: diffusers' LoRA loaders look a
@@ -203,6 +232,58 @@ class QuantizedLinear(nn.Linear):
         record = packed_record(self)
         dtype = str(record.compute_dtype).replace("torch.", "")
         return f"{super().extra_repr()}, {record.format} -> {dtype}"
+
+
+#: in-place Python operators (``t += x`` calls ``t.__iadd__``) and the setters of ``t[...] = x``, ``t.data = x``
+_WRITING_DUNDERS = frozenset({"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+                              "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                              "__irshift__", "__setitem__", "__set__"})
+#: in-place methods that change no values
+_HARMLESS_IN_PLACE = frozenset({"requires_grad_", "share_memory_", "retain_grad"})
+
+
+class WeightStandIn(torch.Tensor):
+    """The type of :attr:`QuantizedLinear.weight`: a NaN broadcast that refuses every write, before it happens.
+
+    Code written for full-precision layers merges deltas into the weight in place — VideoX-Fun's
+    ``merge_lora`` / ``unmerge_lora`` do ``layer.weight.data += up @ down`` (``-=``), others
+    ``weight.data.copy_(...)`` or ``weight[...] = ...``. On a quantized layer that would need
+    dequantize → add → re-quantize, paying the quantization error twice (see docs/videox-fun.md); memmode
+    refuses it instead, with :class:`~memmode_core.errors.IncompatibleModeError`, raised before any value is
+    written (a plain expanded tensor would raise a bare ``RuntimeError``). ``.data``, ``.detach()`` and every
+    other view of the stand-in are stand-ins too; out-of-place results are plain tensors (of NaN). Reading
+    shape, dtype and device works as on any tensor.
+    """
+
+    _memmode_format = "a packed format"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        stand_ins = [a for a in args if isinstance(a, WeightStandIn)]
+        out = kwargs.get("out")
+        writes = (name in _WRITING_DUNDERS
+                  or (name.endswith("_") and not name.startswith("_") and name not in _HARMLESS_IN_PLACE))
+        if isinstance(out, WeightStandIn) or (writes and args and isinstance(args[0], WeightStandIn)):
+            target = out if isinstance(out, WeightStandIn) else args[0]
+            raise QuantizedWeightWriteError(
+                f"{name or func}: cannot write into the weight of a layer quantized with {target._memmode_format}: "
+                f"its `weight` is a stand-in for the packed codes, so an in-place merge (VideoX-Fun's merge_lora / "
+                f"unmerge_lora, `weight.data += ...`, `.copy_`) has nothing to write into. Nothing was changed. "
+                f"Merge the LoRA before applying the quantized mode, or load it unfused "
+                f"(pipe.load_lora_weights(...), which runs it at weight_dtype on the dequantized weight)."
+            )
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **kwargs)
+            if (isinstance(result, torch.Tensor) and stand_ins and not isinstance(result, WeightStandIn)
+                    and not result.is_meta and result.layout == torch.strided):
+                pointer = result.untyped_storage().data_ptr()
+                alias = next((a for a in stand_ins if a.untyped_storage().data_ptr() == pointer), None)
+                if alias is not None:  # a view (``.data``, ``.detach()``, indexing): writes into it are refused too
+                    result = result.as_subclass(WeightStandIn)
+                    result._memmode_format = alias._memmode_format
+        return result
 
 
 def _is_stand_in(tensor: torch.Tensor) -> bool:
@@ -706,7 +787,8 @@ def quantize_component(quantizer: Quantizer, component: nn.Module, *, weight_dty
 
 __all__ = [
     "COMPUTE_DTYPES", "DEFAULT_EXCLUDE", "OUTSIDE_BLOCKS", "LayerPlan", "PackedLayer", "PackedSizes",
-    "QuantizationPlan", "QuantizationSummary", "QuantizedLinear", "check_component", "check_components", "convert",
+    "QuantizationPlan", "QuantizationSummary", "QuantizedLinear", "WeightStandIn", "check_component", "check_components",
+    "convert",
     "install_forward", "is_quantized", "packed_record", "plan_layers", "plan_quantization", "quantize_component",
     "quantized_class", "quantized_direct_bytes", "tensor_bytes",
 ]
