@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import sys
+
 import pytest
 import torch
 
@@ -28,6 +31,30 @@ OFFLOADING_PLACEMENTS = [
 def placement_id(placement) -> str:
     mode, options = placement
     return "-".join([mode, *(f"{k}={v}" for k, v in options.items())])
+
+
+# Discovery reads the metadata of every installed distribution (``importlib.metadata``: hundreds of files
+# parsed as e-mail headers, about 0.1 s), and every test starts a fresh discovery (``isolated_plugins``,
+# and each ``temporary_plugin`` changes the cache key): over a thousand tests, that was a minute and a half
+# of the suite on two cores.  The installed distributions do not change during a session, so their entry
+# points are read once per ``sys.path``; each discovery still loads every entry point and registers every
+# plugin anew, and a test that fakes the installed distributions (``monkeypatch.setattr(importlib.metadata,
+# "distributions", ...)``, as ``test_core_plugins`` does) gets the real, uncached scan of its fakes.
+_REAL_DISTRIBUTIONS = importlib.metadata.distributions
+_real_entry_points = plugins._entry_points
+_ENTRY_POINTS: dict[tuple[str, ...], list] = {}
+
+
+def _entry_points_read_once() -> list:
+    if importlib.metadata.distributions is not _REAL_DISTRIBUTIONS:
+        return _real_entry_points()
+    key = tuple(sys.path)
+    if key not in _ENTRY_POINTS:
+        _ENTRY_POINTS[key] = _real_entry_points()
+    return list(_ENTRY_POINTS[key])
+
+
+plugins._entry_points = _entry_points_read_once
 
 
 @pytest.fixture(autouse=True)

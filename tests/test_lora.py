@@ -1,4 +1,22 @@
-"""LoRA under every mode: load, weight, fuse, unfuse, delete, unload — equal to the same sequence at full load."""
+"""LoRA under every mode: load, weight, fuse, unfuse, delete, unload — equal to the same sequence at full load.
+
+What the placement x storage sweep covers (``_sweep``), on Wan 2.2 (two experts, LoRAs in both) and Flux
+(a LoRA in the CLIP text encoder too):
+
+* ``ram`` and ``poison``: every offloading placement on both families (``poison`` leaves NaN placeholders
+  while offloaded: on a CPU-only machine it is what proves every group is onloaded, and every rebuilt
+  group stored again, before it computes);
+* ``disk`` and ``mmap``: ``model_cpu_offload`` and ``model_group_offload`` at block level on both families
+  (every LoRA tensor of both, the CLIP LoRA included, goes through the files);
+* ``disk`` and ``mmap`` with the other placements (leaf level and sequential, which rebuild hundreds of
+  one-module files at every LoRA step and took 4-20 s per case on Wan 2.2 and Flux, and text-encoder
+  offload): on a rotation (``ROTATION``), each of those six combinations on one family, spread over all
+  five LoRA families: leaf level and sequential on LTX and QwenImage, text-encoder offload on Flux (its
+  CLIP LoRA streamed from ``disk``) and SD3 (two CLIP LoRAs, ``mmap``).
+
+``MEMMODE_TEST_FULL_MATRIX=1`` runs all 40 combinations on Wan 2.2 and Flux (and the rotation).  SD3,
+QwenImage and LTX also run the sequence under leaf-level group offload with ``poison``.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +29,7 @@ import torch
 import memmode_core as memmode
 from memmode_core.errors import IncompatibleModeError
 
-from conftest import OFFLOADING_PLACEMENTS, assert_same_outputs, placement_id
+from conftest import OFFLOADING_PLACEMENTS, assert_same_outputs, full_load_outputs, placement_id
 from fakes import PoisonPlugin
 from test_core_apply import hook_count
 from tiny_loras import LORA_FAMILIES, TEXT_ENCODER_LORA_COMPONENTS, load_lora, lora_components
@@ -53,9 +71,51 @@ def full_load_sequence(family: str) -> tuple[torch.Tensor, ...]:
     return tuple(lora_sequence(make_pipeline(family), family))
 
 
-@pytest.mark.parametrize("storage", STORAGES)
-@pytest.mark.parametrize("mode, options", OFFLOADING_PLACEMENTS, ids=[placement_id(p) for p in OFFLOADING_PLACEMENTS])
-@pytest.mark.parametrize("family", ["wan22", "flux"])
+SWEPT_FAMILIES = ["flux", "wan22"]
+
+#: The file storages with these placements run on one family each, spread over every LoRA family (see
+#: ``_sweep``): the cheapest ones where the combination costs seconds, Flux (its CLIP LoRA streamed from
+#: the files) and SD3 (two CLIP LoRAs) for text-encoder offload.
+ROTATION = {
+    ("model_group_offload-offload_type=leaf_level", "disk"): "ltx",
+    ("model_group_offload-offload_type=leaf_level", "mmap"): "qwenimage",
+    ("sequential_cpu_offload", "disk"): "qwenimage",
+    ("sequential_cpu_offload", "mmap"): "ltx",
+    ("text_encoder_offload", "disk"): "flux",
+    ("text_encoder_offload", "mmap"): "sd3",
+}
+
+
+def _sweep() -> list:
+    """``ram`` and ``poison`` with every placement, and the file storages with ``model_cpu_offload`` and
+    block-level ``model_group_offload``, on both ``SWEPT_FAMILIES``: every LoRA tensor of both goes through
+    the files.  The file storages with the other placements (leaf level and sequential rebuild hundreds of
+    one-module files at every LoRA step) run on ``ROTATION``'s family; ``MEMMODE_TEST_FULL_MATRIX=1`` runs
+    them on both ``SWEPT_FAMILIES`` too."""
+    full = os.environ.get("MEMMODE_TEST_FULL_MATRIX") == "1"
+    cases = [(family, mode, options, storage) for family in SWEPT_FAMILIES for mode, options in OFFLOADING_PLACEMENTS
+             for storage in STORAGES if full or (placement_id((mode, options)), storage) not in ROTATION]
+    placements = {placement_id(p): p for p in OFFLOADING_PLACEMENTS}
+    for (placement, storage), family in ROTATION.items():
+        mode, options = placements[placement]
+        if (family, mode, options, storage) not in cases:
+            cases.append((family, mode, options, storage))
+    return [pytest.param(*case, id=f"{case[0]}-{placement_id(case[1:3])}-{case[3]}") for case in cases]
+
+
+def test_the_sweep_runs_every_combination_somewhere():
+    """Each placement x storage runs on at least one family; ``ram`` and ``poison`` on both swept ones."""
+    swept = {(family, placement_id((mode, options)), storage) for family, mode, options, storage in
+             (case.values for case in _sweep())}
+    for placement in map(placement_id, OFFLOADING_PLACEMENTS):
+        for storage in STORAGES:
+            families = {family for family, p, s in swept if (p, s) == (placement, storage)}
+            assert families, f"{placement} x {storage} runs on no family"
+            if storage in ("ram", "poison") or (placement, storage) not in ROTATION:
+                assert families >= set(SWEPT_FAMILIES), (placement, storage)
+
+
+@pytest.mark.parametrize("family, mode, options, storage", _sweep())
 def test_lora_sequence_under_every_placement_and_storage(family, mode, options, storage, tmp_path):
     pipe = make_pipeline(family)
     extra = {"offload_dir": str(tmp_path)} if storage in ("disk", "mmap") else {}
@@ -99,7 +159,7 @@ def test_disk_files_follow_the_weights(tmp_path):
     torch.testing.assert_close(fused, unfused, rtol=0, atol=1e-4)
     pipe.unfuse_lora(components=["transformer"])
     pipe.unload_lora_weights()
-    assert_same_outputs((run(pipe, "flux", 0),), (run(make_pipeline("flux"), "flux", 0),))
+    assert_same_outputs((run(pipe, "flux", 0),), full_load_outputs("flux")[:1])
 
 
 # -- quantized bases ---------------------------------------------------------------------------------------
@@ -117,7 +177,7 @@ def test_lora_on_a_quantized_base_runs_unfused_and_fusing_is_refused(quantizer):
     expected, reference = _quantized_lora_outputs(f"model_full_load_and_{quantizer}")
     got, pipe = _quantized_lora_outputs(f"model_group_offload_and_{quantizer}", storage="poison")
     assert_same_outputs((got,), (expected,))
-    plain = run(make_pipeline("flux"), "flux", 0)
+    plain = full_load_outputs("flux")[0]  # a fresh pipeline's call with seed 0
     assert (got - plain).abs().max() > 1e-3  # the adapter took effect on top of the quantized base
     for layer in pipe.transformer.modules():  # the adapter itself is not quantized
         if hasattr(layer, "lora_A") and "first" in layer.lora_A:

@@ -4,6 +4,7 @@ are cut into staging chunks."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -265,38 +266,40 @@ def test_the_private_folder_is_removed_at_interpreter_exit(tmp_path):
 
 # -- two processes, one folder ----------------------------------------------------------------------
 
-_WRITER = textwrap.dedent("""
-    import sys, torch
-    from memmode_core.files.store import GroupFileStore
-    folder, seed = sys.argv[1], int(sys.argv[2])
-    g = torch.Generator().manual_seed(seed)
+
+def _numbered_group(i: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.randn(1 << 20, generator=torch.Generator().manual_seed(i)), "b": torch.full((7,), float(i))}
+
+
+def _write_eight_groups(folder: str, go) -> None:
+    """One writer process: reserve, wait for the other, then store the eight groups both store."""
     store = GroupFileStore(folder, keep_files=True, owner="test")
     store.reserve({str(i): 4 << 20 for i in range(8)})
-    sys.stdin.readline()  # start together
+    assert go.wait(120), "the other writer never started"
     for i in range(8):
-        store.store({"w": torch.randn(1 << 20, generator=torch.Generator().manual_seed(i)),
-                     "b": torch.full((7,), float(i))})
+        store.store(_numbered_group(i))
     store.close()
-""")
 
 
 def test_two_processes_writing_one_folder_at_once_leave_valid_files(tmp_path):
+    # Forked, not started afresh: two processes all the same (their own pid, locks and leases), without
+    # the seconds each new interpreter takes to import torch.
     folder = tmp_path / "shared"
-    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(folder), "0"], stdin=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    context = multiprocessing.get_context("fork")
+    go = context.Event()
+    procs = [context.Process(target=_write_eight_groups, args=(str(folder), go)) for _ in range(2)]
     for p in procs:
-        p.stdin.write("go\n")
-        p.stdin.flush()
+        p.start()
+    go.set()  # start together
     for p in procs:
-        _, err = p.communicate(timeout=180)
-        assert p.returncode == 0, err
+        p.join(180)
+        assert p.exitcode == 0, f"a writer failed (exit code {p.exitcode}; its traceback is in the captured stderr)"
     files = files_in(folder)
     assert len(files) == 8, "each group written once, under one name"
     assert [p.name for p in folder.iterdir() if not p.name.startswith(FILE_PREFIX)] == []
     expected = {}
     for i in range(8):
-        host = group_format.host_tensors({"w": torch.randn(1 << 20, generator=torch.Generator().manual_seed(i)),
-                                          "b": torch.full((7,), float(i))})
+        host = group_format.host_tensors(_numbered_group(i))
         layout = group_format.Layout.of(host)
         expected[FILE_PREFIX + group_format.content_name(layout, host) + FILE_SUFFIX] = (layout, host)
     assert {p.name for p in files} == set(expected)

@@ -4,6 +4,7 @@ share one copy of the weights in RAM (measured from ``/proc``)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -121,15 +122,22 @@ def test_on_cpu_the_weights_take_no_anonymous_memory(tmp_path):
     assert file_backed > weights, "the weights computed from are the mapped files"
 
 
-_SHARER = _MODEL + textwrap.dedent("""
-    model = build()
-    handle = memmode.apply(model, "model_group_offload", device="cpu", storage="mmap", offload_dir=sys.argv[1])
+def _build_model() -> torch.nn.Module:
+    """``build()`` of ``_MODEL``, in this process: the same 48 MiB of weights."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(12)]).eval()
+
+
+def _share(folder: str, ready, done) -> None:
+    """One rank: map the model from ``folder``, touch every weight page, then hold the mapping until ``done``."""
+    model = _build_model()
+    handle = memmode.apply(model, "model_group_offload", device="cpu", storage="mmap", offload_dir=folder)
     with torch.inference_mode():
         model(torch.randn(4, 1024))  # touches every weight page
-    print("ready", flush=True)
-    sys.stdin.readline()
+    ready.set()
+    done.wait(120)
     handle.remove()
-""")
 
 
 def mapping_memory(pid: int, folder: Path) -> dict[str, int]:
@@ -147,12 +155,17 @@ def mapping_memory(pid: int, folder: Path) -> dict[str, int]:
 
 def test_two_processes_mapping_one_folder_share_one_copy(tmp_path):
     """N ranks on one node, one offload_dir: one copy of the weights in RAM, not N."""
-    procs = [subprocess.Popen([sys.executable, "-c", _SHARER, str(tmp_path)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for _ in range(2)]
+    # Forked, not started afresh: two processes with their own mappings all the same, without the seconds
+    # each new interpreter takes to import torch.
+    context = multiprocessing.get_context("fork")
+    done = context.Event()
+    ready = [context.Event() for _ in range(2)]
+    procs = [context.Process(target=_share, args=(str(tmp_path), r, done)) for r in ready]
+    for p in procs:
+        p.start()
     try:
-        for p in procs:
-            assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        for p, r in zip(procs, ready):
+            assert r.wait(120), f"a rank never got ready (exit code {p.exitcode}; see the captured stderr)"
         weights = 12 * (1024 * 1024 + 1024) * 4
         for p in procs:
             memory = mapping_memory(p.pid, tmp_path)
@@ -160,7 +173,8 @@ def test_two_processes_mapping_one_folder_share_one_copy(tmp_path):
             assert memory["Shared_Clean"] > 0.9 * memory["Rss"], memory
             assert memory["Pss"] < 0.6 * memory["Rss"], f"pages not shared: {memory}"
     finally:
+        done.set()
         for p in procs:
-            p.communicate("done\n", timeout=120)
-    assert all(p.returncode == 0 for p in procs)
+            p.join(120)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     assert list(tmp_path.iterdir()) == [], "the last session deleted what the two wrote"

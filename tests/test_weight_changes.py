@@ -22,12 +22,17 @@ def poison():
         yield
 
 
+_EDITED: dict = {}
+
+
 def _edited(edit) -> torch.Tensor:
-    """The output of a full-load pipeline after ``edit(pipe)``."""
-    pipe = make_pipeline(FAMILY)
-    run(pipe, FAMILY)
-    edit(pipe)
-    return run(pipe, FAMILY, 1)
+    """The output of a full-load pipeline after ``edit(pipe)`` (computed once per edit)."""
+    if edit not in _EDITED:
+        pipe = make_pipeline(FAMILY)
+        run(pipe, FAMILY)
+        edit(pipe)
+        _EDITED[edit] = run(pipe, FAMILY, 1)
+    return _EDITED[edit]
 
 
 # The edits make new values rather than read the offloaded ones: at rest, the poison storage (like the
@@ -107,15 +112,38 @@ def test_refresh_keeps_outputs_and_storage_consistent():
 
 COMPILED = [("model_full_load", {}), *OFFLOADING_PLACEMENTS]
 
+#: Tracing is what these tests spend their time on, and it grows with the graph breaks the hooks make: Wan
+#: 2.2's transformer traces in about two thirds of Flux's time (17 graphs under the leaf-level placements
+#: against 29).  It brings what matters here too: the compiled expert is offloaded and onloaded around the
+#: other expert's steps, and the sequential placement keeps its modulation tables resident.
+COMPILE_FAMILY = "wan22"
+_CALLS: list[torch.Tensor] = []
+
+
+def _five_calls() -> list[torch.Tensor]:
+    """Calls with seeds 0 to 4 of a fresh pipeline without memmode (computed once)."""
+    if not _CALLS:
+        reference = make_pipeline(COMPILE_FAMILY)
+        _CALLS.extend(run(reference, COMPILE_FAMILY, seed) for seed in range(5))
+    return _CALLS
+
+
+@pytest.fixture
+def unprofiled_guards(monkeypatch):
+    """Dynamo times every guard set it builds (a cache flush and an evaluation, about 30 ms each, for a
+    debug log line and a metric): a quarter of these tests' tracing.  Nothing it measures is checked."""
+    import torch._dynamo.guards
+
+    monkeypatch.setattr(torch._dynamo.guards, "profile_guard_manager", lambda *args: 0.0, raising=False)
+
 
 @pytest.mark.parametrize("mode, options", COMPILED, ids=[placement_id(p) for p in COMPILED])
-def test_compile_after_apply_gives_the_same_output_without_recompiling(mode, options):
+def test_compile_after_apply_gives_the_same_output_without_recompiling(mode, options, unprofiled_guards):
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    reference = make_pipeline(FAMILY)
-    expected = [run(reference, FAMILY, seed) for seed in range(5)]
-    pipe = make_pipeline(FAMILY)
+    expected = _five_calls()
+    pipe = make_pipeline(COMPILE_FAMILY)
     handle = memmode.apply(pipe, mode, device="cpu", **({"storage": "poison"} if mode != "model_full_load" else {}),
                            **options)
     torch._dynamo.reset()
@@ -123,7 +151,7 @@ def test_compile_after_apply_gives_the_same_output_without_recompiling(mode, opt
     pipe.transformer = torch.compile(pipe.transformer, backend="eager")
     graphs = []
     for seed in range(5):
-        assert_same_outputs((run(pipe, FAMILY, seed),), (expected[seed],))
+        assert_same_outputs((run(pipe, COMPILE_FAMILY, seed),), (expected[seed],))
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] >= 1
     assert graphs[-1] == graphs[0], f"recompiled after the first call: graphs per call {graphs}"
@@ -131,14 +159,13 @@ def test_compile_after_apply_gives_the_same_output_without_recompiling(mode, opt
     handle.remove()
 
 
-def test_compile_with_aot_autograd_after_group_offload():
+def test_compile_with_aot_autograd_after_group_offload(unprofiled_guards):
     """AOTAutograd functionalizes the graph: the swapped weights must still be read at call time."""
     import torch._dynamo
 
-    reference = make_pipeline(FAMILY)
-    expected = (run(reference, FAMILY, 0), run(reference, FAMILY, 1))
-    pipe = make_pipeline(FAMILY)
+    expected = tuple(_five_calls()[:2])
+    pipe = make_pipeline(COMPILE_FAMILY)
     memmode.apply(pipe, "model_group_offload", device="cpu", storage="poison")
     torch._dynamo.reset()
     pipe.transformer = torch.compile(pipe.transformer, backend="aot_eager")
-    assert_same_outputs((run(pipe, FAMILY, 0), run(pipe, FAMILY, 1)), expected)
+    assert_same_outputs((run(pipe, COMPILE_FAMILY, 0), run(pipe, COMPILE_FAMILY, 1)), expected)
