@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 import sys
 
@@ -41,7 +42,7 @@ def placement_id(placement) -> str:
 # plugin anew, and a test that fakes the installed distributions (``monkeypatch.setattr(importlib.metadata,
 # "distributions", ...)``, as ``test_core_plugins`` does) gets the real, uncached scan of its fakes.
 _REAL_DISTRIBUTIONS = importlib.metadata.distributions
-_real_entry_points = plugins._entry_points
+_real_entry_points = getattr(plugins, "_entry_points", None)
 _ENTRY_POINTS: dict[tuple[str, ...], list] = {}
 
 
@@ -54,7 +55,19 @@ def _entry_points_read_once() -> list:
     return list(_ENTRY_POINTS[key])
 
 
-plugins._entry_points = _entry_points_read_once
+if _real_entry_points is not None:
+    plugins._entry_points = _entry_points_read_once
+
+
+def pytest_collection_finish(session):
+    """Less garbage collection: with the default thresholds, Python's full collections walked every object
+    of torch, diffusers and transformers (hundreds of thousands) a few dozen times per file, about a tenth
+    of the suite's time.  What exists once the tests are collected lives until the end: it is frozen out
+    of the collector's walks, and the young generations are collected less often (the tiny pipelines make
+    many short-lived objects).  Nothing in the suite depends on when a cycle is collected."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 20, 20)
 
 
 @pytest.fixture(autouse=True)

@@ -21,13 +21,15 @@ Each case checks what "lossless" promises: two calls (call seeds 0 and 1) equal,
 parameter and buffer of every component is bit-equal, in the same dtype and on the CPU, to a fresh build's;
 and no file is left behind.  Nothing is tolerated: the placements move weights, they never change them.
 
-What the sweep covers (180 cases, about 75 s on two CPU cores; see ``_covered``):
+What the sweep covers (156 cases, about 45 s on two CPU cores; see ``_covered``):
 
 * ``ram`` and ``poison``: every placement on every family;
-* ``disk`` and ``mmap``: ``model_cpu_offload`` and ``model_group_offload`` at block level on every family
-  (every tensor of every family goes through the files); the other placements (leaf level and sequential,
-  which write a file per leaf module and take seconds per case, and text-encoder offload) on a rotation:
-  each family runs one of those six combinations, each combination runs on two families.
+* ``disk`` and ``mmap``: ``model_group_offload`` at block level on every family (every tensor of every
+  family goes through the files); the other placements (leaf level and sequential, which write a file
+  per leaf module and take seconds per case, text-encoder offload and ``model_cpu_offload``) on a
+  rotation: each family runs one of those eight combinations; the four leaf-level and sequential ones run
+  on two families each, the four others on one (``test_storage_matrix`` runs ``model_cpu_offload`` with
+  both file storages on each of the five families of ``tiny_pipelines``).
 
 ``MEMMODE_TEST_FULL_MATRIX=1`` runs the full 240 cases (about twice as long).  The sweep is marked
 ``slow`` (CI runs it); the quick checks of the builders themselves (deterministic, finite, non-constant
@@ -61,19 +63,21 @@ def _component_names(family: str) -> list[str]:
     return list(inspect.signature(pipeline_class.__init__).parameters)
 
 
-#: The placements the file storages run on a rotation (see ``_covered``).
-_ROTATED = ["model_group_offload-offload_type=leaf_level", "sequential_cpu_offload", "text_encoder_offload"]
+#: The placements the file storages run on a rotation (see ``_covered``), the slowest first.
+_ROTATED = ["model_group_offload-offload_type=leaf_level", "sequential_cpu_offload", "text_encoder_offload",
+            "model_cpu_offload"]
 
 
 def _covered(index: int, placement: str, storage: str) -> bool:
     """Whether the default sweep runs ``placement`` x ``storage`` on the ``index``-th family.
 
     ``ram`` and ``poison`` run every placement on every family: they prove the hooks onload every group
-    before it computes.  The file storages run ``model_cpu_offload`` (which every model accepts) and
-    ``model_group_offload`` at block level on every family, which stores every tensor of every family in
-    files; the other placements with a file storage (leaf level and sequential write hundreds of tiny
-    files and take seconds each) run on a rotation: each family gets one of the six combinations, each
-    combination two families.  ``MEMMODE_TEST_FULL_MATRIX=1`` runs all of it.
+    before it computes.  The file storages run ``model_group_offload`` at block level on every family,
+    which stores every tensor of every family in files; the other placements with a file storage (leaf
+    level and sequential write hundreds of tiny files and take seconds each) run on a rotation: the
+    ``index``-th family gets the ``index % 8``-th of the eight combinations, so with twelve families the
+    first four (leaf level and sequential) run on two families, the others on one.
+    ``MEMMODE_TEST_FULL_MATRIX=1`` runs all of it.
     """
     if storage in ("ram", "poison") or os.environ.get("MEMMODE_TEST_FULL_MATRIX") == "1":
         return True
