@@ -2,7 +2,7 @@
 call, on the tiny pipelines; and what the two storages share: refusing a bad ``offload_dir`` with the
 pipeline intact, cleaning up, keeping and reusing files. ``pinned`` joins on CUDA.
 
-What the placement x storage matrix covers (``_covered``; about 20 s on two CPU cores before, 10 s now):
+What the placement x storage matrix covers (``_covered``; 26 cases, about 10 s on two CPU cores):
 
 * ``model_cpu_offload`` and ``model_group_offload`` at block level, with ``disk`` and ``mmap``, on all five
   families: every tensor of every family goes through the files;

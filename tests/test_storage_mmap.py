@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import torch
@@ -165,7 +166,10 @@ def test_two_processes_mapping_one_folder_share_one_copy(tmp_path):
         p.start()
     try:
         for p, r in zip(procs, ready):
-            assert r.wait(120), f"a rank never got ready (exit code {p.exitcode}; see the captured stderr)"
+            deadline = time.monotonic() + 120
+            while not r.wait(0.1):
+                assert p.is_alive(), f"a rank exited before it was ready (exit code {p.exitcode}; see the captured stderr)"
+                assert time.monotonic() < deadline, "a rank never got ready"
         weights = 12 * (1024 * 1024 + 1024) * 4
         for p in procs:
             memory = mapping_memory(p.pid, tmp_path)
@@ -176,5 +180,8 @@ def test_two_processes_mapping_one_folder_share_one_copy(tmp_path):
         done.set()
         for p in procs:
             p.join(120)
+            if p.is_alive():
+                p.kill()
+                p.join()
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     assert list(tmp_path.iterdir()) == [], "the last session deleted what the two wrote"

@@ -1,4 +1,9 @@
-"""Weights that change under a mode: detected replacements, refresh(), torch.compile after apply."""
+"""Weights that change under a mode: detected replacements, refresh(), torch.compile after apply.
+
+The edits and ``refresh()`` run on Flux under every offloading placement with ``poison``; torch.compile
+after apply runs on Wan 2.2 (``COMPILE_FAMILY``) under ``model_full_load`` and every offloading placement,
+and with AOTAutograd under block-level group offload.
+"""
 
 from __future__ import annotations
 
