@@ -2,14 +2,15 @@
 call, on the tiny pipelines; and what the two storages share: refusing a bad ``offload_dir`` with the
 pipeline intact, cleaning up, keeping and reusing files. ``pinned`` joins on CUDA.
 
-What the placement x storage matrix covers (``_covered``; 26 cases, about 10 s on two CPU cores):
+What the placement x storage matrix covers (``_covered``; 18 cases, about 7 s on two CPU cores):
 
-* ``model_cpu_offload`` and ``model_group_offload`` at block level, with ``disk`` and ``mmap``, on all five
-  families: every tensor of every family goes through the files;
-* the other placements (leaf level and sequential, which write a file per leaf module, and text-encoder
-  offload) with ``disk`` and ``mmap`` on a rotation: the ``j``-th of those six combinations on the
-  ``j % 5``-th family, so each combination runs on at least one family and each family on at least one
-  combination (the first family on two).
+* ``model_group_offload`` at block level, with ``disk`` and ``mmap``, on all five families: every tensor
+  of every family goes through the files;
+* the other placements (leaf level and sequential, which write a file per leaf module, text-encoder
+  offload and ``model_cpu_offload``) with ``disk`` and ``mmap`` on a rotation: the ``j``-th of those
+  eight combinations on the ``j % 5``-th family, so each combination runs on one family and each family
+  on one or two combinations.  ``model_cpu_offload`` with both file storages also runs below (a refused
+  full folder, ``keep_files``, files deleted at ``remove()``).
 
 ``ram`` and ``poison`` run every placement on every family in ``test_placements``; ``test_more_pipelines``
 runs the same rotation of the file storages over twelve more families.  ``MEMMODE_TEST_FULL_MATRIX=1``
@@ -37,15 +38,16 @@ FILE_STORAGES = ["disk", "mmap"]
 PLACEMENTS = OFFLOADING_PLACEMENTS
 PLACEMENT_IDS = [placement_id(p) for p in PLACEMENTS]
 
-#: The placements the file storages run on a rotation (see ``_covered``).
-_ROTATED = ["model_group_offload-offload_type=leaf_level", "sequential_cpu_offload", "text_encoder_offload"]
+#: The placements the file storages run on a rotation (see ``_covered``), the slowest first.
+_ROTATED = ["model_group_offload-offload_type=leaf_level", "sequential_cpu_offload", "text_encoder_offload",
+            "model_cpu_offload"]
 
 
 def _covered(index: int, placement: str, storage: str) -> bool:
     """Whether the default matrix runs ``placement`` x ``storage`` on the ``index``-th family (sorted).
 
-    ``model_cpu_offload`` and block-level ``model_group_offload`` run on every family; the ``j``-th of the
-    six combinations of ``_ROTATED`` x ``FILE_STORAGES`` on family ``j % len(FAMILIES)`` only.
+    Block-level ``model_group_offload`` runs on every family; the ``j``-th of the eight combinations of
+    ``_ROTATED`` x ``FILE_STORAGES`` on family ``j % len(FAMILIES)`` only.
     ``MEMMODE_TEST_FULL_MATRIX=1`` runs all of it.
     """
     if placement not in _ROTATED or os.environ.get("MEMMODE_TEST_FULL_MATRIX") == "1":
