@@ -65,7 +65,7 @@ def fused(model, lora: dict[str, torch.Tensor]):
 
 def requantized_fuse(model, lora, quantizer):
     """The quantized model, then for every adapted layer: dequantize, add the delta, quantize again."""
-    from memmode_core.quantization import packed_record
+    from memmode_core.quantization.layers import packed_record
 
     with torch.no_grad():
         for key, a in lora.items():
@@ -99,7 +99,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     import memmode_core as memmode
-    from memmode_core.plugins import current
+    from memmode_core.discovery.plugins import current
 
     def make():  # a fresh model each time: a placed or quantized model is not deep-copied
         return wan_transformer(heads=args.heads, head_dim=128, layers=args.layers, dtype=torch.bfloat16, seed=0)

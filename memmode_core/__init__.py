@@ -9,38 +9,39 @@ where offloaded weights wait.
 
 Placements, quantizers and storages are plugins (entry-point group ``memmode``); see ``memmode list``.
 
-The modules are layered, and imports only point down (``tests/test_import_layers.py`` checks it):
+The modules are layered, one folder per layer, and imports only point down
+(``tests/test_import_layers.py`` checks it):
 
-0. contracts: ``errors``, ``options``, ``hookspecs``, ``devices``, ``costs``, ``storage``, ``placement``,
-   ``targets``, ``engine.layout`` (groups and policies), ``packing``;
-1. mechanics: the engine (``engine``, ``ledger``, ``staging``, ``files``, ``pipeline_hooks``) and
-   quantization (``quantization``, and the ``quantizer`` base class whose defaults use it);
-2. discovery: ``plugins``, ``grammar`` (built-in plugins are loaded by module name, like entry points);
-3. ``planner``;
-4. the built-in plugins (``builtin``: the placements, ``auto`` among them, and the ``ram`` storage);
-5. ``api`` (apply, remove, convert), ``compat`` (the VideoX-Fun drop-in), ``cli``, ``demo``.
+0. ``contracts/``: errors, options, hookspecs, devices, costs, storage, placement, targets, layout (groups
+   and policies), packing;
+1. mechanics: ``engine/`` (runtime, hooks, ledger, staging, pipeline hooks), ``files/`` (group files) and
+   ``quantization/`` (packed layers, and the ``Quantizer`` base class whose defaults use them);
+2. ``discovery/``: plugins, grammar (built-in plugins are loaded by module name, like entry points);
+3. ``planning/``: the planner;
+4. ``builtin/``: the built-in plugins (the placements, ``auto`` among them, and the ``ram`` storage);
+5. top level: ``api`` (apply, remove, convert), ``compat`` (the VideoX-Fun drop-in), ``cli``, ``demo``.
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .api import Handle, apply, convert, remove
-from .costs import StorageCost
-from .engine.layout import GroupSpec, Policy, block_groups, leaf_groups, whole_component
-from .errors import (DuplicatePluginError, IncompatibleModeError, InvalidOptionError, MemmodeError,
+from memmode_core.api import Handle, apply, convert, remove
+from memmode_core.contracts.costs import StorageCost
+from memmode_core.contracts.layout import GroupSpec, Policy, block_groups, leaf_groups, whole_component
+from memmode_core.contracts.errors import (DuplicatePluginError, IncompatibleModeError, InvalidOptionError, MemmodeError,
                      OffloadedWeightReadError, PluginLoadError, PluginNotInstalledError, QuantizedWeightWriteError,
                      RestoreError, StorageUnavailableError, UnknownModeError)
-from .grammar import Mode, parse_mode
-from .hookspecs import hookimpl
-from .ledger import Report
-from .options import Option
-from .placement import Placement
-from .planner import NoModeFitsError, PlanEntry, plan
-from .plugins import PluginInfo, list_plugins, temporary_plugin
-from .quantizer import Quantizer
-from .storage import Storage, StorageSession, Tensors, is_placeholder, placeholder
-from .targets import Target
+from memmode_core.discovery.grammar import Mode, parse_mode
+from memmode_core.contracts.hookspecs import hookimpl
+from memmode_core.engine.ledger import Report
+from memmode_core.contracts.options import Option
+from memmode_core.contracts.placement import Placement
+from memmode_core.planning.planner import NoModeFitsError, PlanEntry, plan
+from memmode_core.discovery.plugins import PluginInfo, list_plugins, temporary_plugin
+from memmode_core.quantization.quantizer import Quantizer
+from memmode_core.contracts.storage import Storage, StorageSession, Tensors, is_placeholder, placeholder
+from memmode_core.contracts.targets import Target
 
 __all__ = [
     "apply", "remove", "convert", "plan", "PlanEntry", "NoModeFitsError", "Handle", "Report", "parse_mode", "Mode", "list_plugins", "PluginInfo", "hookimpl",

@@ -16,17 +16,17 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from . import pipeline_hooks
-from .devices import resolve_device
-from .engine.runtime import Runtime
-from .errors import IncompatibleModeError, InvalidOptionError
-from . import quantization
-from .grammar import Resolved, lookup, resolve
-from .ledger import Ledger, Report, clock
-from .options import resolve_options
-from .plugins import current
-from .placement import lay_out
-from .targets import Target, refuse_compiled, refuse_scripted
+from memmode_core.engine import pipeline_hooks
+from memmode_core.contracts.devices import resolve_device
+from memmode_core.engine.runtime import Runtime
+from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError
+from memmode_core.quantization import layers as quantization
+from memmode_core.discovery.grammar import Resolved, lookup, resolve
+from memmode_core.engine.ledger import Ledger, Report, clock
+from memmode_core.contracts.options import resolve_options
+from memmode_core.discovery.plugins import current
+from memmode_core.contracts.placement import lay_out
+from memmode_core.contracts.targets import Target, refuse_compiled, refuse_scripted
 
 logger = logging.getLogger("memmode")
 
@@ -259,7 +259,7 @@ def apply(target: Any, mode: str, *, device: Any = None, weight_dtype: torch.dty
     session = placing.open_session()
     reserved = None
     if session is not None:
-        from .planner import stored_sizes
+        from memmode_core.planning.planner import stored_sizes
 
         try:  # room for what will be stored, before quantizing: a refusal leaves the target untouched
             reserved = stored_sizes(tgt, specs, quantizer, quantize_targets, excluded, quantizer_options)
@@ -375,7 +375,7 @@ def _refuse_fusing_packed(method: str, components: dict[str, nn.Module]) -> None
     base, exactly, at the cost of its two small matmuls (docs/quantizers.md has the measurements)."""
     if method not in FUSING_METHODS:
         return
-    from .quantization import packed_record
+    from memmode_core.quantization.layers import packed_record
 
     for name, component in components.items():
         for path, module in component.named_modules():
@@ -405,7 +405,7 @@ def convert(quantizer: Any, module: nn.Module, **kwargs: Any):
     """Pack ``module``'s layers in a quantizer's format ahead of ``apply`` (the order FSDP2 needs).
 
     ``quantizer``: a registered name (``"qfloat4"``) or a ``Quantizer``; see
-    :func:`memmode_core.quantization.convert` for the rest.
+    :func:`memmode_core.quantization.layers.convert` for the rest.
     """
     if isinstance(quantizer, str):
         quantizer = lookup(current(), "quantizer", quantizer, mode=None).obj

@@ -32,12 +32,12 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from .api import Handle, apply
-from .builtin.placements import SMALL_TABLES
-from .errors import InvalidOptionError
-from .grammar import SEPARATOR, lookup
-from .plugins import current
-from .targets import Target
+from memmode_core.api import Handle, apply
+from memmode_core.builtin.placements import SMALL_TABLES
+from memmode_core.contracts.errors import InvalidOptionError
+from memmode_core.discovery.grammar import SEPARATOR, lookup
+from memmode_core.discovery.plugins import current
+from memmode_core.contracts.targets import Target
 
 logger = logging.getLogger("memmode.compat")
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from memmode_core import plugins
+from memmode_core.discovery import plugins
 from tiny_pipelines import FAMILIES, make_pipeline, run
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from memmode_core import Quantizer, Storage, StorageSession, hookimpl
-from memmode_core.storage import placeholder
+from memmode_core.contracts.storage import placeholder
 
 
 class PoisonSession(StorageSession):

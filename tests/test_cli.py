@@ -53,8 +53,8 @@ def test_the_console_script_runs():
 
 def test_errors_are_reported_without_a_traceback(monkeypatch, capsys):
     monkeypatch.setenv("MEMMODE_DISABLE_PLUGINS", "")
-    import memmode_core.plugins as plugins
-    from memmode_core.errors import DuplicatePluginError
+    import memmode_core.discovery.plugins as plugins
+    from memmode_core.contracts.errors import DuplicatePluginError
 
     def duplicate():
         raise DuplicatePluginError("two plugins register the storage 'x'")

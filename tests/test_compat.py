@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from memmode_core.compat import apply_gpu_memory_mode
-from memmode_core.errors import InvalidOptionError, UnknownModeError
+from memmode_core.contracts.errors import InvalidOptionError, UnknownModeError
 
 from conftest import assert_same_outputs, full_load_outputs, two_calls
 from tiny_pipelines import make_pipeline

@@ -11,9 +11,9 @@ import torch
 import memmode_core as memmode
 from memmode_core import hookimpl
 from memmode_core.engine.hooks import is_wrapped
-from memmode_core.errors import IncompatibleModeError, InvalidOptionError, MemmodeError, UnknownModeError
-from memmode_core.pipeline_hooks import ExecutionDeviceHook
-from memmode_core.targets import Target
+from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError, MemmodeError, UnknownModeError
+from memmode_core.engine.pipeline_hooks import ExecutionDeviceHook
+from memmode_core.contracts.targets import Target
 
 from conftest import assert_same_outputs, full_load_outputs, two_calls
 from fakes import Int8Rows, PoisonPlugin

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import memmode_core as memmode
-from memmode_core import plugins
-from memmode_core.errors import (DuplicatePluginError, IncompatibleModeError, InvalidOptionError, MemmodeError,
+from memmode_core.discovery import plugins
+from memmode_core.contracts.errors import (DuplicatePluginError, IncompatibleModeError, InvalidOptionError, MemmodeError,
                                  PluginLoadError, PluginNotInstalledError, StorageUnavailableError, UnknownModeError)
 
 

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import memmode_core as memmode
-from memmode_core import hookimpl, plugins
-from memmode_core.errors import DuplicatePluginError, InvalidOptionError, PluginLoadError, UnknownModeError
-from memmode_core.storage import Storage
+from memmode_core import hookimpl
+from memmode_core.discovery import plugins
+from memmode_core.contracts.errors import DuplicatePluginError, InvalidOptionError, PluginLoadError, UnknownModeError
+from memmode_core.contracts.storage import Storage
 
 from fakes import PoisonPlugin
 
@@ -107,7 +108,7 @@ def test_builtins_register_through_the_hooks_with_the_core_distribution(installe
 def test_discovery_is_lazy_and_imports_no_plugin_at_import_time():
     code = (
         "import sys, memmode_core\n"
-        "from memmode_core import plugins\n"
+        "from memmode_core.discovery import plugins\n"
         "assert plugins._cache is None, 'discovery ran at import'\n"
         "loaded = [m for m in sys.modules if m.startswith('memmode_') and m != 'memmode_core' "
         "and not m.startswith('memmode_core.')]\n"

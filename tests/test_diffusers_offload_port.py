@@ -70,9 +70,9 @@ from torch import nn
 
 import memmode_core as memmode
 from memmode_core.engine.hooks import MARKER
-from memmode_core.engine.layout import Policy, block_groups
-from memmode_core.errors import IncompatibleModeError, InvalidOptionError, MemmodeError
-from memmode_core.storage import is_placeholder
+from memmode_core.contracts.layout import Policy, block_groups
+from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError, MemmodeError
+from memmode_core.contracts.storage import is_placeholder
 
 from conftest import full_load_outputs, requires_cuda
 from diffusers_port_models import (BlockModel, NestedContainerModel, NormTailModel, ReorderedBlockModel,

@@ -1,17 +1,18 @@
 """memmode_core's modules depend on each other in one direction: no import cycle, and no import from a
 lower layer to a higher one.
 
-The layers, bottom to top (documented in ``memmode_core/__init__.py``):
+The layers, bottom to top, one folder each (documented in ``memmode_core/__init__.py``):
 
-0. contracts — what plugins implement and what every layer shares: errors, options, hookspecs, devices,
-   costs, storage, placement, targets, the group vocabulary (``engine.layout``) and the byte packing;
-1. mechanics — the engine (runtime, hooks, inputs, watch, ledger, staging, group files, pipeline hooks)
-   and quantization (the mechanics, then the ``Quantizer`` base class whose default ``check`` and
-   ``quantize`` are those mechanics);
-2. discovery — plugins, grammar (it checks registrations against the base classes, ``Quantizer`` included);
-3. planner;
-4. built-in plugins (``auto`` asks the planner);
-5. apply, the VideoX-Fun drop-in, the CLI and its demo pipeline, the package itself.
+0. ``contracts/`` — what plugins implement and what every layer shares: errors, options, hookspecs,
+   devices, costs, storage, placement, targets, the group vocabulary (``layout``) and the byte packing;
+1. mechanics — ``engine/`` (runtime, hooks, inputs, watch, ledger, staging, pipeline hooks), ``files/``
+   (group files) and ``quantization/`` (the packed-layer mechanics, then the ``Quantizer`` base class whose
+   default ``check`` and ``quantize`` are those mechanics);
+2. ``discovery/`` — plugins, grammar (it checks registrations against the base classes, ``Quantizer``
+   included);
+3. ``planning/`` — the planner;
+4. ``builtin/`` — the built-in plugins (``auto`` asks the planner);
+5. the top-level modules: apply, the VideoX-Fun drop-in, the CLI and its demo pipeline, the package itself.
 
 Every import counts — at module level or inside a function — except those under ``if TYPE_CHECKING:``,
 which never run. Discovery loads the built-in plugins by module name, as it loads entry points.
@@ -25,11 +26,10 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "memmode_core"
 
 LAYERS = [
-    ("contracts", ["errors", "options", "units", "hookspecs", "devices", "costs", "storage", "placement", "targets",
-                   "engine.layout", "packing"]),
-    ("mechanics", ["engine", "ledger", "staging", "files", "pipeline_hooks", "quantization", "quantizer"]),
-    ("discovery", ["plugins", "grammar"]),
-    ("planner", ["planner"]),
+    ("contracts", ["contracts"]),
+    ("mechanics", ["engine", "files", "quantization"]),
+    ("discovery", ["discovery"]),
+    ("planner", ["planning"]),
     ("builtin", ["builtin"]),
     ("top", ["api", "compat", "cli", "demo", "__init__", "__main__"]),
 ]
@@ -131,3 +131,13 @@ def test_the_check_sees_imports_inside_functions():
     tree = ast.parse("def f():\n    from .planner import plan\nif TYPE_CHECKING:\n    from .api import Handle\n")
     found = [ast.unparse(n) for n in _runtime_imports(tree)]
     assert found == ["from .planner import plan"]
+
+
+def test_the_folders_are_the_layers():
+    """Every module below the top layer lives in its layer's folder: the tree shows the layering."""
+    for name, path in module_names().items():
+        if path.parent == PACKAGE and path.stem not in ("__init__", "__main__"):
+            assert layer_of(name) == len(LAYERS) - 1, f"memmode_core/{path.name} is a top-level file outside the top layer"
+        else:
+            top = name.split(".")[0]
+            assert layer_of(name) == layer_of(top), f"memmode_core.{name} is not in its folder's layer"

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import memmode_core as memmode
-from memmode_core.errors import IncompatibleModeError
+from memmode_core.contracts.errors import IncompatibleModeError
 
 from conftest import OFFLOADING_PLACEMENTS, assert_same_outputs, full_load_outputs, placement_id
 from fakes import PoisonPlugin

@@ -18,10 +18,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from memmode_core import StorageUnavailableError, packing
+from memmode_core import StorageUnavailableError
+from memmode_core.contracts import packing
 from memmode_core.files import folder as offload_folder, format as group_format
 from memmode_core.files.store import FILE_PREFIX, FILE_SUFFIX, GroupFileStore
-from memmode_core.staging import StagingRing, chunk_plan
+from memmode_core.engine.staging import StagingRing, chunk_plan
 
 from conftest import requires_cuda
 

@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 import memmode_core as memmode
-from memmode_core.engine.layout import Policy, block_groups
+from memmode_core.contracts.layout import Policy, block_groups
 from memmode_core.engine.runtime import Runtime
-from memmode_core.errors import IncompatibleModeError
-from memmode_core.ledger import Ledger
+from memmode_core.contracts.errors import IncompatibleModeError
+from memmode_core.engine.ledger import Ledger
 
 from conftest import (OFFLOADING_PLACEMENTS, assert_same_outputs, full_load_outputs, placement_id, requires_cuda,
                       two_calls)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import memmode_core as memmode
-from memmode_core.errors import InvalidOptionError
-from memmode_core.planner import NoModeFitsError, default_calls
-from memmode_core.targets import Target
+from memmode_core.contracts.errors import InvalidOptionError
+from memmode_core.planning.planner import NoModeFitsError, default_calls
+from memmode_core.contracts.targets import Target
 
 from tiny_pipelines import make_pipeline, run
 

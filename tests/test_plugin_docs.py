@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import memmode_core
-from memmode_core import plugins
+from memmode_core.discovery import plugins
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "writing-a-plugin.md"
 FILE_BLOCK = re.compile(r"<!-- file: (?P<path>[^ ]+) -->\n```[a-z]*\n(?P<body>.*?)```", re.S)

@@ -30,7 +30,7 @@ import torch
 import memmode_core as memmode
 from conftest import OFFLOADING_PLACEMENTS, assert_same_outputs, placement_id, requires_cuda, two_calls
 from fakes import PoisonPlugin
-from memmode_core import plugins
+from memmode_core.discovery import plugins
 from tiny_pipelines import make_pipeline
 
 QUANTIZERS = ["qfloat8", "qfloat4"]

@@ -10,7 +10,7 @@ from torch import nn
 
 import memmode_core as memmode
 from memmode_core import IncompatibleModeError, InvalidOptionError, Quantizer
-from memmode_core.quantization import (QuantizedLinear, packed_record, plan_quantization, quantize_component,
+from memmode_core.quantization.layers import (QuantizedLinear, packed_record, plan_quantization, quantize_component,
                                        quantized_direct_bytes)
 from memmode_qfloat4 import QFloat4
 from memmode_qfloat8 import QFloat8, convert

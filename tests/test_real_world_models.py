@@ -30,7 +30,7 @@ from torch import nn
 import memmode_core as memmode
 from memmode_core import (IncompatibleModeError, InvalidOptionError, OffloadedWeightReadError, Storage,
                           StorageUnavailableError, hookimpl)
-from memmode_core.storage import placeholder
+from memmode_core.contracts.storage import placeholder
 
 from conftest import requires_cuda
 from fakes import Int8Plugin, PoisonPlugin, PoisonSession

@@ -14,8 +14,8 @@ from torch import nn
 
 import videox_fun_models as vf
 from memmode_core.compat import _component_names, apply_gpu_memory_mode
-from memmode_core.errors import IncompatibleModeError, InvalidOptionError, MemmodeError
-from memmode_core.quantization import is_quantized
+from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError, MemmodeError
+from memmode_core.quantization.layers import is_quantized
 
 LOSSLESS = ("model_full_load", "model_cpu_offload", "model_group_offload", "sequential_cpu_offload")
 QFLOAT8 = ("model_full_load_and_qfloat8", "model_cpu_offload_and_qfloat8")

@@ -1,6 +1,6 @@
 """The placements built into memmode-core, registered through the same hook as any plugin.
 
-Each one only describes groups (see :mod:`memmode_core.engine.layout`); the engine moves them.
+Each one only describes groups (see :mod:`memmode_core.contracts.layout`); the engine moves them.
 """
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from ..engine.layout import GroupSpec, Policy, block_groups, leaf_groups, whole_component
-from ..errors import IncompatibleModeError, InvalidOptionError
-from ..hookspecs import hookimpl
-from ..options import Option, boolean_or_none, byte_size, names_list, one_of, positive_int
-from ..planner import DEFAULT_STEPS
-from ..placement import Placement
-from ..targets import Target, is_fsdp_wrapped
+from memmode_core.contracts.layout import GroupSpec, Policy, block_groups, leaf_groups, whole_component
+from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError
+from memmode_core.contracts.hookspecs import hookimpl
+from memmode_core.contracts.options import Option, boolean_or_none, byte_size, names_list, one_of, positive_int
+from memmode_core.planning.planner import DEFAULT_STEPS
+from memmode_core.contracts.placement import Placement
+from memmode_core.contracts.targets import Target, is_fsdp_wrapped
 
 TEXT_ENCODER_PREFIX = "text_encoder"
 
@@ -164,7 +164,7 @@ class Auto(Placement):
 
     def choose(self, target: Target, options: Mapping[str, object], *, device: torch.device, quantizer: str | None,
                storage: str | None, weight_dtype, components, exclude):
-        from ..planner import choose, default_ram_budget, default_vram_budget, plan
+        from memmode_core.planning.planner import choose, default_ram_budget, default_vram_budget, plan
 
         vram = options["vram_budget"] if options["vram_budget"] is not None else default_vram_budget(device)
         ram = options["ram_budget"] if options["ram_budget"] is not None else default_ram_budget()

@@ -11,9 +11,9 @@ from typing import Mapping
 
 import torch
 
-from ..costs import StorageCost, copying_cost
-from ..hookspecs import hookimpl
-from ..storage import Storage, StorageSession, Tensors, host_copy, to_device
+from memmode_core.contracts.costs import StorageCost, copying_cost
+from memmode_core.contracts.hookspecs import hookimpl
+from memmode_core.contracts.storage import Storage, StorageSession, Tensors, host_copy, to_device
 
 
 class RamSession(StorageSession):

@@ -18,7 +18,7 @@ import sys
 
 import memmode_core as memmode
 
-from .table import format_bytes
+from memmode_core.cli.table import format_bytes
 
 #: exit status when the reader of stdout went away (128 + SIGPIPE, what a shell reports for ``cmd | head``)
 BROKEN_PIPE_STATUS = 141
@@ -28,7 +28,7 @@ BROKEN_PIPE_STATUS = 141
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from .table import render
+    from memmode_core.cli.table import render
 
     rows = memmode.list_plugins()
     if args.json:
@@ -78,7 +78,7 @@ def _pipeline_source(args: argparse.Namespace):
     import torch
 
     if args.model is None:
-        from .demo import SIZES, demo_call, make_demo_pipeline
+        from memmode_core.cli.demo import SIZES, demo_call, make_demo_pipeline
 
         dtype = _dtype(args.dtype) or torch.float32
 
@@ -182,7 +182,7 @@ def _refuse_undeclared(options: dict) -> None:
 def _declared_option_names() -> set[str] | None:
     """The option names of every loaded plugin; None when the plugin set cannot be read this way."""
     try:
-        from .. import plugins  # memmode_core has no public listing of declared options yet
+        from memmode_core.discovery import plugins  # memmode_core has no public listing of declared options yet
 
         registrations = plugins.current().registrations
         return {option.name for by_name in registrations.values() for registration in by_name.values()
@@ -199,11 +199,11 @@ def _describe_options(options: dict) -> str:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .runner import run_modes
-    from .table import render
+    from memmode_core.cli.runner import run_modes
+    from memmode_core.cli.table import render
 
     if args.plot:
-        from .plotting import require_matplotlib
+        from memmode_core.cli.plotting import require_matplotlib
 
         require_matplotlib()  # before minutes of work, not after
     load, call, description = _pipeline_source(args)
@@ -215,7 +215,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                         apply_options=args.options, keep_going=bool(args.compare))
     ran = [r for r in results if r.ran]
     if args.plot and ran:
-        from .plotting import plot_traces
+        from memmode_core.cli.plotting import plot_traces
 
         plot_traces(ran, args.plot)
     if args.json:
@@ -251,7 +251,7 @@ def _run_row(r, with_note: bool) -> tuple:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .table import render
+    from memmode_core.cli.table import render
 
     _refuse_undeclared(args.options)
     load, _, description = _pipeline_source(args)
@@ -289,7 +289,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
-    from .demo import SIZES
+    from memmode_core.cli.demo import SIZES
 
     parser.add_argument("--model", metavar="DIR", help="a local diffusers pipeline folder (default: the built-in "
                         "Wan 2.2-shaped pipeline with random weights)")

@@ -35,14 +35,14 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from ..errors import OffloadedWeightReadError, RestoreError
-from ..ledger import Ledger, clock
-from ..pipeline_hooks import refuse_foreign_offloading
-from ..storage import StorageSession, Tensors, is_placeholder, placeholder
-from . import watch
-from .hooks import MethodWrapper
-from .inputs import move_inputs
-from .layout import GroupSpec, Policy
+from memmode_core.contracts.errors import OffloadedWeightReadError, RestoreError
+from memmode_core.engine.ledger import Ledger, clock
+from memmode_core.engine.pipeline_hooks import refuse_foreign_offloading
+from memmode_core.contracts.storage import StorageSession, Tensors, is_placeholder, placeholder
+from memmode_core.engine import watch
+from memmode_core.engine.hooks import MethodWrapper
+from memmode_core.engine.inputs import move_inputs
+from memmode_core.contracts.layout import GroupSpec, Policy
 
 def _not_traced(function):
     """The engine's bookkeeping runs eagerly under torch.compile: its Python state (books, flags,

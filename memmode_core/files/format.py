@@ -7,7 +7,7 @@ exactly a group's bytes, and the two ways of getting the tensors back (a private
 
 Why memmode writes the format itself rather than calling ``safetensors.torch.save_file``:
 
-- the layout is chosen for mapping: tensors are packed by :mod:`memmode_core.packing` (every
+- the layout is chosen for mapping: tensors are packed by :mod:`memmode_core.contracts.packing` (every
   tensor at a multiple of its own element size) and the header is padded so that the data starts
   on a 64-byte boundary, so a mapping can be viewed as typed tensors without a copy;
 - the bytes are written straight from the tensors' memory (``save_file`` first copies every
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..packing import Entry, pack, packed_size, views
-from ..storage import Tensors
+from memmode_core.contracts.packing import Entry, pack, packed_size, views
+from memmode_core.contracts.storage import Tensors
 
 
 def _dtype_names() -> dict[torch.dtype, str]:
@@ -48,7 +48,7 @@ def _dtype_names() -> dict[torch.dtype, str]:
 
 
 DTYPE_NAMES = _dtype_names()
-#: where the data starts, and every tensor in it, is aligned to this (see :mod:`memmode_core.packing`)
+#: where the data starts, and every tensor in it, is aligned to this (see :mod:`memmode_core.contracts.packing`)
 DATA_ALIGNMENT = 64
 #: names of the zero-filled byte tensors that fill alignment gaps (safetensors allows no holes)
 PADDING_PREFIX = "__memmode_padding__."

@@ -39,14 +39,14 @@ from typing import Mapping
 
 import torch
 
-from .. import packing
-from . import folder as offload_folder, format as group_format
-from ..errors import InvalidOptionError, StorageUnavailableError
-from .format import Layout
-from .folder import OffloadFolder
-from ..options import Option, one_of
-from ..staging import Fill, StagingRing
-from ..storage import Storage, StorageSession, Tensors
+from memmode_core.contracts import packing
+from memmode_core.files import folder as offload_folder, format as group_format
+from memmode_core.contracts.errors import InvalidOptionError, StorageUnavailableError
+from memmode_core.files.format import Layout
+from memmode_core.files.folder import OffloadFolder
+from memmode_core.contracts.options import Option, one_of
+from memmode_core.engine.staging import Fill, StagingRing
+from memmode_core.contracts.storage import Storage, StorageSession, Tensors
 
 logger = logging.getLogger("memmode")
 

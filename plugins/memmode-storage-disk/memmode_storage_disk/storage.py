@@ -2,14 +2,14 @@
 
 Everything about the files — naming by content, atomic writes, verification, free-space checks,
 sharing a folder, cleanup — is :mod:`memmode_core.files`. What is particular to ``disk`` is
-how little it keeps: at rest a parameter holds a :func:`~memmode_core.storage.placeholder` (no
+how little it keeps: at rest a parameter holds a :func:`~memmode_core.contracts.storage.placeholder` (no
 memory) and only the small buffers keep their values (pipelines read them outside any forward).
 Memory holds the groups that are on the device at the time, whatever the size of the model.
 
 How a group comes back depends on the device:
 
 - to a CUDA device, the file is read chunk by chunk into a small page-locked staging ring and
-  copied on the engine's stream (:mod:`memmode_core.staging`);
+  copied on the engine's stream (:mod:`memmode_core.engine.staging`);
 - on the CPU, the file is mapped privately for as long as the group is onloaded: its pages in the
   page cache are the weights, and the mapping goes with the offload. Reading into fresh memory
   instead costs a page fault and a zeroed page for every 4 KiB of weights on every onload —
@@ -23,10 +23,10 @@ import contextlib
 
 import torch
 
-from memmode_core.costs import StorageCost, copying_cost
+from memmode_core.contracts.costs import StorageCost, copying_cost
 from memmode_core.files import format as group_format
 from memmode_core.files.store import GroupFile, GroupFileSession, GroupFileStorage, GroupFileStore
-from memmode_core.storage import Tensors, host_copy, placeholder, to_device
+from memmode_core.contracts.storage import Tensors, host_copy, placeholder, to_device
 
 
 class DiskSession(GroupFileSession):

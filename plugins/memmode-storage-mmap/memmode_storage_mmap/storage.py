@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from memmode_core.costs import StorageCost, copying_cost
+from memmode_core.contracts.costs import StorageCost, copying_cost
 from memmode_core.files.store import GroupFileSession, GroupFileStorage, GroupFileStore
-from memmode_core.storage import Tensors
+from memmode_core.contracts.storage import Tensors
 
 
 class MmapSession(GroupFileSession):

@@ -18,11 +18,11 @@ from typing import Mapping
 
 import torch
 
-from memmode_core import packing
-from memmode_core.costs import StorageCost, copying_cost
-from memmode_core.errors import StorageUnavailableError
-from memmode_core.options import Option, byte_size
-from memmode_core.storage import Storage, StorageSession, Tensors, host_copy
+from memmode_core.contracts import packing
+from memmode_core.contracts.costs import StorageCost, copying_cost
+from memmode_core.contracts.errors import StorageUnavailableError
+from memmode_core.contracts.options import Option, byte_size
+from memmode_core.contracts.storage import Storage, StorageSession, Tensors, host_copy
 
 from .slabs import SLAB_BYTES, Slab, Spot, plan
 

@@ -1,6 +1,6 @@
 """Quantization mechanics shared by every quantizer: which layers, how they are packed, how they run.
 
-A :class:`~memmode_core.quantizer.Quantizer` plugin only packs and unpacks one weight. This module
+A :class:`~memmode_core.quantization.quantizer.Quantizer` plugin only packs and unpacks one weight. This module
 does the rest, the same way for every format:
 
 **Which layers.** Every ``nn.Linear`` of a component whose class does not override ``forward``,
@@ -77,10 +77,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import IncompatibleModeError, InvalidOptionError, QuantizedWeightWriteError
+from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError, QuantizedWeightWriteError
 
 if TYPE_CHECKING:  # the contract sits above these mechanics: its default check/quantize call them
-    from .quantizer import Quantizer
+    from memmode_core.quantization.quantizer import Quantizer
 
 #: the key of ``Quantizer.pack``'s result that takes the place of the layer's ``weight`` parameter
 PAYLOAD = "weight_packed"
@@ -91,7 +91,7 @@ OUTSIDE_BLOCKS = "<outside blocks>"
 #: What every quantizer leaves at full precision unless told otherwise (measured; see the module
 #: docstring). ``exclude=`` adds to it; the ``default_exclude`` option replaces it.
 DEFAULT_EXCLUDE: tuple[str, ...] = (OUTSIDE_BLOCKS,)
-from .targets import is_fsdp1
+from memmode_core.contracts.targets import is_fsdp1
 
 #: attribute of a packed ``nn.Linear`` holding its :class:`PackedLayer` record
 PACKED_ATTRIBUTE = "_memmode_packed"
@@ -249,7 +249,7 @@ class WeightStandIn(torch.Tensor):
     ``merge_lora`` / ``unmerge_lora`` do ``layer.weight.data += up @ down`` (``-=``), others
     ``weight.data.copy_(...)`` or ``weight[...] = ...``. On a quantized layer that would need
     dequantize → add → re-quantize, paying the quantization error twice (see docs/videox-fun.md); memmode
-    refuses it instead, with :class:`~memmode_core.errors.IncompatibleModeError`, raised before any value is
+    refuses it instead, with :class:`~memmode_core.contracts.errors.IncompatibleModeError`, raised before any value is
     written (a plain expanded tensor would raise a bare ``RuntimeError``). ``.data``, ``.detach()`` and every
     other view of the stand-in are stand-ins too; out-of-place results are plain tensors (of NaN). Reading
     shape, dtype and device works as on any tensor.

@@ -3,7 +3,7 @@
 For every installed placement × storage (× quantizer, when asked), the planner asks the placement
 for its layout, claims the tensors exactly as the engine does (:func:`claim_groups`), sizes the
 groups (with the quantizer's packed sizes when one is asked for, from
-:func:`memmode_core.quantization.plan_quantization`), and replays a call through the engine's
+:func:`memmode_core.quantization.layers.plan_quantization`), and replays a call through the engine's
 policies: which groups are onloaded when, what stays, what is prefetched. That gives the peak
 weight bytes on the device, the bytes moved per call, and the host memory and disk each storage
 holds — the quantities the ledger of a real call reports.
@@ -32,15 +32,15 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from .costs import StorageCost, probe
-from .devices import resolve_device
-from .engine.layout import GroupSpec, Policy
-from .engine.runtime import Group, claim_groups
-from .errors import IncompatibleModeError, InvalidOptionError
-from .options import byte_size, resolve_options
-from .placement import lay_out
-from .plugins import PluginSet, current
-from .targets import Target
+from memmode_core.contracts.costs import StorageCost, probe
+from memmode_core.contracts.devices import resolve_device
+from memmode_core.contracts.layout import GroupSpec, Policy
+from memmode_core.engine.runtime import Group, claim_groups
+from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError
+from memmode_core.contracts.options import byte_size, resolve_options
+from memmode_core.contracts.placement import lay_out
+from memmode_core.discovery.plugins import PluginSet, current
+from memmode_core.contracts.targets import Target
 
 #: Share of a prefetching placement's copy time hidden behind compute.
 PREFETCH_OVERLAP = 0.9
@@ -157,7 +157,7 @@ class _Sized:
 
 def _size_groups(target: Target, groups: list[Group], quantizer, quantized: Mapping[str, nn.Module],
                  exclude: tuple[str, ...], quantizer_options: Mapping[str, object]) -> list[_Sized]:
-    from .quantization import plan_quantization
+    from memmode_core.quantization.layers import plan_quantization
 
     plans = {name: plan_quantization(quantizer, module, exclude=exclude, options=quantizer_options)
              for name, module in quantized.items()} if quantizer is not None else {}
@@ -354,7 +354,7 @@ def _budget(name: str, value: Any) -> int | None:
 
 
 def _quantizers(plugins: PluginSet, quantizer) -> list[tuple[str | None, Any]]:
-    from .grammar import lookup
+    from memmode_core.discovery.grammar import lookup
 
     if quantizer is None:
         return [(None, None)]
@@ -403,7 +403,7 @@ def _cost(storage, device: torch.device) -> StorageCost:
 
 
 def _judge(entries: list[PlanEntry], vram: int | None, ram: int | None) -> None:
-    from .units import format_bytes
+    from memmode_core.contracts.units import format_bytes
 
     for e in entries:
         reasons = []
@@ -421,7 +421,7 @@ def _judge(entries: list[PlanEntry], vram: int | None, ram: int | None) -> None:
 
 def choose(entries: list[PlanEntry], vram: int | None, ram: int | None) -> PlanEntry:
     """The entry ``auto`` picks, or :class:`NoModeFitsError` saying what the smallest one needs."""
-    from .units import format_bytes
+    from memmode_core.contracts.units import format_bytes
 
     for e in entries:
         if e.chosen:

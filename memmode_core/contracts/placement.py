@@ -1,7 +1,7 @@
 """The placement contract: *when* and *what* moves between the compute device and the storage.
 
 A placement does not move anything itself. It cuts the target into groups (``layout``) and says
-for each one when it must be on the device (:class:`~memmode_core.engine.layout.Policy`); the
+for each one when it must be on the device (:class:`~memmode_core.contracts.layout.Policy`); the
 engine does the moving, the hooks and the ledger, and the planner predicts costs from the same
 layout.
 """
@@ -12,10 +12,10 @@ from typing import Mapping
 
 import torch
 
-from .engine.layout import GroupSpec, Policy, owns_tensors
-from .errors import IncompatibleModeError
-from .options import Option
-from .targets import Target
+from memmode_core.contracts.layout import GroupSpec, Policy, owns_tensors
+from memmode_core.contracts.errors import IncompatibleModeError
+from memmode_core.contracts.options import Option
+from memmode_core.contracts.targets import Target
 
 
 class Placement:

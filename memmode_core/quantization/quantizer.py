@@ -6,7 +6,7 @@ A quantizer plugin contributes only what is specific to its format:
 - :meth:`Quantizer.unpack` turns those tensors back into a weight of the compute dtype,
 - optionally :meth:`Quantizer.skip_reason`, for weight shapes the format cannot hold.
 
-Everything else is core mechanics, in :mod:`memmode_core.quantization`: which layers of a component
+Everything else is core mechanics, in :mod:`memmode_core.quantization.layers`: which layers of a component
 are quantized (the exclusion filter), replacing a layer's weight by the packed tensors, the forward
 that unpacks them at call time, the checks that refuse a misuse before anything is touched, the
 summary ``handle.report().quantization`` shows, and the size predictions of the planner. Because
@@ -39,8 +39,8 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from .options import Option, names_list
-from .quantization import (DEFAULT_EXCLUDE, OUTSIDE_BLOCKS, PAYLOAD, QuantizationSummary, check_components,
+from memmode_core.contracts.options import Option, names_list
+from memmode_core.quantization.layers import (DEFAULT_EXCLUDE, OUTSIDE_BLOCKS, PAYLOAD, QuantizationSummary, check_components,
                            quantize_component)
 
 
@@ -69,7 +69,7 @@ class Quantizer:
     format: str = ""
 
     #: False for a quantizer that only installs the dequantizing forward on layers converted
-    #: beforehand (see :func:`memmode_core.quantization.convert`); it refuses a component that holds
+    #: beforehand (see :func:`memmode_core.quantization.layers.convert`); it refuses a component that holds
     #: no layer in its format instead of converting it.
     packs: bool = True
 
@@ -80,7 +80,7 @@ class Quantizer:
 
         The result maps attribute names to tensors on the weight's device. ``"weight_packed"`` is
         required: it takes the ``weight`` parameter's place and must have an *integer* dtype (see
-        :mod:`memmode_core.quantization` for why). Every other entry becomes a buffer of the layer
+        :mod:`memmode_core.quantization.layers` for why). Every other entry becomes a buffer of the layer
         under its key, which must start with ``"weight_"``. ``weight`` may be of any floating dtype
         and may live on the meta device: the planner calls ``pack`` on meta tensors to learn the
         packed sizes, so use only tensor operations (no ``.item()``, no data-dependent shapes).

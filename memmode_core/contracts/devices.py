@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .errors import InvalidOptionError
+from memmode_core.contracts.errors import InvalidOptionError
 
 
 def resolve_device(device: Any) -> torch.device:

@@ -30,8 +30,8 @@ from typing import Mapping
 
 import torch
 
-from .costs import StorageCost, probe
-from .options import Option
+from memmode_core.contracts.costs import StorageCost, probe
+from memmode_core.contracts.options import Option
 
 Tensors = dict[str, torch.Tensor]
 
@@ -85,11 +85,11 @@ class Storage:
         return None
 
     def cost(self, device: torch.device) -> StorageCost:
-        """What holding and fetching offloaded weights costs on ``device`` (see :mod:`memmode_core.costs`).
+        """What holding and fetching offloaded weights costs on ``device`` (see :mod:`memmode_core.contracts.costs`).
 
         The planner and ``auto`` price this storage with it. Declare it when you know it (a storage
         that compresses holds fewer bytes and fetches at its decompression speed); by default the
-        storage is measured once per process by :func:`memmode_core.costs.probe`.
+        storage is measured once per process by :func:`memmode_core.contracts.costs.probe`.
         """
         return probe(self, device)
 

@@ -11,7 +11,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from .errors import IncompatibleModeError, InvalidOptionError
+from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError
 
 #: The component name used for a bare ``nn.Module`` target.
 MODULE_COMPONENT = "module"

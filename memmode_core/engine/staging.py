@@ -18,8 +18,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from .files.format import Layout
-from .storage import Tensors
+from memmode_core.files.format import Layout
+from memmode_core.contracts.storage import Tensors
 
 CHUNK_BYTES = 16 << 20
 CHUNKS = 2

@@ -2,7 +2,7 @@
 
 ``apply(target, mode, **options)`` routes each option to the placement, storage or quantizer that
 declares it. An option nobody declares, or a value a declaration refuses, is an
-:class:`~memmode_core.errors.InvalidOptionError` raised before the target is touched.
+:class:`~memmode_core.contracts.errors.InvalidOptionError` raised before the target is touched.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
-from .errors import InvalidOptionError
+from memmode_core.contracts.errors import InvalidOptionError
 
 
 @dataclass(frozen=True)

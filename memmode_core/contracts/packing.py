@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .storage import Tensors
+from memmode_core.contracts.storage import Tensors
 
 
 @dataclass(frozen=True)

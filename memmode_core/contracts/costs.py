@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .options import resolve_options
+from memmode_core.contracts.options import resolve_options
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .storage import Storage
+    from memmode_core.contracts.storage import Storage
 
 #: Host-to-device bandwidth (bytes/s) by where copies come from, when it cannot be measured.
 DEFAULT_BANDWIDTH = {"pageable": 10e9, "pinned": 25e9, "mapped": 6e9, "disk": 2e9}

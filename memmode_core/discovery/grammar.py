@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import (IncompatibleModeError, PluginLoadError, PluginNotInstalledError, StorageUnavailableError,
+from memmode_core.contracts.errors import (IncompatibleModeError, PluginLoadError, PluginNotInstalledError, StorageUnavailableError,
                      UnknownModeError)
-from .plugins import (AUTOLOAD_ENV, DISABLE_ENV, PluginSet, Registration, autoload_enabled, clash_error,
+from memmode_core.discovery.plugins import (AUTOLOAD_ENV, DISABLE_ENV, PluginSet, Registration, autoload_enabled, clash_error,
                       disabled_names, normalize, provided_by, registration_disabled)
 
 SEPARATOR = "_and_"

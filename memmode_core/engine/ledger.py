@@ -42,7 +42,7 @@ class Report:
         return asdict(self)
 
     def __str__(self) -> str:
-        from .units import format_bytes
+        from memmode_core.contracts.units import format_bytes
 
         return (
             f"{self.mode} ({self.storage or 'no storage'}) on {self.device}: peak {format_bytes(self.peak_device_bytes)} "

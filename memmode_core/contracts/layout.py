@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Iterator
 
 from torch import nn
 
-from ..errors import InvalidOptionError
+from memmode_core.contracts.errors import InvalidOptionError
 
 
 class Policy(enum.Enum):

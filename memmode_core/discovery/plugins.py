@@ -13,7 +13,7 @@ names that clash with nothing) is recorded and isolated instead of taking the ot
   (the unambiguous way to choose between two packages that register the same name).
 
 Two registrations of one name in one kind are a *clash*: that name becomes an error naming both
-distributions (:class:`~memmode_core.errors.DuplicatePluginError` when it is used), and everything
+distributions (:class:`~memmode_core.contracts.errors.DuplicatePluginError` when it is used), and everything
 else keeps working; ``memmode list`` shows both rows with the clash as the reason.
 """
 
@@ -31,11 +31,11 @@ from typing import Any, Iterator
 
 import pluggy
 
-from . import hookspecs
-from .errors import DuplicatePluginError
-from .placement import Placement
-from .quantizer import Quantizer
-from .storage import Storage
+from memmode_core.contracts import hookspecs
+from memmode_core.contracts.errors import DuplicatePluginError
+from memmode_core.contracts.placement import Placement
+from memmode_core.quantization.quantizer import Quantizer
+from memmode_core.contracts.storage import Storage
 
 ENTRY_POINT_GROUP = "memmode"
 AUTOLOAD_ENV = "MEMMODE_DISABLE_PLUGIN_AUTOLOAD"
@@ -140,7 +140,7 @@ def core_version() -> str:
     try:
         return metadata.version(CORE_DISTRIBUTION)
     except metadata.PackageNotFoundError:
-        from . import __version__
+        from memmode_core import __version__
 
         return __version__
 

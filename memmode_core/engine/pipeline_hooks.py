@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .errors import IncompatibleModeError
+from memmode_core.contracts.errors import IncompatibleModeError
 
 ATTRIBUTE = "_hf_hook"
 
