@@ -27,9 +27,11 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from memmode_core.api import Handle, apply, convert, remove
+from memmode_core.loading.load import load
+from memmode_core.loading.save import save_quantized
 from memmode_core.contracts.costs import StorageCost
 from memmode_core.contracts.layout import GroupSpec, Policy, block_groups, leaf_groups, whole_component
-from memmode_core.contracts.errors import (DuplicatePluginError, IncompatibleModeError, InvalidOptionError, MemmodeError,
+from memmode_core.contracts.errors import (CheckpointError, DuplicatePluginError, IncompatibleModeError, InvalidOptionError, MemmodeError,
                      OffloadedWeightReadError, PluginLoadError, PluginNotInstalledError, QuantizedWeightWriteError,
                      RestoreError, StorageUnavailableError, UnknownModeError)
 from memmode_core.discovery.grammar import Mode, parse_mode
@@ -44,7 +46,7 @@ from memmode_core.contracts.storage import Storage, StorageSession, Tensors, is_
 from memmode_core.contracts.targets import Target
 
 __all__ = [
-    "apply", "remove", "convert", "plan", "PlanEntry", "NoModeFitsError", "Handle", "Report", "parse_mode", "Mode", "list_plugins", "PluginInfo", "hookimpl",
+    "apply", "remove", "convert", "load", "save_quantized", "CheckpointError", "plan", "PlanEntry", "NoModeFitsError", "Handle", "Report", "parse_mode", "Mode", "list_plugins", "PluginInfo", "hookimpl",
     "temporary_plugin", "Placement", "Quantizer", "Storage", "StorageSession", "StorageCost", "Option",
     "GroupSpec", "Policy", "block_groups", "leaf_groups", "whole_component", "Target", "Tensors", "placeholder", "is_placeholder",
     "MemmodeError", "UnknownModeError", "PluginNotInstalledError", "PluginLoadError", "IncompatibleModeError",

@@ -100,6 +100,13 @@ class Handle:
         """
         self._runtime.refresh()
 
+    def save(self, path) -> Any:
+        """Save the target quantized, as it is now (see :func:`memmode_core.save_quantized`); ``load(path,
+        mode)`` streams it back without quantizing again. Nothing is moved or removed."""
+        from memmode_core.loading.save import save_quantized
+
+        return save_quantized(self.target, path)
+
     def start_trace(self) -> None:
         """Record resident device bytes after every onload and offload from now on (see :meth:`trace`)."""
         self._ledger.trace = [(clock(), self._ledger.resident)]

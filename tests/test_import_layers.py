@@ -31,7 +31,7 @@ LAYERS = [
     ("discovery", ["discovery"]),
     ("planner", ["planning"]),
     ("builtin", ["builtin"]),
-    ("top", ["api", "compat", "cli", "demo", "__init__", "__main__"]),
+    ("top", ["api", "compat", "loading", "cli", "demo", "__init__", "__main__"]),
 ]
 
 

@@ -7,6 +7,7 @@ import torch
 
 import memmode_core as memmode
 from memmode_core.contracts.errors import InvalidOptionError
+from memmode_core.contracts.options import parse_byte_size
 from memmode_core.planning.planner import NoModeFitsError, default_calls
 from memmode_core.contracts.targets import Target
 
@@ -99,7 +100,7 @@ def test_auto_picks_the_fastest_mode_that_fits(budget, expected):
     assert handle.mode == expected and handle.requested_mode == "auto"
     torch.testing.assert_close(run(pipe, "wan22"), reference, rtol=0, atol=1e-5)  # auto never changes numerics
     if budget is not None:
-        limit = memmode.options.parse_byte_size(budget)
+        limit = parse_byte_size(budget)
         assert handle.report().peak_device_bytes <= limit
     if budget == "30KB":
         assert handle.choice.options == {"offload_type": "leaf_level"}

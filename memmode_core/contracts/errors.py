@@ -67,3 +67,9 @@ class QuantizedWeightWriteError(IncompatibleModeError, RuntimeError):
 
     An :class:`IncompatibleModeError`, and a ``RuntimeError`` as well: the error torch raised for such a
     write before memmode refused it (code that caught that keeps working)."""
+
+
+class CheckpointError(MemmodeError):
+    """A checkpoint that cannot be loaded as it is: truncated, not safetensors, missing or unexpected
+    tensors, or saved in a packed format that no installed quantizer reads. The message names the file
+    (and the tensor) at fault; nothing was loaded or changed."""

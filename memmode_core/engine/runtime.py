@@ -274,6 +274,23 @@ class Runtime:
         group.resident = True
         self.ledger.onloaded(group.nbytes, clock() - start)
 
+    def real_values(self, component: str) -> dict[int, torch.Tensor]:
+        """``id(registered tensor) -> its real value on the CPU`` for every tensor of ``component`` whose
+        registered value is not its real one right now (offloaded: a placeholder or a storage's view).
+
+        For reading a placed model's weights without removing the mode (saving it). Nothing is moved.
+        """
+        with self.lock:
+            found: dict[int, torch.Tensor] = {}
+            for group in self._groups_of.get(component, []):
+                if group.policy is Policy.RESIDENT or group.resident:
+                    continue
+                values = self._restore(group)
+                for slot in group.slots:
+                    if slot.name in values:
+                        found[id(slot.tensor)] = values[slot.name]
+            return found
+
     def _restore(self, group: Group) -> Tensors:
         tensors: Tensors = {}
         for part in group.parts:

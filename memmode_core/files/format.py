@@ -88,7 +88,9 @@ class Layout:
         return self.data_start + self.data_bytes
 
     @classmethod
-    def of(cls, tensors: Tensors) -> "Layout":
+    def of(cls, tensors: Tensors, metadata: dict[str, str] | None = None) -> "Layout":
+        """The layout of ``tensors`` (only their names, dtypes and shapes are read: meta tensors will do);
+        ``metadata`` joins the header's ``__metadata__``."""
         entries = pack(tensors, align=DATA_ALIGNMENT)
         for entry in entries:
             if entry.dtype not in DTYPE_NAMES:
@@ -101,7 +103,7 @@ class Layout:
                                                         "data_offsets": [end, e.start]}
             described[e.name] = {"dtype": DTYPE_NAMES[e.dtype], "shape": list(e.shape), "data_offsets": [e.start, e.end]}
             end = e.end
-        described["__metadata__"] = {"format": "pt", "writer": "memmode"}
+        described["__metadata__"] = {**(metadata or {}), "format": "pt", "writer": "memmode"}
         text = json.dumps(described, separators=(",", ":")).encode()
         text += b" " * (-(8 + len(text)) % DATA_ALIGNMENT)  # the format allows trailing spaces
         return cls(tuple(entries), struct.pack("<Q", len(text)) + text)

@@ -703,15 +703,25 @@ def _pack_all(plan: QuantizationPlan) -> int:
             payload = nn.Parameter(packed.pop(PAYLOAD), requires_grad=False)
             known = shared[id(weight)] = (weight, payload, packed)
         _, payload, buffers = known
-        clash = [n for n in (PAYLOAD, *buffers) if hasattr(module, n)]
-        if clash:
-            raise RuntimeError(f"{layer.path} already has an attribute {clash[0]!r}; cannot store the packed tensor")
-        _replace_parameter(module, "weight", PAYLOAD, payload)
-        for buffer_name, tensor in buffers.items():
-            module.register_buffer(buffer_name, tensor, persistent=True)
-        module.__dict__[PACKED_ATTRIBUTE] = PackedLayer(quantizer.format_name, weight.shape, weight.dtype,
-                                                        (PAYLOAD, *buffers))
+        attach_packed(module, quantizer.format_name, weight.shape, weight.dtype, payload, buffers, layer.path)
     return len(plan.to_pack)
+
+
+def attach_packed(module: nn.Module, fmt: str, shape: torch.Size, dtype: torch.dtype, payload: nn.Parameter,
+                  buffers: Mapping[str, torch.Tensor], path: str = "layer") -> None:
+    """Make ``module`` a packed layer holding ``payload`` (in place of ``weight``) and ``buffers``.
+
+    The packed tensors may come from :meth:`Quantizer.pack` or from a file (loading a quantized
+    checkpoint, or quantizing while streaming one): a layer is the same whichever way it was filled.
+    The forward is installed separately (:func:`install_forward`).
+    """
+    clash = [n for n in (PAYLOAD, *buffers) if hasattr(module, n)]
+    if clash:
+        raise RuntimeError(f"{path} already has an attribute {clash[0]!r}; cannot store the packed tensor")
+    _replace_parameter(module, "weight", PAYLOAD, payload)
+    for buffer_name, tensor in buffers.items():
+        module.register_buffer(buffer_name, tensor, persistent=True)
+    module.__dict__[PACKED_ATTRIBUTE] = PackedLayer(fmt, torch.Size(shape), dtype, (PAYLOAD, *buffers))
 
 
 def _replace_parameter(module: nn.Module, old: str, new: str, parameter: nn.Parameter) -> None:

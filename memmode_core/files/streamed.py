@@ -1,0 +1,107 @@
+"""A safetensors file written one piece at a time, then mapped: converted weights that never sit in RAM.
+
+Loading straight into a mode converts what the checkpoint does not hold as the mode needs it (another
+dtype, or packed by a quantizer). Converting everything first would hold the converted model in memory,
+which is the wall the loader exists to remove. Instead the layout is fixed from shapes and dtypes alone
+(a quantizer's packed shapes never depend on the data), the file is sized, and each piece — one layer's
+tensors — is computed, written at its offset with ``pwrite`` and dropped before the next. Peak memory is
+one piece.
+
+The file is then mapped privately and unlinked at once: the mapping keeps its pages readable (and
+evictable, unlike anonymous memory) for as long as a tensor views it, and nothing is left on disk when
+the last view goes, whatever happens to the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import torch
+
+from memmode_core.contracts.storage import Tensors
+from memmode_core.files.format import Layout, byte_view, host_tensors, map_private
+from memmode_core.contracts.packing import views
+
+
+class StreamedFile:
+    """Write ``specs`` (name -> meta or real tensor giving dtype and shape) piece by piece, then map."""
+
+    def __init__(self, specs: Mapping[str, torch.Tensor], folder: str | os.PathLike | None = None,
+                 metadata: dict[str, str] | None = None, keep_as: str | os.PathLike | None = None) -> None:
+        self.layout = Layout.of(dict(specs), metadata)
+        self._entries = {e.name: e for e in self.layout.entries}
+        self._written: set[str] = set()
+        self.keep_as = Path(keep_as) if keep_as is not None else None
+        if self.keep_as is not None:
+            self.keep_as.parent.mkdir(parents=True, exist_ok=True)
+            fd, name = tempfile.mkstemp(prefix=".memmode-", suffix=".partial", dir=self.keep_as.parent)
+        else:
+            fd, name = tempfile.mkstemp(prefix="memmode-loading-", suffix=".safetensors", dir=folder)
+        self.path = Path(name)
+        self._fd = fd
+        try:
+            os.ftruncate(fd, self.layout.file_size)  # alignment gaps read back as zeros
+            os.pwrite(fd, self.layout.header, 0)
+        except BaseException:
+            self.abandon()
+            raise
+
+    def write(self, tensors: Tensors) -> None:
+        """Write one piece (a subset of the names) at its place in the file."""
+        for name, tensor in host_tensors(tensors).items():
+            entry = self._entries[name]
+            if (tensor.dtype, tuple(tensor.shape)) != (entry.dtype, tuple(entry.shape)):
+                raise ValueError(f"{name}: got a {tuple(tensor.shape)} {tensor.dtype} tensor, the layout has "
+                                 f"{tuple(entry.shape)} {entry.dtype}")
+            data, offset = byte_view(tensor), self.layout.data_start + entry.start
+            done = 0
+            while done < len(data):
+                done += os.pwrite(self._fd, data[done:], offset + done)
+            self._written.add(name)
+
+    def finish(self) -> Tensors:
+        """Every tensor, as views of the file mapped privately; the file is unlinked (or renamed to
+        ``keep_as``)."""
+        missing = set(self._entries) - self._written
+        if missing:
+            self.abandon()
+            raise ValueError(f"{len(missing)} tensors were never written (e.g. {sorted(missing)[0]})")
+        try:
+            os.fsync(self._fd) if self.keep_as is not None else None
+            os.close(self._fd)
+            self._fd = -1
+            flat = map_private(self.path)
+            if self.keep_as is not None:
+                os.replace(self.path, self.keep_as)
+            else:
+                os.unlink(self.path)
+        except BaseException:
+            self.abandon()
+            raise
+        return views(flat, self.layout.entries, self.layout.data_start)
+
+    def abandon(self) -> None:
+        """Close and delete the partial file. Idempotent."""
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
+def write_pieces(specs: Mapping[str, torch.Tensor], pieces: Iterable[Tensors], *, folder=None,
+                 metadata: dict[str, str] | None = None, keep_as=None) -> Tensors:
+    """Write every piece of ``pieces`` into a :class:`StreamedFile` laid out from ``specs``; its mapped views."""
+    streamed = StreamedFile(specs, folder, metadata, keep_as)
+    try:
+        for piece in pieces:
+            streamed.write(piece)
+    except BaseException:
+        streamed.abandon()
+        raise
+    return streamed.finish()

@@ -1,0 +1,126 @@
+"""Pouring a checkpoint into a skeleton: each tensor bound as a view of the file, or converted on the way.
+
+A tensor whose checkpoint dtype is the dtype the model wants is bound as a view of the checkpoint's
+private mapping: no anonymous memory, nothing written. The others are converted one at a time into a
+streamed file (:mod:`memmode_core.files.streamed`) and bound as views of it. Tied weights (one
+parameter under several names, often saved once) are bound once and stay tied. A tensor the model
+needs that the checkpoint lacks, or a shape that differs, is a :class:`CheckpointError` naming it —
+raised before the skeleton is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from memmode_core.contracts.errors import CheckpointError
+from memmode_core.files.checkpoint import Checkpoint
+from memmode_core.files.streamed import write_pieces
+from memmode_core.loading.skeleton import Skeleton
+
+logger = logging.getLogger("memmode")
+
+
+@dataclass
+class Slot:
+    """Where one tensor of the model is registered (every name of a tied tensor)."""
+
+    owners: list[tuple[nn.Module, str]]
+    is_buffer: bool
+    keys: list[str]
+    current: torch.Tensor
+
+
+@dataclass
+class BindPlan:
+    slots: list[Slot]
+    #: slot index -> checkpoint key it is read from
+    source: dict[int, str]
+    #: slot index -> dtype it is converted to (absent: bound as a view)
+    convert: dict[int, torch.dtype]
+    unexpected: list[str] = field(default_factory=list)
+
+
+def slots_of(module: nn.Module) -> list[Slot]:
+    """Every parameter and persistent buffer of ``module``, tied ones once with all their names."""
+    found: dict[int, Slot] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        dot = prefix + "." if prefix else ""
+        for name, param in sub._parameters.items():
+            if param is None:
+                continue
+            slot = found.setdefault(id(param), Slot([], False, [], param))
+            slot.owners.append((sub, name))
+            slot.keys.append(dot + name)
+        for name, buffer in sub._buffers.items():
+            if buffer is None or name in sub._non_persistent_buffers_set:
+                continue
+            slot = found.setdefault(id(buffer), Slot([], True, [], buffer))
+            slot.owners.append((sub, name))
+            slot.keys.append(dot + name)
+    return list(found.values())
+
+
+def plan_binding(skeleton: Skeleton, checkpoint: Checkpoint, *, where: str) -> BindPlan:
+    """What to read for each tensor of the skeleton; refuses a checkpoint that does not fit it."""
+    slots = slots_of(skeleton.module)
+    source, convert, missing, wrong = {}, {}, [], []
+    wanted = set()
+    for index, slot in enumerate(slots):
+        key = next((k for k in slot.keys if k in checkpoint), None)
+        wanted.update(slot.keys)
+        if key is None:
+            if slot.current.is_meta:
+                missing.append(slot.keys[0])
+            continue  # a buffer built for real in __init__ and not saved: kept as built
+        record = checkpoint.record(key)
+        if tuple(record.shape) != tuple(slot.current.shape):
+            wrong.append(f"{key}: {list(record.shape)} in the checkpoint, {list(slot.current.shape)} in the model")
+            continue
+        source[index] = key
+        target = skeleton.dtypes.get(key, record.dtype) if record.dtype.is_floating_point else record.dtype
+        if target != record.dtype:
+            convert[index] = target
+    if missing or wrong:
+        lines = [*(f"{k}: missing from the checkpoint" for k in missing[:5]), *wrong[:5]]
+        more = len(missing) + len(wrong) - len(lines)
+        raise CheckpointError(f"{where} does not fit {type(skeleton.module).__name__}: {'; '.join(lines)}"
+                              f"{f'; and {more} more' if more > 0 else ''}")
+    unexpected = sorted(set(checkpoint.keys()) - wanted)
+    return BindPlan(slots, source, convert, unexpected)
+
+
+def bind(skeleton: Skeleton, checkpoint: Checkpoint, plan: BindPlan, *, staging_dir=None) -> int:
+    """Bind every tensor; returns the bytes written converting. The skeleton is changed only at the end."""
+    values: dict[int, torch.Tensor] = {}
+    converted = {index: dtype for index, dtype in plan.convert.items()}
+    if converted:
+        specs = {str(i): torch.empty(plan.slots[i].current.shape, dtype=dtype, device="meta")
+                 for i, dtype in converted.items()}
+
+        def pieces():
+            for i, dtype in converted.items():
+                yield {str(i): checkpoint.view(plan.source[i]).to(dtype)}
+
+        streamed = write_pieces(specs, pieces(), folder=staging_dir)
+        values.update({int(name): tensor for name, tensor in streamed.items()})
+    for index, key in plan.source.items():
+        if index not in values:
+            values[index] = checkpoint.view(key)
+    for index, value in values.items():
+        slot = plan.slots[index]
+        if slot.is_buffer:
+            for owner, name in slot.owners:
+                owner._buffers[name] = value
+        else:
+            param = type(slot.current)(value, requires_grad=slot.current.requires_grad) \
+                if type(slot.current) is nn.Parameter else nn.Parameter(value, requires_grad=slot.current.requires_grad)
+            for owner, name in slot.owners:
+                owner._parameters[name] = param
+    if plan.unexpected:
+        logger.warning("memmode: %d tensors of the checkpoint are not used by %s (e.g. %s)", len(plan.unexpected),
+                       type(skeleton.module).__name__, plan.unexpected[0])
+    return sum(plan.slots[i].current.numel() * torch.empty((), dtype=d).element_size() for i, d in converted.items())

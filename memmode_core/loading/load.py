@@ -1,0 +1,259 @@
+"""``load``: a diffusers pipeline folder (or one model folder) straight into a mode.
+
+``from_pretrained`` followed by ``apply`` needs the whole model in memory before memmode can move it
+out: for Wan 2.2 A14B in bfloat16, ~57 GB of RAM just to start. ``load`` builds each model with no
+weight allocated (:mod:`~memmode_core.loading.skeleton`), binds its tensors as views of the checkpoint's
+pages (:mod:`~memmode_core.loading.binding`), converts and quantizes one layer at a time into files that
+are mapped back, and then applies the mode — so what it returns is what ``apply`` on the loaded pipeline
+gives (the same groups, the same report, bit-equal outputs), without the model ever being in anonymous
+memory. Weights the mode keeps in CPU memory (``ram`` storage, ``model_full_load`` on the CPU) stay views
+of the checkpoint's pages, exactly as ``from_pretrained`` leaves them (diffusers and transformers map
+safetensors files too): the same bytes at the same alignment, so the same kernels and the same bits.
+
+Everything is checked before anything is bound: the mode, its options, every component's config and
+checkpoint headers (a truncated shard, a missing tensor, a format no installed quantizer reads). A
+failure leaves nothing behind: streamed files are unlinked as soon as they are mapped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from memmode_core.api import Handle, apply
+from memmode_core.contracts.devices import resolve_device
+from memmode_core.contracts.errors import CheckpointError, IncompatibleModeError, InvalidOptionError
+from memmode_core.contracts.options import resolve_options
+from memmode_core.contracts.targets import Target
+from memmode_core.discovery.grammar import resolve
+from memmode_core.discovery.plugins import current
+from memmode_core.files.checkpoint import Checkpoint
+from memmode_core.loading.binding import BindPlan, bind, plan_binding
+from memmode_core.loading.skeleton import Skeleton, build, is_weight_module_class, model_class, pipeline_index
+from memmode_core.quantization import saved
+from memmode_core.quantization.layers import check_component, install_forward
+
+logger = logging.getLogger("memmode")
+
+
+@dataclass
+class ComponentLoad:
+    """One model of the folder, checked and ready to bind."""
+
+    name: str
+    folder: Path
+    skeleton: Skeleton
+    checkpoint: Checkpoint
+    plan: BindPlan | None = None
+    #: the format it was saved in by ``save_quantized``, and the quantizer that reads it
+    saved_format: str | None = None
+    reader: Any = None
+    saved_layers: list = dataclasses.field(default_factory=list)
+    #: loaded by its library's own ``from_pretrained`` (see :func:`_needs_library_loader`)
+    library_loaded: bool = False
+    cls: type | None = None
+
+
+def load(path: str | os.PathLike, mode: str, *, torch_dtype: torch.dtype | None = None, device: Any = None,
+         weight_dtype: torch.dtype | None = None, storage: str | None = None, offload_dir: str | None = None,
+         components: Iterable[str] | None = None, exclude: Iterable[str] | None = None,
+         exclude_components: Iterable[str] | None = None, variant: str | None = None,
+         staging_dir: str | os.PathLike | None = None, **options: Any) -> Handle:
+    """Load the diffusers pipeline (or the single model) saved in ``path`` straight into ``mode``.
+
+    Arguments are those of :func:`memmode_core.apply`, plus ``torch_dtype`` and ``variant`` as
+    ``from_pretrained`` takes them, and ``staging_dir`` for the files converted weights are streamed
+    through (default: ``offload_dir``, else the system's temporary folder; they are unlinked as soon
+    as they are mapped). Returns the :class:`Handle`; ``handle.target`` is the pipeline or model.
+    """
+    if not isinstance(mode, str):
+        raise TypeError(f"mode must be a string such as 'model_cpu_offload_and_qfloat8', not {type(mode).__name__}")
+    if torch_dtype is not None and not (isinstance(torch_dtype, torch.dtype) and torch_dtype.is_floating_point):
+        raise InvalidOptionError(f"torch_dtype={torch_dtype!r} must be a floating torch.dtype")
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: no such folder (load() takes a folder saved with save_pretrained)")
+    dev = resolve_device(device)
+    plugins = current()
+    resolved = resolve(mode, storage=storage, device=dev, plugins=plugins, storage_given=storage is not None)
+    quantizer = resolved.quantizer.obj if resolved.quantizer else None
+    storage_obj = resolved.storage.obj if resolved.storage else None
+    declared = [(f"placement {resolved.placement.name}", resolved.placement.obj.options)]
+    if storage_obj is not None:
+        declared.append((f"storage {storage_obj.name}", storage_obj.options))
+    if quantizer is not None:
+        declared.append((f"quantizer {quantizer.name}", quantizer.options))
+    routed = resolve_options(declared, options)
+    quantizer_options = routed.get(f"quantizer {quantizer.name}", {}) if quantizer is not None else {}
+    staging = staging_dir if staging_dir is not None else offload_dir
+
+    # -- check everything: configs, headers, formats -------------------------------------------------
+    index = pipeline_index(folder) if (folder / "model_index.json").is_file() else None
+    loads = _plan_components(folder, index, torch_dtype, variant, plugins, quantizer)
+
+    # -- bind ------------------------------------------------------------------------------------------
+    for item in loads:
+        if item.library_loaded:
+            kwargs = {"dtype": torch_dtype} if torch_dtype is not None else {}
+            item.skeleton.module = item.cls.from_pretrained(item.folder, variant=variant, **kwargs).eval()
+            continue
+        bind(item.skeleton, item.checkpoint, item.plan, staging_dir=staging)
+        if item.reader is not None and (quantizer is None or item.name not in _quantized_names(index, components)):
+            for layer in item.saved_layers:  # no quantizer of the mode will install their forward: do it here
+                install_forward(item.skeleton.module.get_submodule(layer.path), item.reader,
+                                weight_dtype or layer.compute_dtype or layer.dtype)
+        item.checkpoint.release()
+    target = _assemble(folder, index, loads, torch_dtype, variant)
+
+    # -- quantize while streaming, as apply would quantize ------------------------------------------
+    summaries_fix = {}
+    if quantizer is not None:
+        whole = Target.of(target)
+        left_alone = tuple(exclude_components or ())
+        names = None if components is None else ((components,) if isinstance(components, str) else tuple(components))
+        selected = (whole if names is not None else whole.without(left_alone)).select(names)
+        excluded = tuple(exclude or ())
+        if _uses_default_quantize(quantizer):
+            for name, module in selected.items():
+                plan = check_component(quantizer, name, module, exclude=excluded, options=quantizer_options)
+                if plan.packs_anything:
+                    before = _bytes(module)
+                    packed = saved.stream_pack(plan, staging_dir=staging)
+                    summaries_fix[name] = (packed, before)
+        else:
+            logger.info("memmode: quantizer %s has its own quantize(); it quantizes the loaded model in memory",
+                        quantizer.name)
+
+    handle = apply(target, mode, device=device, weight_dtype=weight_dtype, storage=storage, offload_dir=offload_dir,
+                   components=components, exclude=exclude, exclude_components=exclude_components, **options)
+    for name, (packed, before) in summaries_fix.items():
+        summary = handle.quantized.get(name)
+        if summary is not None and dataclasses.is_dataclass(summary):
+            handle.quantized[name] = dataclasses.replace(summary, packed_layers=packed, already_packed_layers=0,
+                                                         bytes_before=before)
+    return handle
+
+
+def _uses_default_quantize(quantizer) -> bool:
+    from memmode_core.quantization.quantizer import Quantizer
+
+    return type(quantizer).quantize is Quantizer.quantize and getattr(quantizer, "packs", True)
+
+
+def _quantized_names(index, components) -> set[str]:
+    if components is not None:
+        return {components} if isinstance(components, str) else set(components)
+    return {"transformer", "transformer_2"} if index is not None else {"module"}
+
+
+def _bytes(module: nn.Module) -> int:
+    seen, total = set(), 0
+    for t in [*module.parameters(), *module.buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _plan_components(folder: Path, index: dict | None, torch_dtype, variant, plugins, quantizer) -> list[ComponentLoad]:
+    if index is None:
+        cls = _single_model_class(folder)
+        entries = [("module", folder, cls)]
+    else:
+        entries = []
+        for name, value in index.items():
+            if name.startswith("_") or not isinstance(value, (list, tuple)) or len(value) != 2 or value[0] is None:
+                continue
+            library, class_name = value
+            cls = model_class(library, class_name)
+            if is_weight_module_class(cls):
+                entries.append((name, folder / name, cls))
+    loads = []
+    for name, sub, cls in entries:
+        checkpoint = Checkpoint.open(sub, variant=variant)
+        skeleton = build(cls, sub, torch_dtype)
+        item = ComponentLoad(name, sub, skeleton, checkpoint)
+        fmt = saved.saved_format(checkpoint.metadata)
+        if fmt is not None:
+            item.saved_format = fmt
+            item.reader = _reader_for(fmt, plugins, quantizer, sub)
+            item.saved_layers = saved.saved_layers(checkpoint.metadata, str(sub))
+            saved.prepare_packed(skeleton.module, item.reader, item.saved_layers, str(sub))
+        item.cls = cls
+        if fmt is None and _needs_library_loader(skeleton, checkpoint):
+            logger.info("memmode: %s (%s) is loaded by transformers itself: its checkpoint's tensor names need "
+                        "transformers' own conversions; it is read into memory as from_pretrained reads it",
+                        name, cls.__name__)
+            item.library_loaded = True
+        else:
+            item.plan = plan_binding(skeleton, checkpoint, where=str(sub))
+        loads.append(item)
+    return loads
+
+
+def _needs_library_loader(skeleton: Skeleton, checkpoint: Checkpoint) -> bool:
+    """A transformers model whose checkpoint names its tensors otherwise than the model does (transformers
+    5 renames, merges and splits tensors of many architectures while loading): only transformers itself
+    can load it. Diffusers models are always bound directly."""
+    if skeleton.library != "transformers":
+        return False
+    from memmode_core.loading.binding import slots_of
+
+    names = {key for slot in slots_of(skeleton.module) for key in slot.keys}
+    return any(key not in names for key in checkpoint.keys())
+
+
+def _reader_for(fmt: str, plugins, quantizer, where: Path):
+    if quantizer is not None:
+        if quantizer.format_name != fmt:
+            raise IncompatibleModeError(f"{where} is saved quantized in {fmt}; the mode's quantizer {quantizer.name} "
+                                        f"writes {quantizer.format_name}, and memmode does not re-quantize a quantized "
+                                        f"model: use a mode with a {fmt} quantizer, or none")
+        return quantizer
+    readers = [reg.obj for reg in plugins.registrations["quantizer"].values()
+               if getattr(reg.obj, "format_name", None) == fmt]
+    if not readers:
+        raise CheckpointError(f"{where} is saved quantized in format {fmt!r}, which no installed quantizer reads "
+                              f"(pip install memmode-{fmt.split('_')[0]}?)")
+    return readers[0]
+
+
+def _single_model_class(folder: Path) -> type:
+    import json
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{folder}: neither model_index.json nor a readable config.json ({exc})") from None
+    if "_class_name" in config:
+        import diffusers
+
+        cls = getattr(diffusers, config["_class_name"], None)
+    else:
+        import transformers
+
+        architectures = config.get("architectures") or []
+        cls = getattr(transformers, architectures[0], None) if architectures else None
+    if cls is None:
+        raise CheckpointError(f"{folder}/config.json names no model class memmode can import")
+    return cls
+
+
+def _assemble(folder: Path, index: dict | None, loads: list[ComponentLoad], torch_dtype, variant):
+    if index is None:
+        return loads[0].skeleton.module
+    import diffusers
+
+    pipeline_cls = getattr(diffusers, index.get("_class_name", ""), None)
+    if pipeline_cls is None:
+        raise CheckpointError(f"{folder}/model_index.json names {index.get('_class_name')!r}, not a diffusers pipeline")
+    built = {item.name: item.skeleton.module for item in loads}
+    kwargs = {} if torch_dtype is None else {"torch_dtype": torch_dtype}
+    return pipeline_cls.from_pretrained(folder, **built, **kwargs)

@@ -1,0 +1,171 @@
+"""A component built from its config with no weight allocated: the shape the checkpoint is poured into.
+
+Parameters are created on the meta device and the initializers do not run: building a 14B transformer
+this way costs its config, not 57 GB and a minute of random numbers. Buffers are built for real (a
+rotary table or ``position_ids`` computed in ``__init__`` is not always in the checkpoint).
+
+Which dtype each tensor ends up with is the loading library's rule, reproduced exactly, because loading
+into a mode must give what ``from_pretrained`` followed by ``apply`` gives, bit for bit:
+
+- diffusers: the model is built with ``torch_dtype`` as the default dtype; floating tensors from the
+  checkpoint take ``torch_dtype`` (float32 for the modules named by ``_keep_in_fp32_modules``), or, with
+  no ``torch_dtype``, the dtype the module was built with.
+- transformers: its own ``from_pretrained(device_map="meta")`` builds the skeleton, so its rules (``dtype``
+  from the config, ``_keep_in_fp32_modules``, tied weights) are the ones applied; non-persistent buffers
+  come from a second build with parameters on meta.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from memmode_core.contracts.errors import CheckpointError
+
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+                   "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+                   "sparse_")
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Inside: every parameter registered on a module goes to the meta device; initializers do nothing."""
+    register = nn.Module.register_parameter
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS if hasattr(nn.init, name)}
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    def skip(tensor, *args, **kwargs):
+        return tensor
+
+    nn.Module.register_parameter = on_meta
+    for name in saved:
+        setattr(nn.init, name, skip)
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+    if dtype is None or not dtype.is_floating_point:
+        yield
+        return
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+@dataclass
+class Skeleton:
+    """A module with meta parameters, and the dtype each checkpoint tensor must be bound in."""
+
+    module: nn.Module
+    library: str
+    #: state-dict key -> dtype it takes when loaded (floating tensors only; others keep the checkpoint's)
+    dtypes: dict[str, torch.dtype]
+    #: key renames the model applies when loading (diffusers' ``_fix_state_dict_keys_on_load``)
+    renamed: dict[str, str]
+
+
+def model_class(library: str, class_name: str) -> type:
+    try:
+        module = importlib.import_module(library)
+        return getattr(module, class_name)
+    except (ImportError, AttributeError) as exc:
+        raise CheckpointError(f"{library}.{class_name} cannot be imported ({exc})") from None
+
+
+def is_weight_module_class(cls: type) -> bool:
+    return isinstance(cls, type) and issubclass(cls, nn.Module)
+
+
+def build(cls: type, folder: Path, torch_dtype: torch.dtype | None) -> Skeleton:
+    """The skeleton of the model class ``cls`` saved in ``folder`` (its config.json)."""
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{folder}: no config.json for {cls.__name__}")
+    if _is_transformers(cls):
+        return _transformers_skeleton(cls, folder, torch_dtype)
+    if hasattr(cls, "from_config") and hasattr(cls, "load_config"):
+        return _diffusers_skeleton(cls, folder, torch_dtype)
+    raise CheckpointError(f"{cls.__module__}.{cls.__name__} is neither a diffusers nor a transformers model: "
+                          f"memmode cannot build it from {folder}")
+
+
+def _is_transformers(cls: type) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return issubclass(cls, PreTrainedModel)
+
+
+def _diffusers_skeleton(cls: type, folder: Path, torch_dtype: torch.dtype | None) -> Skeleton:
+    config = cls.load_config(folder)
+    with parameters_on_meta(), default_dtype(torch_dtype):
+        module = cls.from_config(config)
+    module.eval()
+    keep = list(getattr(cls, "_keep_in_fp32_modules", None) or [])
+    dtypes = {}
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        if not tensor.is_floating_point():
+            continue
+        if torch_dtype is None:
+            dtypes[key] = tensor.dtype
+        elif any(name in key.split(".") for name in keep):
+            dtypes[key] = torch.float32
+        else:
+            dtypes[key] = torch_dtype
+    return Skeleton(module, "diffusers", dtypes, {})
+
+
+def _transformers_skeleton(cls: type, folder: Path, torch_dtype: torch.dtype | None) -> Skeleton:
+    import transformers
+
+    quiet = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        kwargs = {"device_map": "meta"}
+        if torch_dtype is not None:
+            kwargs["dtype"] = torch_dtype
+        module = cls.from_pretrained(folder, **kwargs)
+        meta_buffers = [name for name, b in module.named_buffers() if b.is_meta]
+        if meta_buffers:  # built for real once more, parameters on meta: the buffers __init__ computes
+            with parameters_on_meta():
+                fresh = cls._from_config(module.config, **({"dtype": torch_dtype} if torch_dtype else {}))
+            real = dict(fresh.named_buffers())
+            for name in meta_buffers:
+                owner, _, leaf = name.rpartition(".")
+                target = module.get_submodule(owner) if owner else module
+                value = real.get(name)
+                if value is not None and not value.is_meta:
+                    target._buffers[leaf] = value.to(target._buffers[leaf].dtype)
+    finally:
+        transformers.logging.set_verbosity(quiet)
+    module.eval()
+    dtypes = {key: t.dtype for key, t in module.state_dict(keep_vars=True).items() if t.is_floating_point()}
+    return Skeleton(module, "transformers", dtypes, {})
+
+
+def pipeline_index(folder: Path) -> dict[str, Any]:
+    path = folder / "model_index.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot be read as a diffusers pipeline index ({exc})") from None

@@ -1,0 +1,149 @@
+"""Packed layers in files: the metadata a quantized checkpoint carries, and quantizing while streaming.
+
+A quantized checkpoint is an ordinary safetensors file whose packed layers are stored as their packed
+tensors (``<layer>.weight_packed``, ``<layer>.weight_scale``, … — the attribute names the layer holds)
+and whose ``__metadata__`` records what is needed to rebuild the layers without the full-precision
+weights: the format, and each packed layer's full-precision shape, dtype and compute dtype. Anything a
+reader needs beyond that is the quantizer's (its ``unpack``), which is why a checkpoint in a format no
+installed quantizer reads is refused by name rather than guessed at.
+
+Quantizing while streaming packs one layer at a time from a checkpoint mapping straight into a file
+(:mod:`memmode_core.files.streamed`): peak memory is one layer in full precision plus its packed form,
+where :func:`~memmode_core.quantization.layers.quantize_component` holds every packed layer at once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+import torch
+from torch import nn
+
+from memmode_core.contracts.errors import CheckpointError
+from memmode_core.files.streamed import write_pieces
+from memmode_core.quantization.layers import (PAYLOAD, PackedSizes, QuantizationPlan, _pack_checked, attach_packed,
+                                              packed_record)
+from memmode_core.quantization.quantizer import Quantizer
+
+FORMAT_KEY = "memmode.format"
+LAYERS_KEY = "memmode.layers"
+VERSION_KEY = "memmode.version"
+VERSION = "1"
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).replace("torch.", "")
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in a quantized checkpoint's metadata")
+    return dtype
+
+
+@dataclass(frozen=True)
+class SavedLayer:
+    """What the metadata says of one packed layer."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    compute_dtype: torch.dtype | None
+    names: tuple[str, ...]
+
+
+def packed_metadata(module: nn.Module) -> dict[str, str]:
+    """The ``__metadata__`` describing every packed layer of ``module`` (empty if none is packed)."""
+    layers, formats = {}, set()
+    for path, sub in module.named_modules():
+        record = packed_record(sub)
+        if record is None:
+            continue
+        formats.add(record.format)
+        layers[path] = {"shape": list(record.shape), "dtype": _dtype_name(record.dtype),
+                        "compute_dtype": _dtype_name(record.compute_dtype), "names": list(record.names)}
+    if not layers:
+        return {}
+    if len(formats) > 1:
+        raise CheckpointError(f"{type(module).__name__} holds layers in several formats ({', '.join(sorted(formats))})")
+    return {FORMAT_KEY: formats.pop(), LAYERS_KEY: json.dumps(layers, separators=(",", ":")), VERSION_KEY: VERSION}
+
+
+def saved_format(metadata: Mapping[str, str]) -> str | None:
+    return metadata.get(FORMAT_KEY)
+
+
+def saved_layers(metadata: Mapping[str, str], where: str) -> list[SavedLayer]:
+    if metadata.get(VERSION_KEY) != VERSION:
+        raise CheckpointError(f"{where}: quantized by memmode format version {metadata.get(VERSION_KEY)!r}; this "
+                              f"memmode reads version {VERSION}")
+    try:
+        layers = json.loads(metadata[LAYERS_KEY])
+        return [SavedLayer(path, tuple(int(d) for d in entry["shape"]), _dtype(entry["dtype"]),
+                           _dtype(entry.get("compute_dtype")), tuple(entry["names"]))
+                for path, entry in layers.items()]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{where}: the quantized layers' metadata cannot be read ({exc})") from None
+
+
+def prepare_packed(module: nn.Module, quantizer: Quantizer, layers: list[SavedLayer], where: str) -> None:
+    """Turn the skeleton's layers into packed layers holding meta tensors of the packed shapes, so that
+    binding the checkpoint fills them like any other tensor."""
+    sizes = PackedSizes(quantizer)
+    for layer in layers:
+        try:
+            sub = module.get_submodule(layer.path)
+        except AttributeError:
+            raise CheckpointError(f"{where}: packed layer {layer.path!r} is not in {type(module).__name__}") from None
+        if not isinstance(sub, nn.Linear) or tuple(sub.weight.shape) != layer.shape:
+            raise CheckpointError(f"{where}: packed layer {layer.path!r} is a {list(layer.shape)} weight, the model "
+                                  f"has {type(sub).__name__} {list(getattr(sub, 'weight', torch.empty(0)).shape)}")
+        specs = sizes.specs(torch.Size(layer.shape), layer.dtype)
+        if (PAYLOAD, *(n for n in specs if n != PAYLOAD)) != layer.names:
+            raise CheckpointError(f"{where}: {layer.path} holds {list(layer.names)} and {quantizer.name} packs "
+                                  f"{list(specs)}: another version of the format")
+        payload_shape, payload_dtype = specs[PAYLOAD]
+        payload = nn.Parameter(torch.empty(payload_shape, dtype=payload_dtype, device="meta"), requires_grad=False)
+        buffers = {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in specs.items() if n != PAYLOAD}
+        attach_packed(sub, quantizer.format_name, torch.Size(layer.shape), layer.dtype, payload, buffers, layer.path)
+
+
+def stream_pack(plan: QuantizationPlan, *, staging_dir=None) -> int:
+    """Pack what ``plan`` says one layer at a time into a streamed file and make the layers hold views
+    of it. Returns the number of layers packed. Tied weights are packed once and stay shared."""
+    quantizer = plan.quantizer
+    firsts: dict[int, str] = {}
+    specs: dict[str, torch.Tensor] = {}
+    for layer in plan.to_pack:
+        weight = layer.module.weight
+        if id(weight) in firsts:
+            continue
+        firsts[id(weight)] = layer.path
+        for name, (shape, dtype) in plan.sizes.specs(weight.shape, weight.dtype).items():
+            specs[f"{layer.path}.{name}"] = torch.empty(shape, dtype=dtype, device="meta")
+
+    def pieces() -> Iterator[dict[str, torch.Tensor]]:
+        for layer in plan.to_pack:
+            if firsts[id(layer.module.weight)] == layer.path:
+                packed = _pack_checked(quantizer, plan.sizes, layer.module.weight)
+                yield {f"{layer.path}.{name}": tensor for name, tensor in packed.items()}
+
+    if not specs:
+        return 0
+    mapped = write_pieces(specs, pieces(), folder=staging_dir)
+    shared: dict[int, tuple[nn.Parameter, dict[str, torch.Tensor]]] = {}
+    for layer in plan.to_pack:
+        weight = layer.module.weight
+        if id(weight) not in shared:
+            first = firsts[id(weight)]
+            names = plan.sizes.specs(weight.shape, weight.dtype)
+            payload = nn.Parameter(mapped[f"{first}.{PAYLOAD}"], requires_grad=False)
+            shared[id(weight)] = (payload, {n: mapped[f"{first}.{n}"] for n in names if n != PAYLOAD}, weight)
+        payload, buffers, _ = shared[id(weight)]
+        attach_packed(layer.module, quantizer.format_name, weight.shape, weight.dtype, payload, buffers, layer.path)
+    return len(plan.to_pack)

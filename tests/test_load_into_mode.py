@@ -1,0 +1,321 @@
+"""Loading straight into a mode (issue 15): ``memmode.load(folder, mode)`` gives what ``from_pretrained``
+followed by ``apply`` gives — bit-equal outputs, the same report — from folders written by
+``save_pretrained`` (sharded ones included), without ever holding the model in anonymous memory; quantized
+models saved by ``save_quantized`` come back bit-exact; broken and foreign checkpoints are refused by name
+with nothing left behind.
+
+Every placement x storage combination runs on one family of a rotation (each family at least once).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+
+import memmode_core as memmode
+from memmode_core import CheckpointError, IncompatibleModeError
+from memmode_core.quantization.layers import packed_record
+
+from conftest import placement_id
+from tiny_pipelines import FAMILIES, make_pipeline, run
+
+PLACEMENTS = [("model_full_load", {}), ("model_cpu_offload", {}), ("model_group_offload", {"offload_type": "block_level"}),
+              ("model_group_offload", {"offload_type": "leaf_level"}), ("sequential_cpu_offload", {}),
+              ("text_encoder_offload", {})]
+STORAGES = ["ram", "disk", "mmap"]
+
+_SAVED: dict = {}
+_REFERENCE: dict = {}
+
+
+def saved_folder(family: str, dtype: torch.dtype = torch.float32, shard: str | None = None) -> Path:
+    """The family's tiny pipeline saved with save_pretrained (once per session)."""
+    key = (family, dtype, shard)
+    if key not in _SAVED:
+        folder = Path(tempfile.mkdtemp(prefix=f"memmode-saved-{family}-"))
+        kwargs = {"max_shard_size": shard} if shard else {}
+        make_pipeline(family, dtype=dtype).save_pretrained(folder, **kwargs)
+        _SAVED[key] = folder
+    return _SAVED[key]
+
+
+def from_pretrained(folder: Path, torch_dtype: torch.dtype | None = None):
+    pipe = DiffusionPipeline.from_pretrained(folder, **({"torch_dtype": torch_dtype} if torch_dtype else {}))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def reference(family: str, folder: Path, torch_dtype=None, mode: str | None = None, **kwargs) -> torch.Tensor:
+    """The output of from_pretrained (then ``apply(mode)`` if given): what load must reproduce."""
+    key = (family, str(folder), torch_dtype, mode, tuple(sorted(kwargs.items())))
+    if key not in _REFERENCE:
+        pipe = from_pretrained(folder, torch_dtype)
+        if mode is not None:
+            memmode.apply(pipe, mode, device="cpu", **kwargs)
+        _REFERENCE[key] = run(pipe, family)
+    return _REFERENCE[key]
+
+
+def loaded_output(handle, family: str) -> torch.Tensor:
+    handle.target.set_progress_bar_config(disable=True)
+    return run(handle.target, family)
+
+
+def _cases() -> list:
+    combos = [(mode, options, storage) for mode, options in PLACEMENTS
+              for storage in (STORAGES if mode != "model_full_load" else [None])]
+    families = sorted(FAMILIES)
+    return [pytest.param(families[j % len(families)], mode, options, storage,
+                         id=f"{families[j % len(families)]}-{placement_id((mode, options))}-{storage}")
+            for j, (mode, options, storage) in enumerate(combos)]
+
+
+@pytest.mark.parametrize("family, mode, options, storage", _cases())
+def test_every_placement_and_storage_equals_from_pretrained(family, mode, options, storage, tmp_path):
+    folder = saved_folder(family)
+    kwargs = {"storage": storage} if storage else {}
+    if storage in ("disk", "mmap"):
+        kwargs["offload_dir"] = tmp_path / "offload"
+    handle = memmode.load(folder, mode, device="cpu", **kwargs, **options)
+    assert handle.mode.startswith(mode)
+    expected = reference(family, folder, None, mode, **({"storage": storage} if storage else {}), **options)
+    assert torch.equal(loaded_output(handle, family), expected)
+    handle.remove()
+    assert not list(tmp_path.rglob("memmode-loading-*")), "streamed files are never left behind"
+
+
+def test_the_rotation_covers_every_combination_and_family():
+    cases = [case.values for case in _cases()]
+    assert {f for f, *_ in cases} == set(FAMILIES)
+    assert len({(m, placement_id((m, o)), s) for _, m, o, s in cases}) == len(cases)
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_the_report_is_the_one_apply_gives(storage, tmp_path):
+    family, mode = "flux", "model_group_offload_and_qfloat8"
+    folder = saved_folder(family)
+    pipe = from_pretrained(folder)
+    applied = memmode.apply(pipe, mode, device="cpu", storage=storage)
+    expected = run(pipe, family)
+    loaded = memmode.load(folder, mode, device="cpu", storage=storage)
+    assert torch.equal(loaded_output(loaded, family), expected)
+    want, got = applied.report().as_dict(), loaded.report().as_dict()
+    for key in want:
+        if key not in ("transfer_seconds",):
+            assert got[key] == want[key], key
+
+
+@pytest.mark.parametrize("saved_dtype, torch_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)],
+                         ids=["bf16-saved-as-fp32", "fp32-saved-as-bf16"])
+def test_a_dtype_conversion_streams_and_equals_from_pretrained(saved_dtype, torch_dtype, tmp_path):
+    family = "wan22"
+    folder = saved_folder(family, saved_dtype)
+    handle = memmode.load(folder, "model_group_offload", device="cpu", storage="mmap", torch_dtype=torch_dtype,
+                          staging_dir=tmp_path)
+    assert {p.dtype for p in handle.target.transformer.parameters()} >= {torch_dtype}
+    expected = reference(family, folder, torch_dtype, "model_group_offload", storage="mmap")
+    assert torch.equal(loaded_output(handle, family), expected)
+    assert list(tmp_path.iterdir()) == [], "the streamed conversion file is unlinked once mapped"
+
+
+@pytest.mark.parametrize("storage", ["disk", "mmap"])
+def test_a_sharded_checkpoint_loads(storage):
+    family = "qwenimage"
+    folder = saved_folder(family, shard="20KB")
+    assert list((folder / "transformer").glob("*.index.json")), "the transformer is sharded"
+    handle = memmode.load(folder, "model_group_offload", device="cpu", storage=storage)
+    expected = reference(family, folder, None, "model_group_offload", storage=storage)
+    assert torch.equal(loaded_output(handle, family), expected)
+
+
+@pytest.mark.parametrize("quantizer", ["qfloat8", "qfloat4"])
+def test_quantizing_while_loading_equals_apply_after_load(quantizer):
+    family = "sd3"
+    folder = saved_folder(family)
+    mode = f"model_cpu_offload_and_{quantizer}"
+    handle = memmode.load(folder, mode, device="cpu")
+    assert torch.equal(loaded_output(handle, family), reference(family, folder, None, mode))
+    assert handle.report().quantization["transformer"]["packed_layers"] > 0
+
+
+# -- saved quantized models --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("quantizer", ["qfloat8", "qfloat4"])
+def test_a_saved_quantized_pipeline_round_trips_bit_exact(quantizer, tmp_path):
+    family = "wan22"
+    mode = f"model_group_offload_and_{quantizer}"
+    pipe = from_pretrained(saved_folder(family))
+    handle = memmode.apply(pipe, mode, device="cpu", storage="disk")
+    expected = run(pipe, family)
+    handle.save(tmp_path / "saved")  # while placed: offloaded weights are read back from the files
+    handle.remove()
+    packed = {k: v.clone() for k, v in pipe.transformer.state_dict().items() if k.endswith(("_packed", "_scale"))}
+    assert packed
+    meta = json.loads((tmp_path / "saved" / "model_index.json").read_text())
+    assert meta["_class_name"] == type(pipe).__name__
+    for storage in ("ram", "mmap"):
+        loaded = memmode.load(tmp_path / "saved", mode, device="cpu", storage=storage)
+        assert torch.equal(loaded_output(loaded, family), expected)
+        summary = loaded.report().quantization["transformer"]
+        assert summary["packed_layers"] == 0 and summary["already_packed_layers"] > 0, "nothing quantized again"
+        loaded.remove()
+        got = loaded.target.transformer.state_dict()
+        for key, value in packed.items():
+            assert torch.equal(got[key], value), key
+
+
+def test_a_saved_quantized_model_loads_without_a_quantizer_in_the_mode(tmp_path):
+    family = "wan22"
+    pipe = from_pretrained(saved_folder(family))
+    memmode.apply(pipe, "model_full_load_and_qfloat8", device="cpu")
+    memmode.save_quantized(pipe, tmp_path)
+    expected = loaded_output(memmode.load(tmp_path, "model_cpu_offload_and_qfloat8", device="cpu"), family)
+    loaded = memmode.load(tmp_path, "model_cpu_offload", device="cpu")
+    assert torch.equal(loaded_output(loaded, family), expected)
+    assert "transformer" not in loaded.report().quantization
+    assert any(packed_record(m) is not None for m in loaded.target.transformer.modules())
+
+
+def test_a_saved_format_the_mode_does_not_write_is_refused(tmp_path):
+    pipe = from_pretrained(saved_folder("wan22"))
+    memmode.apply(pipe, "model_full_load_and_qfloat8", device="cpu")
+    memmode.save_quantized(pipe, tmp_path)
+    with pytest.raises(IncompatibleModeError, match="saved quantized in qfloat8"):
+        memmode.load(tmp_path, "model_cpu_offload_and_qfloat4", device="cpu")
+
+
+def test_a_format_no_installed_quantizer_reads_is_refused_by_name(tmp_path):
+    pipe = from_pretrained(saved_folder("wan22"))
+    memmode.apply(pipe, "model_full_load_and_qfloat8", device="cpu")
+    memmode.save_quantized(pipe, tmp_path)
+    weights = tmp_path / "transformer" / "diffusion_pytorch_model.safetensors"
+    raw = weights.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + length])
+    header["__metadata__"]["memmode.format"] = "qint3"
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (length - len(text))
+    assert len(text) == length
+    weights.write_bytes(raw[:8] + text + raw[8 + length:])
+    with pytest.raises(CheckpointError, match="'qint3', which no installed quantizer reads"):
+        memmode.load(tmp_path, "model_cpu_offload", device="cpu")
+
+
+# -- broken and foreign checkpoints ------------------------------------------------------------------
+
+
+def copy_of(folder: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    target = tmp_path / "copy"
+    shutil.copytree(folder, target)
+    return target
+
+
+def test_a_truncated_shard_is_refused_naming_it_with_nothing_left_behind(tmp_path):
+    folder = copy_of(saved_folder("qwenimage", shard="20KB"), tmp_path)
+    shard = sorted((folder / "transformer").glob("*-00002-of-*.safetensors"))[0]
+    os.truncate(shard, shard.stat().st_size - 100)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    with pytest.raises(CheckpointError, match=f"{shard.name} is truncated"):
+        memmode.load(folder, "model_group_offload", device="cpu", storage="disk", offload_dir=tmp_path / "offload",
+                     staging_dir=staging, torch_dtype=torch.bfloat16)
+    assert list(staging.iterdir()) == [] and not (tmp_path / "offload").exists()
+
+
+def test_a_missing_tensor_is_refused_naming_it(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = copy_of(saved_folder("flux"), tmp_path)
+    weights = folder / "transformer" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(weights)
+    dropped = sorted(tensors)[3]
+    del tensors[dropped]
+    save_file(tensors, weights)
+    with pytest.raises(CheckpointError, match=f"{dropped}: missing from the checkpoint"):
+        memmode.load(folder, "model_cpu_offload", device="cpu")
+
+
+@pytest.mark.parametrize("damage", ["garbage", "bin-only", "bad-header"])
+def test_foreign_files_are_refused(damage, tmp_path):
+    folder = copy_of(saved_folder("flux"), tmp_path)
+    weights = folder / "vae" / "diffusion_pytorch_model.safetensors"
+    if damage == "garbage":
+        weights.write_bytes(os.urandom(64))
+        match = "not a safetensors file"
+    elif damage == "bin-only":
+        weights.rename(weights.with_suffix(".bin"))
+        match = "only safetensors checkpoints"
+    else:
+        raw = weights.read_bytes()
+        weights.write_bytes(raw[:8] + b"{not json" + raw[17:])
+        match = "not valid JSON"
+    with pytest.raises(CheckpointError, match=match):
+        memmode.load(folder, "model_group_offload", device="cpu")
+
+
+def test_bad_arguments_are_refused_before_reading_anything(tmp_path):
+    with pytest.raises(CheckpointError, match="no such folder"):
+        memmode.load(tmp_path / "nothing", "model_cpu_offload")
+    with pytest.raises(memmode.UnknownModeError):
+        memmode.load(saved_folder("flux"), "model_cpu_ofload")
+    with pytest.raises(memmode.InvalidOptionError):
+        memmode.load(saved_folder("flux"), "model_group_offload", num_blocks_per_grup=2)
+    with pytest.raises(TypeError):
+        memmode.load(saved_folder("flux"), 3)
+
+
+# -- memory ------------------------------------------------------------------------------------------
+
+
+_PEAK_SCRIPT = textwrap.dedent('''
+    import sys, threading, time, torch, memmode_core as memmode
+    def anon():
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    peak = [0]; done = threading.Event()
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], anon()); time.sleep(0.005)
+    base = anon()
+    threading.Thread(target=sample, daemon=True).start()
+    handle = memmode.load(sys.argv[1], "model_group_offload", device="cpu", storage=sys.argv[2],
+                          offload_dir=sys.argv[3])
+    done.set(); peak[0] = max(peak[0], anon())
+    print(peak[0] - base)
+''')
+
+
+@pytest.mark.parametrize("storage", ["disk", "mmap"])
+def test_peak_memory_while_loading_is_a_few_groups_not_the_model(storage, tmp_path):
+    """A 256 MB transformer of 8 blocks (32 MB each) loads with at most 3 groups + 48 MB of anonymous memory
+    (measured precisely, with the targets, in benchmarks/load_into_mode.py)."""
+    from diffusers import WanTransformer3DModel
+
+    folder = tmp_path / "model"
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=8, attention_head_dim=64,
+                                  in_channels=4, out_channels=4, text_dim=64, freq_dim=64, ffn_dim=2048,
+                                  num_layers=8, rope_max_seq_len=32)
+    model.save_pretrained(folder)
+    block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    del model
+    assert total > 6 * block
+    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(folder), storage, str(tmp_path / "offload")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    peak = int(out.stdout.split()[-1])
+    assert peak <= 3 * block + (48 << 20), f"peak {peak / 2**20:.0f} MiB; a group is {block / 2**20:.0f} MiB, " \
+                                            f"the model {total / 2**20:.0f} MiB"
