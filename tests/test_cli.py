@@ -104,6 +104,36 @@ def test_run_and_plan_a_local_diffusers_folder(tmp_path, capsys):
     assert len(chosen) == 1 and chosen[0]["peak_device_bytes"] <= 300_000
 
 
+def test_run_model_loads_straight_into_the_mode_and_plan_reads_only_headers(tmp_path, capsys, monkeypatch):
+    """``run --model`` goes through memmode.load (never from_pretrained); ``plan --model`` predicts from config
+    files and checkpoint headers, without mapping a weight, exactly what planning the loaded pipeline gives."""
+    from diffusers import DiffusionPipeline
+
+    from memmode_core.files import checkpoint
+    from tiny_pipelines import make_pipeline
+
+    make_pipeline("wan22").save_pretrained(tmp_path / "wan")
+    common = ["--model", str(tmp_path / "wan"), "--steps", "2", "--height", "16", "--width", "16",
+              "--num-frames", "5", "--device", "cpu"]
+    calls, original = [], memmode_core.load
+    monkeypatch.setattr(memmode_core, "load", lambda *a, **k: calls.append(a) or original(*a, **k))
+    assert main(["run", *common, "--json", "--mode", "model_group_offload", "--storage", "mmap"]) == 0
+    (result,) = json.loads(capsys.readouterr().out)["results"]
+    assert calls and result["mode"] == "model_group_offload" and result["storage"] == "mmap"
+
+    def no_mapping(self, key):
+        raise AssertionError("plan --model read a weight")
+
+    monkeypatch.setattr(checkpoint.CheckpointFile, "view", no_mapping)
+    assert main(["plan", *common, "--quantizer", "qfloat8", "--json"]) == 0
+    from_headers = {(e["mode"], e["storage"], str(e["options"])): e for e in json.loads(capsys.readouterr().out)["entries"]}
+    loaded = DiffusionPipeline.from_pretrained(tmp_path / "wan")
+    for entry in memmode_core.plan(loaded, device="cpu", quantizer="qfloat8", steps=2):
+        got = from_headers[(entry.mode, entry.storage, str(entry.options))]
+        assert (got["peak_device_bytes"], got["transfer_bytes_per_call"]) == \
+            (entry.peak_device_bytes, entry.transfer_bytes_per_call), entry.mode
+
+
 def test_plan_table_marks_the_auto_choice(capsys):
     assert main(["plan", "--size", "tiny", "--vram", "200KB"]) == 0
     out = capsys.readouterr().out

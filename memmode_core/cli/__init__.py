@@ -73,6 +73,20 @@ def _dtype(name: str | None):
     return dtype
 
 
+def _load_into(args: argparse.Namespace):
+    """``memmode.load`` for ``--model``: the folder goes straight into each mode, never whole into RAM."""
+    if args.model is None:
+        return None
+    dtype = _dtype(args.dtype)
+
+    def load_into(mode, **kwargs):
+        handle = memmode.load(args.model, mode, torch_dtype=dtype, **kwargs)
+        handle.target.set_progress_bar_config(disable=True)
+        return handle
+
+    return load_into
+
+
 def _pipeline_source(args: argparse.Namespace):
     """``(load, call, description)`` for the built-in demo or a local diffusers folder."""
     import torch
@@ -212,7 +226,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # --compare goes on past a refused mode; a single --mode that is refused is an error
     results = run_modes(load, call, modes, device=args.device, storage=args.storage, steps=args.steps,
                         progress=not args.no_progress and not args.json, trace=bool(args.plot),
-                        apply_options=args.options, keep_going=bool(args.compare))
+                        apply_options=args.options, keep_going=bool(args.compare), load_into=_load_into(args))
     ran = [r for r in results if r.ran]
     if args.plot and ran:
         from memmode_core.cli.plotting import plot_traces
@@ -255,10 +269,21 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     _refuse_undeclared(args.options)
     load, _, description = _pipeline_source(args)
-    pipe = load()
+    if args.model is not None:  # from config files and checkpoint headers: no weight is read
+        from memmode_core.loading.load import skeleton
+        from memmode_core.quantization.layers import SIZES_ONLY
+
+        pipe = skeleton(args.model, torch_dtype=_dtype(args.dtype))
+        sizes_only = SIZES_ONLY.set(True)
+    else:
+        pipe, sizes_only = load(), None
     # placement options go to every candidate whose placement declares them
-    entries = memmode.plan(pipe, device=args.device, vram_budget=args.vram, ram_budget=args.ram,
-                           quantizer=args.quantizer or None, steps=args.steps, **args.options)
+    try:
+        entries = memmode.plan(pipe, device=args.device, vram_budget=args.vram, ram_budget=args.ram,
+                               quantizer=args.quantizer or None, steps=args.steps, **args.options)
+    finally:
+        if sizes_only is not None:
+            SIZES_ONLY.reset(sizes_only)
     if args.json:
         print(json.dumps({"pipeline": description, "steps": args.steps, "vram_budget": args.vram,
                           "ram_budget": args.ram, "options": args.options,

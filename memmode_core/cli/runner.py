@@ -65,19 +65,26 @@ def accepts_step_callback(pipe: Any) -> bool:
 
 def run_modes(load: Callable[[], Any], call: Callable[..., torch.Tensor], modes: list[str], *,
               device: Any = None, storage: str | None = None, steps: int, progress: bool = True,
-              trace: bool = False, apply_options: dict | None = None, keep_going: bool = False) -> list[RunResult]:
+              trace: bool = False, apply_options: dict | None = None, keep_going: bool = False,
+              load_into: Callable[..., Any] | None = None) -> list[RunResult]:
     """Measure ``call(pipe, callback=...)`` on a fresh ``load()`` under each of ``modes``.
 
     ``apply_options`` go to ``memmode_core.apply`` as keywords for every mode. With ``keep_going``, a
-    mode ``apply`` refuses becomes a ``RunResult.refusal`` instead of an exception.
+    mode ``apply`` refuses becomes a ``RunResult.refusal`` instead of an exception. ``load_into(mode,
+    device=, storage=, **options) -> Handle``, when given, replaces ``load()`` + ``apply`` (a folder loaded
+    straight into the mode).
     """
     from tqdm.auto import tqdm
 
     results = []
     for mode in modes:
-        pipe = load()
+        pipe = None if load_into is not None else load()
         try:
-            handle = memmode.apply(pipe, mode, device=device, storage=storage, **(apply_options or {}))
+            if load_into is not None:
+                handle = load_into(mode, device=device, storage=storage, **(apply_options or {}))
+                pipe = handle.target
+            else:
+                handle = memmode.apply(pipe, mode, device=device, storage=storage, **(apply_options or {}))
         except memmode.MemmodeError as error:
             if not keep_going:
                 raise

@@ -257,3 +257,27 @@ def _assemble(folder: Path, index: dict | None, loads: list[ComponentLoad], torc
     built = {item.name: item.skeleton.module for item in loads}
     kwargs = {} if torch_dtype is None else {"torch_dtype": torch_dtype}
     return pipeline_cls.from_pretrained(folder, **built, **kwargs)
+
+
+def skeleton(path: str | os.PathLike, *, torch_dtype: torch.dtype | None = None, variant: str | None = None):
+    """The pipeline (or model) in ``path`` with every weight on the meta device, in the dtype loading would
+    give it: what ``memmode.plan`` needs, from config files and checkpoint headers alone (no weight is read;
+    tokenizers and schedulers are loaded, they are small)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: no such folder")
+    index = pipeline_index(folder) if (folder / "model_index.json").is_file() else None
+    loads = _plan_components(folder, index, torch_dtype, variant, current(), None)
+    for item in loads:
+        if item.plan is None:
+            continue
+        for i, key in item.plan.source.items():
+            slot = item.plan.slots[i]
+            record = item.checkpoint.record(key)
+            dtype = item.plan.convert.get(i, record.dtype)
+            value = torch.empty(slot.current.shape, dtype=dtype, device="meta")
+            if not slot.is_buffer:
+                value = nn.Parameter(value, requires_grad=False)  # one object for every name: ties stay tied
+            for owner, name in slot.owners:
+                (owner._buffers if slot.is_buffer else owner._parameters)[name] = value
+    return _assemble(folder, index, loads, torch_dtype, variant)

@@ -69,6 +69,7 @@ quantizer of the same format does the same on a converted model, since quantizin
 
 from __future__ import annotations
 
+import contextvars
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
@@ -666,7 +667,7 @@ def check_component(quantizer: Quantizer, name: str, component: nn.Module, *, ex
             f"fully_shard, then apply the mode."
         )
     meta = [p.path for p in plan.to_pack if p.module.weight.is_meta]
-    if meta:
+    if meta and not SIZES_ONLY.get():
         raise IncompatibleModeError(f"cannot quantize {name!r}: {meta[0]}.weight is on the meta device (not loaded)")
     if not plan.to_pack:
         if not plan.layers:
@@ -684,6 +685,11 @@ def check_components(quantizer: Quantizer, components: Mapping[str, nn.Module], 
     check_weight_dtype(weight_dtype)
     for name, component in components.items():
         check_component(quantizer, name, component, exclude=exclude, options=options)
+
+
+#: set while planning from a checkpoint's headers (``memmode plan --model``): weights on the meta device
+#: have the shapes and dtypes a check needs, and none of the values it does not
+SIZES_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("memmode_sizes_only", default=False)
 
 
 # -- acting ---------------------------------------------------------------------------------------------
