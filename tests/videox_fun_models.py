@@ -65,6 +65,31 @@ def sqnr_db(got: torch.Tensor, reference: torch.Tensor) -> float:
     return float(10 * torch.log10(reference.double().pow(2).sum() / noise))
 
 
+def forward(pipe: WanPipeline) -> torch.Tensor:
+    """One call of each transformer (``transformer``, then ``transformer_2``) on fixed inputs, flattened.
+
+    What a LoRA merged into a quantized layer is measured on: through a pipeline call (denoising steps, the
+    VAE, a clamp to [0, 1]) the same kind of weight error gives an output SQNR that moves by more than 10 dB
+    with the seed of the model or of the LoRA; one forward follows the weights' error closely."""
+    generator = torch.Generator().manual_seed(5)
+    latents = torch.randn(1, 16, 2, 8, 8, generator=generator)
+    text = torch.randn(1, 12, 32, generator=generator)
+    outputs = []
+    for transformer in (pipe.transformer, pipe.transformer_2):
+        if transformer is not None:
+            with torch.no_grad():
+                outputs.append(transformer(latents, timestep=torch.tensor([500]), encoder_hidden_states=text,
+                                           return_dict=False)[0].flatten().float())
+    return torch.cat(outputs)
+
+
+def lora_layers(pipe: WanPipeline) -> dict[str, torch.nn.Module]:
+    """The layers :func:`loras_for`'s LoRAs target, by ``<component>.blocks.<i>.<target>``."""
+    return {f"{name}.blocks.{index}.{target}": block.get_submodule(target)
+            for name in ("transformer", "transformer_2") if getattr(pipe, name, None) is not None
+            for index, block in enumerate(getattr(pipe, name).blocks) for target in LORA_TARGETS}
+
+
 # -- a LoRA in the format VideoX-Fun loads (ComfyUI / peft keys, an alpha per layer) ---------------------------
 
 LORA_TARGETS = ("attn1.to_q", "attn1.to_v", "attn2.to_k", "ffn.net.0.proj")
