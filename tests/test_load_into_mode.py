@@ -319,3 +319,81 @@ def test_peak_memory_while_loading_is_a_few_groups_not_the_model(storage, tmp_pa
     peak = int(out.stdout.split()[-1])
     assert peak <= 3 * block + (48 << 20), f"peak {peak / 2**20:.0f} MiB; a group is {block / 2**20:.0f} MiB, " \
                                             f"the model {total / 2**20:.0f} MiB"
+
+
+# -- groups stored in place: the checkpoint is the offloaded copy ------------------------------------
+
+
+def _weights_bytes(folder: Path, names=("transformer", "transformer_2")) -> int:
+    return sum(f.stat().st_size for name in names for f in (folder / name).glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("storage", ["disk", "mmap"])
+def test_a_checkpoint_memmode_wrote_is_stored_in_place_with_nothing_written(storage, tmp_path):
+    """A save_quantized checkpoint aligns every tensor to 64 bytes, as memmode's group files do: the file
+    storages keep its pages as the offloaded copy (no group file written for the transformers) and the
+    output is bit-equal to the one from the pipeline that was saved."""
+    family, mode = "wan22", "model_group_offload_and_qfloat8"
+    pipe = from_pretrained(saved_folder(family))
+    memmode.apply(pipe, mode, device="cpu", storage=storage)
+    expected = run(pipe, family)
+    memmode.save_quantized(pipe, tmp_path / "saved")
+    loaded = memmode.load(tmp_path / "saved", mode, device="cpu", storage=storage, offload_dir=tmp_path / "offload")
+    assert torch.equal(loaded_output(loaded, family), expected)
+    stats = loaded.report().storage_bytes
+    assert stats["borrowed_bytes"] >= 0.9 * _weights_bytes(tmp_path / "saved"), stats
+    assert stats["disk_bytes"] < _weights_bytes(tmp_path / "saved", ("text_encoder", "vae")) * 1.1, \
+        "only the components saved by save_pretrained (not 64-byte aligned) are written"
+
+
+def test_a_streamed_conversion_is_stored_in_place(tmp_path):
+    """bfloat16 weights loaded as float32 are converted into a streamed file (mapped, unlinked); the mmap
+    storage keeps that mapping as the offloaded copy instead of writing the converted weights again. The
+    transformers' groups hold tensors the checkpoint already had in float32 (Wan's _keep_in_fp32_modules),
+    8-byte aligned in a file from save_pretrained: those groups are written, as on any CPU load."""
+    family = "wan22"
+    folder = saved_folder(family, torch.bfloat16)
+    handle = memmode.load(folder, "model_group_offload", device="cpu", storage="mmap", torch_dtype=torch.float32,
+                          offload_dir=tmp_path / "offload")
+    stats = handle.report().storage_bytes
+    converted = sum(p.numel() * 4 for name in ("vae", "text_encoder") for p in getattr(handle.target, name).parameters())
+    assert stats["borrowed_bytes"] >= converted and stats["disk_bytes"] > 0, stats
+    expected = reference(family, folder, torch.float32, "model_group_offload", storage="mmap")
+    assert torch.equal(loaded_output(handle, family), expected)
+
+
+def test_a_checkpoint_from_elsewhere_is_written_on_a_cpu_compute_device():
+    """safetensors files from save_pretrained align tensors to 8 bytes only: computing on them in place could
+    change bits on the CPU (another GEMV path), so their groups are written as usual."""
+    handle = memmode.load(saved_folder("flux"), "model_group_offload", device="cpu", storage="mmap")
+    stats = handle.report().storage_bytes
+    assert stats["borrowed_bytes"] == 0 and stats["disk_bytes"] > 0
+
+
+@pytest.mark.parametrize("storage", ["disk", "mmap"])
+def test_a_borrowed_checkpoint_changed_after_loading_is_refused_naming_it(storage, tmp_path):
+    family, mode = "wan22", "model_cpu_offload_and_qfloat8"
+    pipe = from_pretrained(saved_folder(family))
+    memmode.apply(pipe, mode, device="cpu")
+    memmode.save_quantized(pipe, tmp_path / "saved")
+    loaded = memmode.load(tmp_path / "saved", mode, device="cpu", storage=storage)
+    assert loaded.report().storage_bytes["borrowed_bytes"] > 0
+    weights = tmp_path / "saved" / "transformer" / "diffusion_pytorch_model.safetensors"
+    os.truncate(weights, weights.stat().st_size - 64)
+    with pytest.raises(memmode.StorageUnavailableError, match=f"{weights}.*changed since it was loaded"):
+        loaded_output(loaded, family)
+
+
+@pytest.mark.cuda
+def test_any_checkpoint_is_stored_in_place_on_cuda(tmp_path):
+    """On a CUDA compute device every onload copies into fresh device memory: checkpoints from any tool are
+    borrowed whatever their alignment, and outputs equal from_pretrained + apply."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    family = "flux"
+    folder = saved_folder(family)
+    handle = memmode.load(folder, "model_group_offload", device="cuda", storage="disk")
+    assert handle.report().storage_bytes["borrowed_bytes"] > 0
+    pipe = from_pretrained(folder)
+    memmode.apply(pipe, "model_group_offload", device="cuda", storage="disk")
+    assert torch.equal(loaded_output(handle, family), run(pipe, family))

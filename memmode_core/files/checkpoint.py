@@ -134,6 +134,11 @@ class CheckpointFile:
             raw = raw.clone()  # safetensors does not promise alignment; a misaligned tensor costs its size
         return raw.view(record.dtype).view(record.shape)
 
+    @property
+    def mapping(self) -> torch.Tensor | None:
+        """The whole file as ``uint8`` if it was mapped (a view was taken), else None."""
+        return self._flat
+
     def release(self) -> None:
         """Drop this file's mapping (the views handed out keep it alive as long as they live)."""
         self._flat = None

@@ -33,25 +33,23 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
 import torch
 
-from memmode_core.contracts import packing
 from memmode_core.files import folder as offload_folder, format as group_format
 from memmode_core.contracts.errors import InvalidOptionError, StorageUnavailableError
 from memmode_core.files.format import Layout
 from memmode_core.files.folder import OffloadFolder
+from memmode_core.files.groupfile import FILE_PREFIX, FILE_SUFFIX, FileStamp, GroupFile
+from memmode_core.files.borrowed import borrow
 from memmode_core.contracts.options import Option, one_of
 from memmode_core.engine.staging import Fill, StagingRing
 from memmode_core.contracts.storage import Storage, StorageSession, Tensors
 
 logger = logging.getLogger("memmode")
 
-FILE_PREFIX = "memmode-"
-FILE_SUFFIX = ".safetensors"
 #: reserved per group on top of its bytes: its header and the filesystem's last partial block
 PER_FILE_ALLOWANCE = 8 << 10
 
@@ -82,72 +80,6 @@ VERIFY = Option(
 )
 
 
-@dataclass(frozen=True)
-class FileStamp:
-    """What ``stat`` says of a file: it changes when the file is truncated, replaced or written."""
-
-    device: int
-    inode: int
-    size: int
-    mtime_ns: int
-
-    @classmethod
-    def of(cls, path: Path) -> "FileStamp":
-        st = os.stat(path)
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-@dataclass
-class GroupFile:
-    """One stored group: where its file is, how its bytes are laid out, and how it looked when its
-    content was last known to be right."""
-
-    path: Path
-    layout: Layout
-    stamp: FileStamp | None = None
-
-    def check(self, verify: str = "size") -> None:
-        """Raise ``StorageUnavailableError`` naming the file unless it still holds this group's bytes.
-
-        Cheap by default: one ``stat``. A file whose stamp changed is hashed: a peer that rewrote
-        the same content (same name, new inode) is accepted, anything else is refused. A short file
-        is refused before it is mapped, so reading it can never raise SIGBUS.
-        """
-        if verify == "none":
-            return
-        try:
-            now = FileStamp.of(self.path)
-        except OSError as exc:
-            raise self._broken(f"it cannot be read ({exc.strerror or exc})") from None
-        if now.size != self.layout.file_size:
-            raise self._broken(f"it is {now.size} bytes long and the group needs {self.layout.file_size} "
-                               f"(truncated or replaced)")
-        if now == self.stamp and verify != "hash":
-            return
-        try:
-            intact = group_format.file_digest_name(self.path, self.layout) == self.path.name[len(FILE_PREFIX):
-                                                                                              -len(FILE_SUFFIX)]
-        except (OSError, ValueError) as exc:
-            raise self._broken(f"it cannot be read ({exc})") from None
-        if not intact:
-            raise self._broken("its content no longer matches its name (modified in place, or another file "
-                               "put in its place)")
-        self.stamp = now
-
-    def _broken(self, why: str) -> StorageUnavailableError:
-        return StorageUnavailableError(f"group file {self.path} is not the one memmode wrote: {why}")
-
-    def map(self) -> tuple[torch.Tensor, Tensors]:
-        """The file mapped privately (see :func:`~memmode_core.files.format.map_private`): its bytes as
-        one flat ``uint8`` tensor, and typed views of every tensor in it. Nothing is copied."""
-        flat = group_format.map_private(self.path)
-        return flat, packing.views(flat, self.layout.entries, self.layout.data_start)
-
-    def read(self) -> Tensors:
-        """The group read into fresh, ordinary memory."""
-        return group_format.read(self.path, self.layout)
-
-
 class GroupFileStore:
     """The files of one storage session in one folder (see the module docstring)."""
 
@@ -159,6 +91,8 @@ class GroupFileStore:
         self.warn_in_ram = warn_in_ram
         self._folder = OffloadFolder(offload_dir, keep_files=keep_files)
         self._sizes: dict[str, int] = {}  # file name -> size, of every file this session uses
+        #: bytes of groups stored by reference in a lent checkpoint mapping (nothing written)
+        self.borrowed_bytes = 0
 
     @property
     def folder(self) -> Path | None:
@@ -211,14 +145,23 @@ class GroupFileStore:
 
     # -- storing -------------------------------------------------------------------------------------
 
-    def store(self, tensors: Tensors) -> GroupFile:
-        """The group's file, verified if it already existed, written if not. Leaves ``tensors`` untouched."""
-        self._open_folder()
+    def store(self, tensors: Tensors, device: torch.device | None = None) -> GroupFile:
+        """The group's file, verified if it already existed, written if not. Leaves ``tensors`` untouched.
+
+        A group lying in a mapping lent by the loader is stored by reference when that changes no bit of
+        the outputs on ``device`` (:mod:`memmode_core.files.borrowed`): nothing is written.
+        """
         host = group_format.host_tensors(tensors)
         try:
             layout = Layout.of(host)
         except group_format.UnsupportedDtypeError as exc:
             raise self._refusal(f"cannot store {exc}") from None
+        if device is not None:
+            borrowed = borrow(layout, host, device)
+            if borrowed is not None:
+                self.borrowed_bytes += layout.data_bytes
+                return borrowed
+        self._open_folder()
         name = FILE_PREFIX + group_format.content_name(layout, host) + FILE_SUFFIX
         path = self.folder / name
         with self._folder.locked():
@@ -325,7 +268,7 @@ class GroupFileSession(StorageSession):
         self.store.reserve(sizes)
 
     def store_group(self, key: str, tensors: Tensors) -> GroupFile:
-        group_file = self.store.store(tensors)
+        group_file = self.store.store(tensors, self.device)
         self.files[key] = group_file
         return group_file
 
@@ -350,5 +293,5 @@ class GroupFileSession(StorageSession):
         self.store.close()
 
     def stats(self) -> dict[str, int]:
-        return {"disk_bytes": self.store.disk_bytes,
+        return {"disk_bytes": self.store.disk_bytes, "borrowed_bytes": self.store.borrowed_bytes,
                 "pinned_bytes": self.staging.pinned_bytes if self.staging is not None else 0}

@@ -63,7 +63,7 @@ class StreamedFile:
                 done += os.pwrite(self._fd, data[done:], offset + done)
             self._written.add(name)
 
-    def finish(self) -> Tensors:
+    def finish(self) -> "MappedTensors":
         """Every tensor, as views of the file mapped privately; the file is unlinked (or renamed to
         ``keep_as``)."""
         missing = set(self._entries) - self._written
@@ -82,7 +82,7 @@ class StreamedFile:
         except BaseException:
             self.abandon()
             raise
-        return views(flat, self.layout.entries, self.layout.data_start)
+        return MappedTensors(views(flat, self.layout.entries, self.layout.data_start), flat)
 
     def abandon(self) -> None:
         """Close and delete the partial file. Idempotent."""
@@ -94,8 +94,16 @@ class StreamedFile:
             os.unlink(self.path)
 
 
+class MappedTensors(dict):
+    """The tensors of a streamed file (name -> view), and ``flat``: the whole mapping they view."""
+
+    def __init__(self, tensors: Tensors, flat: torch.Tensor) -> None:
+        super().__init__(tensors)
+        self.flat = flat
+
+
 def write_pieces(specs: Mapping[str, torch.Tensor], pieces: Iterable[Tensors], *, folder=None,
-                 metadata: dict[str, str] | None = None, keep_as=None) -> Tensors:
+                 metadata: dict[str, str] | None = None, keep_as=None) -> "MappedTensors":
     """Write every piece of ``pieces`` into a :class:`StreamedFile` laid out from ``specs``; its mapped views."""
     streamed = StreamedFile(specs, folder, metadata, keep_as)
     try:

@@ -42,6 +42,8 @@ class BindPlan:
     #: slot index -> dtype it is converted to (absent: bound as a view)
     convert: dict[int, torch.dtype]
     unexpected: list[str] = field(default_factory=list)
+    #: the mappings of the streamed files converted tensors were bound from (set by :func:`bind`)
+    streamed: list[torch.Tensor] = field(default_factory=list)
 
 
 def slots_of(module: nn.Module) -> list[Slot]:
@@ -106,6 +108,7 @@ def bind(skeleton: Skeleton, checkpoint: Checkpoint, plan: BindPlan, *, staging_
                 yield {str(i): checkpoint.view(plan.source[i]).to(dtype)}
 
         streamed = write_pieces(specs, pieces(), folder=staging_dir)
+        plan.streamed.append(streamed.flat)
         values.update({int(name): tensor for name, tensor in streamed.items()})
     for index, key in plan.source.items():
         if index not in values:

@@ -34,6 +34,7 @@ from memmode_core.contracts.options import resolve_options
 from memmode_core.contracts.targets import Target
 from memmode_core.discovery.grammar import resolve
 from memmode_core.discovery.plugins import current
+from memmode_core.files.borrowed import lending, source_of_mapping
 from memmode_core.files.checkpoint import Checkpoint
 from memmode_core.loading.binding import BindPlan, bind, plan_binding
 from memmode_core.loading.skeleton import Skeleton, build, is_weight_module_class, model_class, pipeline_index
@@ -99,17 +100,20 @@ def load(path: str | os.PathLike, mode: str, *, torch_dtype: torch.dtype | None 
     loads = _plan_components(folder, index, torch_dtype, variant, plugins, quantizer)
 
     # -- bind ------------------------------------------------------------------------------------------
+    if staging is not None:
+        os.makedirs(staging, exist_ok=True)  # the storage would create offload_dir anyway
+    mappings: list[torch.Tensor] = []  # of the streamed files tensors were bound from
     for item in loads:
         if item.library_loaded:
             kwargs = {"dtype": torch_dtype} if torch_dtype is not None else {}
             item.skeleton.module = item.cls.from_pretrained(item.folder, variant=variant, **kwargs).eval()
             continue
         bind(item.skeleton, item.checkpoint, item.plan, staging_dir=staging)
+        mappings.extend(item.plan.streamed)
         if item.reader is not None and (quantizer is None or item.name not in _quantized_names(index, components)):
             for layer in item.saved_layers:  # no quantizer of the mode will install their forward: do it here
                 install_forward(item.skeleton.module.get_submodule(layer.path), item.reader,
                                 weight_dtype or layer.compute_dtype or layer.dtype)
-        item.checkpoint.release()
     target = _assemble(folder, index, loads, torch_dtype, variant)
 
     # -- quantize while streaming, as apply would quantize ------------------------------------------
@@ -125,14 +129,25 @@ def load(path: str | os.PathLike, mode: str, *, torch_dtype: torch.dtype | None 
                 plan = check_component(quantizer, name, module, exclude=excluded, options=quantizer_options)
                 if plan.packs_anything:
                     before = _bytes(module)
-                    packed = saved.stream_pack(plan, staging_dir=staging)
+                    packed = saved.stream_pack(plan, staging_dir=staging, mappings=mappings)
                     summaries_fix[name] = (packed, before)
         else:
             logger.info("memmode: quantizer %s has its own quantize(); it quantizes the loaded model in memory",
                         quantizer.name)
 
-    handle = apply(target, mode, device=device, weight_dtype=weight_dtype, storage=storage, offload_dir=offload_dir,
-                   components=components, exclude=exclude, exclude_components=exclude_components, **options)
+    # the checkpoint's mappings and the streamed files are lent to file storages, which store the groups
+    # lying in them by reference rather than writing them again (see memmode_core.files.borrowed)
+    sources = [source_of_mapping(f.mapping, f.path) for item in loads for f in item.checkpoint.files
+               if f.mapping is not None]
+    sources += [source_of_mapping(flat, None) for flat in mappings]
+    try:
+        with lending(sources):
+            handle = apply(target, mode, device=device, weight_dtype=weight_dtype, storage=storage,
+                           offload_dir=offload_dir, components=components, exclude=exclude,
+                           exclude_components=exclude_components, **options)
+    finally:
+        for item in loads:
+            item.checkpoint.release()
     for name, (packed, before) in summaries_fix.items():
         summary = handle.quantized.get(name)
         if summary is not None and dataclasses.is_dataclass(summary):

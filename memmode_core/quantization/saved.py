@@ -113,9 +113,10 @@ def prepare_packed(module: nn.Module, quantizer: Quantizer, layers: list[SavedLa
         attach_packed(sub, quantizer.format_name, torch.Size(layer.shape), layer.dtype, payload, buffers, layer.path)
 
 
-def stream_pack(plan: QuantizationPlan, *, staging_dir=None) -> int:
+def stream_pack(plan: QuantizationPlan, *, staging_dir=None, mappings: list | None = None) -> int:
     """Pack what ``plan`` says one layer at a time into a streamed file and make the layers hold views
-    of it. Returns the number of layers packed. Tied weights are packed once and stay shared."""
+    of it. Returns the number of layers packed. Tied weights are packed once and stay shared. The file's
+    mapping is appended to ``mappings`` when given."""
     quantizer = plan.quantizer
     firsts: dict[int, str] = {}
     specs: dict[str, torch.Tensor] = {}
@@ -136,6 +137,8 @@ def stream_pack(plan: QuantizationPlan, *, staging_dir=None) -> int:
     if not specs:
         return 0
     mapped = write_pieces(specs, pieces(), folder=staging_dir)
+    if mappings is not None:
+        mappings.append(mapped.flat)
     shared: dict[int, tuple[nn.Parameter, dict[str, torch.Tensor]]] = {}
     for layer in plan.to_pack:
         weight = layer.module.weight

@@ -24,8 +24,7 @@ import contextlib
 import torch
 
 from memmode_core.contracts.costs import StorageCost, copying_cost
-from memmode_core.files import format as group_format
-from memmode_core.files.store import GroupFile, GroupFileSession, GroupFileStorage, GroupFileStore
+from memmode_core.files.store import GroupFileSession, GroupFileStorage, GroupFileStore
 from memmode_core.contracts.storage import Tensors, host_copy, placeholder, to_device
 
 
@@ -44,8 +43,8 @@ class DiskSession(GroupFileSession):
     def fetch(self, key: str, device: torch.device, stream: "torch.cuda.Stream | None" = None) -> Tensors:
         group_file, buffers = self.files[key], self._buffers[key]
         if device.type == "cuda":
-            with open(group_file.path, "rb", buffering=0) as file:
-                tensors = self.upload(group_file, _file_reader(file.fileno(), group_file), device, stream)
+            with group_file.filler() as fill:
+                tensors = self.upload(group_file, fill, device, stream)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 tensors.update(to_device(buffers, device, non_blocking=True))
             return tensors
@@ -69,15 +68,6 @@ class DiskSession(GroupFileSession):
     def stats(self) -> dict[str, int]:
         held = sum(t.numel() * t.element_size() for group in self._buffers.values() for t in group.values())
         return {"pageable_bytes": held, **super().stats()}
-
-
-def _file_reader(fd: int, group_file: GroupFile):
-    """Fill staging chunks straight from the file: one copy, from the page cache to pinned memory."""
-    start = group_file.layout.data_start
-
-    def fill(chunk: torch.Tensor, offset: int) -> None:
-        group_format.read_into(fd, group_format.byte_view(chunk), start + offset)
-    return fill
 
 
 class DiskStorage(GroupFileStorage):

@@ -42,11 +42,8 @@ class MmapSession(GroupFileSession):
         if device.type == "cpu":
             return dict(views)
         if device.type == "cuda":
-            start = self.files[key].layout.data_start
-
-            def fill(chunk: torch.Tensor, offset: int) -> None:
-                chunk.copy_(flat[start + offset:start + offset + chunk.numel()])
-            return self.upload(self.files[key], fill, device, stream)
+            group_file = self.files[key]
+            return self.upload(group_file, group_file.mapped_filler(flat), device, stream)
         return {name: view.to(device) for name, view in views.items()}
 
     def restore(self, key: str) -> Tensors:
@@ -62,7 +59,7 @@ class MmapSession(GroupFileSession):
         super().close()
 
     def stats(self) -> dict[str, int]:
-        mapped = sum(flat.numel() for flat, _ in self._mapped.values())
+        mapped = sum(flat.numel() for flat, _ in self._mapped.values() if flat is not None)  # borrowed: None
         return {"pageable_bytes": 0, "mapped_bytes": mapped, **super().stats()}
 
 

@@ -1,0 +1,178 @@
+"""Groups stored by reference: the checkpoint's own pages are the offloaded copy, nothing is written.
+
+When a pipeline is loaded straight into a file storage (``memmode.load(..., storage="mmap" | "disk")``),
+its weights are already views of safetensors files mapped privately. Writing them again into group files
+would cost the model's size in disk writes and time before the first output, for a second copy of bytes
+that already sit in a file the page cache serves. So the loader *lends* those mappings to the storage
+for the length of ``apply`` (:func:`lending`), and a group whose tensors all lie in one lent mapping is
+stored as a :class:`BorrowedFile`: a :class:`~memmode_core.files.store.GroupFile` whose bytes are ranges
+of the checkpoint. The storage reads it back as it reads its own files (mapped, or copied range by range
+into staging buffers), never deletes it, and counts no disk bytes for it.
+
+A group is borrowed only when that cannot change a bit of any output:
+
+- the compute device is not the CPU (every onload copies into fresh device memory), or
+- every tensor of the group starts on a 64-byte boundary of the file, as in memmode's own group files.
+  CPU kernels can take another path for a weight at another alignment (a GEMV on a weight 24 bytes off
+  a cache line sums in another order); safetensors files written by other tools align tensors to 8 bytes
+  only, so on a CPU compute device their groups are written to the storage's files as usual, while files
+  memmode wrote (quantized checkpoints, streamed conversions) are borrowed.
+
+A borrowed checkpoint file that changes (replaced, truncated, rewritten: its inode, size or mtime
+differ) is refused at the next onload, naming it, before any byte is read. Mappings of files that were
+unlinked as soon as mapped (streamed conversions) cannot change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from memmode_core.contracts.errors import StorageUnavailableError
+from memmode_core.contracts.storage import Tensors
+from memmode_core.files.format import DATA_ALIGNMENT, Layout
+from memmode_core.engine.staging import Fill
+from memmode_core.files.groupfile import FileStamp, GroupFile
+
+
+@dataclass(eq=False)
+class Source:
+    """One private mapping lent to the storages: the whole file as ``uint8``, and the file if it has a name."""
+
+    flat: torch.Tensor
+    path: Path | None
+    stamp: FileStamp | None
+
+    @property
+    def base(self) -> int:
+        return self.flat.data_ptr()
+
+    def offset_of(self, tensor: torch.Tensor) -> int | None:
+        """Where ``tensor``'s bytes start in this mapping, if it is a contiguous view of it."""
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() == 0:
+            return None
+        start = tensor.data_ptr() - self.base
+        if start < 0 or start + tensor.numel() * tensor.element_size() > self.flat.numel():
+            return None
+        return start
+
+
+_lock = threading.Lock()
+_lent: list[Source] = []
+
+
+def source_of_mapping(view: torch.Tensor, path: Path | None) -> Source:
+    """The :class:`Source` of the whole mapping ``view`` is a view of (its untyped storage)."""
+    storage = view.untyped_storage()
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
+    return Source(flat, path, FileStamp.of(path) if path is not None else None)
+
+
+@contextlib.contextmanager
+def lending(sources: list[Source]) -> Iterator[None]:
+    """Inside, file storages may store groups lying in ``sources`` by reference (see the module docstring)."""
+    with _lock:
+        _lent.extend(sources)
+    try:
+        yield
+    finally:
+        with _lock:
+            for source in sources:
+                _lent.remove(source)
+
+
+#: tensors of a borrowed group that lie in no lent mapping (buffers ``__init__`` computed, never saved) are
+#: kept as copies, up to this fraction of the group's bytes; past it the group is written as usual
+EXTRAS_FRACTION = 0.125
+
+
+def borrow(layout: Layout, tensors: Tensors, device: torch.device) -> "BorrowedFile | None":
+    """A :class:`BorrowedFile` for the group if its tensors lie in lent mappings (but for a few small ones
+    that lie in none) and borrowing them cannot change a bit (see the module docstring), else None."""
+    with _lock:
+        lent = list(_lent)
+    if not lent or not tensors:
+        return None
+    places: dict[str, tuple[Source, int]] = {}
+    extras: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        found = next(((s, o) for s in lent if (o := s.offset_of(tensor)) is not None), None)
+        if found is None:
+            extras[name] = tensor
+        elif device.type == "cpu" and found[1] % DATA_ALIGNMENT:
+            return None  # computing on it in place could change bits: write the group
+        else:
+            places[name] = found
+    extra_bytes = sum(t.numel() * t.element_size() for t in extras.values())
+    if not places or extra_bytes > EXTRAS_FRACTION * layout.data_bytes:
+        return None
+    return BorrowedFile(layout, places, {name: t.clone() for name, t in extras.items()})
+
+
+class BorrowedFile(GroupFile):
+    """A group whose bytes are ranges of lent mappings (checkpoint files, unlinked streamed files), and a
+    few small tensors of its own."""
+
+    def __init__(self, layout: Layout, places: dict[str, tuple[Source, int]], extras: Tensors) -> None:
+        files = {s.path for s, _ in places.values()}
+        super().__init__(next(iter(files)) if len(files) == 1 else None, layout, None)
+        #: tensor name -> (the mapping, where its bytes start in it)
+        self.places = places
+        #: tensor name -> its own copy (tensors in no lent mapping)
+        self.extras = extras
+        self._sources = list({id(s): s for s, _ in places.values()}.values())
+
+    def check(self, verify: str = "size") -> None:
+        if verify == "none":
+            return
+        for source in self._sources:
+            if source.path is None:
+                continue  # unlinked as soon as mapped: nothing can change it
+            try:
+                now = FileStamp.of(source.path)
+            except OSError as exc:
+                raise self._changed(source.path, f"it cannot be read ({exc.strerror or exc})") from None
+            if now != source.stamp:
+                raise self._changed(source.path, "it changed since it was loaded (replaced, truncated or "
+                                                 "rewritten); load the model again")
+
+    @staticmethod
+    def _changed(path: Path, why: str) -> StorageUnavailableError:
+        return StorageUnavailableError(f"checkpoint file {path}, which holds offloaded weights in place, is not "
+                                       f"the one memmode loaded: {why}")
+
+    def _views(self) -> Tensors:
+        views = dict(self.extras)
+        for entry in self.layout.entries:
+            if entry.name in self.places:
+                source, offset = self.places[entry.name]
+                views[entry.name] = source.flat[offset:offset + entry.end - entry.start].view(entry.dtype).view(
+                    entry.shape)
+        return views
+
+    def map(self) -> tuple[torch.Tensor | None, Tensors]:
+        """``(None, views)``: the group's tensors as views of the lent mappings (and its own copies)."""
+        return None, self._views()
+
+    def read(self) -> Tensors:
+        return {name: view.clone() for name, view in self._views().items()}
+
+    def mapped_filler(self, flat: torch.Tensor | None) -> Fill:
+        views = {name: view.reshape(-1).view(torch.uint8) for name, view in self._views().items()}
+
+        def fill(chunk: torch.Tensor, offset: int) -> None:
+            end = offset + chunk.numel()
+            for entry in self.layout.entries:
+                lo, hi = max(offset, entry.start), min(end, entry.end)
+                if lo < hi:
+                    chunk[lo - offset:hi - offset].copy_(views[entry.name][lo - entry.start:hi - entry.start])
+        return fill
+
+    @contextlib.contextmanager
+    def filler(self) -> Iterator[Fill]:
+        yield self.mapped_filler(None)
