@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import memmode_core as memmode
-from memmode_core import IncompatibleModeError, InvalidOptionError, Quantizer
+from memmode_core import IncompatibleModeError, InvalidOptionError, QuantizedWeightWriteError, Quantizer
 from memmode_core.quantization.layers import (QuantizedLinear, packed_record, plan_quantization, quantize_component,
                                        quantized_direct_bytes)
 from memmode_qfloat4 import QFloat4
@@ -64,15 +64,28 @@ def test_quantizing_keeps_every_module_object_and_linear_identity(quantizer):
 
 
 @pytest.mark.parametrize("quantizer", sorted(QUANTIZERS))
-def test_layer_weight_is_a_stand_in_that_fails_loudly(quantizer):
-    """What loaders and adapters inspect: the full-precision shape, the compute dtype, the device."""
+def test_layer_weight_is_a_stand_in_that_writes_through_or_fails_loudly(quantizer):
+    """What loaders and adapters inspect: the full-precision shape, the compute dtype, the device. A merge
+    into the whole weight is re-quantized into the packed tensors; a write into part of it is refused."""
     layer = nn.Linear(64, 48).to(torch.bfloat16)
-    quantize_component(QUANTIZERS[quantizer](), layer, weight_dtype=torch.float32)
+    quantizer_obj = QUANTIZERS[quantizer]()
+    quantize_component(quantizer_obj, layer, weight_dtype=torch.float32)
     weight = layer.weight
     assert (weight.shape, weight.dtype, weight.device.type) == ((48, 64), torch.float32, "cpu")
     assert torch.isnan(weight).all() and weight.untyped_storage().nbytes() == 4  # one element, broadcast
-    with pytest.raises(RuntimeError):
-        layer.weight.data += torch.ones(48, 64)  # merging into a quantized weight is not silently lost
+    record = layer._memmode_packed
+
+    def dequantized():
+        return quantizer_obj.unpack({n: getattr(layer, n) for n in record.names}, record.shape, torch.float32)
+
+    before = dequantized()
+    layer.weight.data += torch.ones(48, 64)  # merging into a quantized weight is not silently lost
+    expected = quantizer_obj.unpack(quantizer_obj.pack(before + 1), record.shape, torch.float32)
+    assert torch.equal(dequantized(), expected) and not torch.equal(dequantized(), before)
+    packed = {n: getattr(layer, n).clone() for n in record.names}
+    with pytest.raises(QuantizedWeightWriteError, match="Nothing was changed"):
+        layer.weight[0].add_(1.0)
+    assert all(torch.equal(getattr(layer, n), packed[n]) for n in record.names)
     with pytest.raises(KeyError, match="already exists"):
         layer.weight = nn.Parameter(torch.zeros(48, 64))
 

@@ -196,8 +196,8 @@ class QuantizedLinear(nn.Linear):
         changes every dequantized value; NVFP4's float8 block scales would be cast too), and the bias keeps
         its own as well: the layer computes in its compute dtype whatever its storage holds, and code that
         casts a layer before writing into its weight (VideoX-Fun's ``merge_lora``: ``layer.to(device,
-        dtype)``, then ``layer.weight.data += ...``) then leaves the layer exactly as it was when the write
-        is refused. Devices change as asked. The cast copies made by ``fn`` are discarded (scales and
+        dtype)``, then ``layer.weight.data += ...``, written through by :class:`WeightStandIn`) changes
+        nothing but the codes the write re-quantizes. Devices change as asked. The cast copies made by ``fn`` are discarded (scales and
         biases: small).
         """
         originals = {name: (t.data if isinstance(t, nn.Parameter) else t)
@@ -988,7 +988,8 @@ def quantize_component(quantizer: Quantizer, component: nn.Module, *, weight_dty
 
 __all__ = [
     "COMPUTE_DTYPES", "DEFAULT_EXCLUDE", "OUTSIDE_BLOCKS", "LayerPlan", "PackedLayer", "PackedSizes",
-    "QuantizationPlan", "QuantizationSummary", "QuantizedLinear", "WeightStandIn", "check_component", "check_components",
+    "QuantizationPlan", "QuantizationSummary", "QuantizedLinear", "WeightStandIn", "attach_packed", "check_component",
+    "check_components",
     "convert",
     "install_forward", "is_quantized", "packed_record", "plan_layers", "plan_quantization", "quantize_component",
     "quantized_class", "quantized_direct_bytes", "tensor_bytes",
