@@ -397,3 +397,30 @@ def test_any_checkpoint_is_stored_in_place_on_cuda(tmp_path):
     pipe = from_pretrained(folder)
     memmode.apply(pipe, "model_group_offload", device="cuda", storage="disk")
     assert torch.equal(loaded_output(handle, family), run(pipe, family))
+
+
+def test_a_checkpoint_with_legacy_names_is_loaded_by_its_library(tmp_path, caplog):
+    """An AutoencoderKL saved before diffusers renamed its attention weights (query/key/value/proj_attn):
+    diffusers converts the names while loading, so the VAE is loaded by diffusers itself (an info line says
+    so) and the pipeline is still what from_pretrained + apply gives."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    family = "flux"
+    folder = copy_of(saved_folder(family), tmp_path)
+    weights = folder / "vae" / "diffusion_pytorch_model.safetensors"
+    legacy = {".to_q.": ".query.", ".to_k.": ".key.", ".to_v.": ".value.", ".to_out.0.": ".proj_attn."}
+    tensors = {}
+    for key, value in load_file(weights).items():
+        if ".attentions." in key:
+            for new, old in legacy.items():
+                key = key.replace(new, old)
+        tensors[key] = value
+    assert any(".query." in k for k in tensors)
+    save_file(tensors, weights)
+    with caplog.at_level(logging.INFO, logger="memmode"):
+        handle = memmode.load(folder, "model_cpu_offload", device="cpu", storage="mmap")
+    assert "vae (AutoencoderKL) is loaded by diffusers itself" in caplog.text
+    expected = reference(family, folder, None, "model_cpu_offload", storage="mmap")
+    assert torch.equal(loaded_output(handle, family), expected)

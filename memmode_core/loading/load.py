@@ -105,7 +105,8 @@ def load(path: str | os.PathLike, mode: str, *, torch_dtype: torch.dtype | None 
     mappings: list[torch.Tensor] = []  # of the streamed files tensors were bound from
     for item in loads:
         if item.library_loaded:
-            kwargs = {"dtype": torch_dtype} if torch_dtype is not None else {}
+            kwargs = {} if torch_dtype is None else {
+                ("dtype" if item.skeleton.library == "transformers" else "torch_dtype"): torch_dtype}
             item.skeleton.module = item.cls.from_pretrained(item.folder, variant=variant, **kwargs).eval()
             continue
         bind(item.skeleton, item.checkpoint, item.plan, staging_dir=staging)
@@ -203,9 +204,9 @@ def _plan_components(folder: Path, index: dict | None, torch_dtype, variant, plu
             saved.prepare_packed(skeleton.module, item.reader, item.saved_layers, str(sub))
         item.cls = cls
         if fmt is None and _needs_library_loader(skeleton, checkpoint):
-            logger.info("memmode: %s (%s) is loaded by transformers itself: its checkpoint's tensor names need "
-                        "transformers' own conversions; it is read into memory as from_pretrained reads it",
-                        name, cls.__name__)
+            logger.info("memmode: %s (%s) is loaded by %s itself: its checkpoint names tensors otherwise than "
+                        "the model, which only the library converts; it is read as from_pretrained reads it",
+                        name, cls.__name__, skeleton.library)
             item.library_loaded = True
         else:
             item.plan = plan_binding(skeleton, checkpoint, where=str(sub))
@@ -214,11 +215,9 @@ def _plan_components(folder: Path, index: dict | None, torch_dtype, variant, plu
 
 
 def _needs_library_loader(skeleton: Skeleton, checkpoint: Checkpoint) -> bool:
-    """A transformers model whose checkpoint names its tensors otherwise than the model does (transformers
-    5 renames, merges and splits tensors of many architectures while loading): only transformers itself
-    can load it. Diffusers models are always bound directly."""
-    if skeleton.library != "transformers":
-        return False
+    """A checkpoint that names its tensors otherwise than the model does: transformers 5 renames, merges and
+    splits tensors of many architectures while loading, and diffusers renames the attention weights of
+    older checkpoints (``_fix_state_dict_keys_on_load``). Only the library itself can load those."""
     from memmode_core.loading.binding import slots_of
 
     names = {key for slot in slots_of(skeleton.module) for key in slot.keys}

@@ -80,8 +80,6 @@ class Skeleton:
     library: str
     #: state-dict key -> dtype it takes when loaded (floating tensors only; others keep the checkpoint's)
     dtypes: dict[str, torch.dtype]
-    #: key renames the model applies when loading (diffusers' ``_fix_state_dict_keys_on_load``)
-    renamed: dict[str, str]
 
 
 def model_class(library: str, class_name: str) -> type:
@@ -132,7 +130,7 @@ def _diffusers_skeleton(cls: type, folder: Path, torch_dtype: torch.dtype | None
             dtypes[key] = torch.float32
         else:
             dtypes[key] = torch_dtype
-    return Skeleton(module, "diffusers", dtypes, {})
+    return Skeleton(module, "diffusers", dtypes)
 
 
 def _transformers_skeleton(cls: type, folder: Path, torch_dtype: torch.dtype | None) -> Skeleton:
@@ -160,7 +158,7 @@ def _transformers_skeleton(cls: type, folder: Path, torch_dtype: torch.dtype | N
         transformers.logging.set_verbosity(quiet)
     module.eval()
     dtypes = {key: t.dtype for key, t in module.state_dict(keep_vars=True).items() if t.is_floating_point()}
-    return Skeleton(module, "transformers", dtypes, {})
+    return Skeleton(module, "transformers", dtypes)
 
 
 def pipeline_index(folder: Path) -> dict[str, Any]:
