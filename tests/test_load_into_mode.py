@@ -424,3 +424,17 @@ def test_a_checkpoint_with_legacy_names_is_loaded_by_its_library(tmp_path, caplo
     assert "vae (AutoencoderKL) is loaded by diffusers itself" in caplog.text
     expected = reference(family, folder, None, "model_cpu_offload", storage="mmap")
     assert torch.equal(loaded_output(handle, family), expected)
+
+
+def test_one_model_folder_loads_into_a_mode_and_joins_from_pretrained():
+    """A single model folder (config.json) loads straight into a mode; passed to from_pretrained as that
+    component, it makes the pipeline that only the big model was ever kept out of RAM for."""
+    family = "flux"
+    folder = saved_folder(family)
+    handle = memmode.load(folder / "transformer", "model_group_offload", device="cpu", storage="mmap")
+    assert type(handle.target).__name__ == "FluxTransformer2DModel"
+    pipe = DiffusionPipeline.from_pretrained(folder, transformer=handle.target)
+    pipe.set_progress_bar_config(disable=True)
+    reference_pipe = from_pretrained(folder)
+    memmode.apply(reference_pipe.transformer, "model_group_offload", device="cpu", storage="mmap")
+    assert torch.equal(run(pipe, family), run(reference_pipe, family))
