@@ -438,3 +438,30 @@ def test_one_model_folder_loads_into_a_mode_and_joins_from_pretrained():
     reference_pipe = from_pretrained(folder)
     memmode.apply(reference_pipe.transformer, "model_group_offload", device="cpu", storage="mmap")
     assert torch.equal(run(pipe, family), run(reference_pipe, family))
+
+
+_KILLED_SCRIPT = textwrap.dedent('''
+    import os, signal, sys, torch
+    import memmode_core as memmode
+    from memmode_core.files import streamed
+    real, calls = streamed.StreamedFile.write, []
+    def write(self, tensors):
+        calls.append(1)
+        if len(calls) == 5:
+            os.kill(os.getpid(), signal.SIGKILL)  # half-way through streaming a conversion
+        real(self, tensors)
+    streamed.StreamedFile.write = write
+    memmode.load(sys.argv[1], "model_group_offload", device="cpu", storage="disk", offload_dir=sys.argv[2],
+                 torch_dtype=torch.float32)
+''')
+
+
+def test_a_load_killed_while_streaming_leaves_nothing_behind(tmp_path):
+    """kill -9 in the middle of a streamed conversion: the streamed file was unlinked when created, so the
+    folder it was written in holds nothing afterwards."""
+    folder = saved_folder("wan22", torch.bfloat16)
+    offload = tmp_path / "offload"
+    out = subprocess.run([sys.executable, "-c", _KILLED_SCRIPT, str(folder), str(offload)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == -9, out.stderr[-2000:]
+    assert list(offload.iterdir()) == []

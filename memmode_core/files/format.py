@@ -164,7 +164,12 @@ def map_private(path: str | os.PathLike) -> torch.Tensor:
     unlinked file stays readable through it.
     """
     with open(path, "rb") as file:
-        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+        return map_private_fd(file.fileno())
+
+
+def map_private_fd(fd: int) -> torch.Tensor:
+    """:func:`map_private` of an open file descriptor (an unlinked file has no path left to open)."""
+    mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
     return torch.frombuffer(mapping, dtype=torch.uint8)
 
 

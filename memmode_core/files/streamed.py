@@ -7,9 +7,9 @@ which is the wall the loader exists to remove. Instead the layout is fixed from 
 tensors — is computed, written at its offset with ``pwrite`` and dropped before the next. Peak memory is
 one piece.
 
-The file is then mapped privately and unlinked at once: the mapping keeps its pages readable (and
-evictable, unlike anonymous memory) for as long as a tensor views it, and nothing is left on disk when
-the last view goes, whatever happens to the process.
+The file is unlinked as soon as it is created and written through its descriptor, then mapped
+privately: the mapping keeps its pages readable (and evictable, unlike anonymous memory) for as long as
+a tensor views it, and nothing is ever left on disk — not even if the process is killed while writing.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Iterable, Mapping
 import torch
 
 from memmode_core.contracts.storage import Tensors
-from memmode_core.files.format import Layout, byte_view, host_tensors, map_private
+from memmode_core.files.format import Layout, byte_view, host_tensors, map_private_fd
 from memmode_core.contracts.packing import views
 
 
@@ -41,9 +41,12 @@ class StreamedFile:
             fd, name = tempfile.mkstemp(prefix=".memmode-", suffix=".partial", dir=self.keep_as.parent)
         else:
             fd, name = tempfile.mkstemp(prefix="memmode-loading-", suffix=".safetensors", dir=folder)
-        self.path = Path(name)
+        self.path: Path | None = Path(name)
         self._fd = fd
         try:
+            if self.keep_as is None:  # nameless from the start: even a kill -9 leaves nothing behind
+                os.unlink(name)
+                self.path = None
             os.ftruncate(fd, self.layout.file_size)  # alignment gaps read back as zeros
             os.pwrite(fd, self.layout.header, 0)
         except BaseException:
@@ -71,14 +74,14 @@ class StreamedFile:
             self.abandon()
             raise ValueError(f"{len(missing)} tensors were never written (e.g. {sorted(missing)[0]})")
         try:
-            os.fsync(self._fd) if self.keep_as is not None else None
+            if self.keep_as is not None:
+                os.fsync(self._fd)
+            flat = map_private_fd(self._fd)
             os.close(self._fd)
             self._fd = -1
-            flat = map_private(self.path)
             if self.keep_as is not None:
                 os.replace(self.path, self.keep_as)
-            else:
-                os.unlink(self.path)
+                self.path = self.keep_as
         except BaseException:
             self.abandon()
             raise
@@ -90,8 +93,9 @@ class StreamedFile:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = -1
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
+        if self.path is not None and self.path != self.keep_as:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
 
 
 class MappedTensors(dict):
