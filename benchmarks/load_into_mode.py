@@ -15,7 +15,12 @@ frames of 4 x 4, eight text tokens). Variants:
 - ``memmode_apply_disk`` / ``apply_qfloat8_disk``: ``from_pretrained`` + ``memmode_core.apply`` (today's
   path), with ``model_group_offload`` and ``model_group_offload_and_qfloat8``, ``disk`` storage;
 - ``load_mmap`` / ``load_disk`` / ``load_ram`` / ``load_qfloat8_disk``: ``memmode_core.load(folder, mode,
-  torch_dtype=bf16, ...)`` with that storage;
+  torch_dtype=bf16, ...)`` with that storage. On a CPU compute device a checkpoint from ``save_pretrained``
+  (tensors 8-byte aligned) is written to the storage's files, so that outputs are bit-equal to
+  ``from_pretrained`` + ``apply``;
+- ``load_mmap_in_place`` / ``load_disk_in_place``: the same with ``in_place=True``: the checkpoint's own
+  pages are the offloaded copy and nothing is written — what every load on a CUDA device does (where an
+  onload copies anyway); on the CPU, outputs can then differ in the last bits;
 - ``..._f32``: the float32 checkpoint loaded as bfloat16 (the conversion path), diffusers' and
   ``load_disk``; their ratios are against ``diffusers_group_disk_f32``.
 
@@ -56,6 +61,8 @@ VARIANTS = {
     "memmode_apply_disk": ("bf16", "diffusers_group_disk"),
     "load_mmap": ("bf16", "diffusers_group_disk"),
     "load_disk": ("bf16", "diffusers_group_disk"),
+    "load_mmap_in_place": ("bf16", "diffusers_group_disk"),
+    "load_disk_in_place": ("bf16", "diffusers_group_disk"),
     "load_ram": ("bf16", "diffusers_group_disk"),
     "load_qfloat8_disk": ("bf16", "diffusers_group_disk"),
     "apply_qfloat8_disk": ("bf16", "diffusers_group_disk"),
@@ -66,6 +73,8 @@ VARIANTS = {
 TARGETS = {
     "load_mmap": (0.25, 1.0, 2.0),
     "load_disk": (0.25, 1.0, 2.0),
+    "load_mmap_in_place": (0.25, 1.0, 2.0),
+    "load_disk_in_place": (0.25, 1.0, 2.0),
     "load_qfloat8_disk": (0.30, None, None),
 }
 SAMPLE_S = 0.020
@@ -218,11 +227,12 @@ def worker(args: argparse.Namespace) -> None:
         mode = "model_group_offload" if name == "memmode_apply_disk" else "model_group_offload_and_qfloat8"
         memmode_core.apply(model, mode, device="cpu", storage="disk", offload_dir=str(workdir))
     else:
-        storage = name.rsplit("_", 1)[1]
+        in_place = True if name.endswith("_in_place") else None
+        storage = name.removesuffix("_in_place").rsplit("_", 1)[1]
         mode = "model_group_offload_and_qfloat8" if "qfloat8" in name else "model_group_offload"
         handle = memmode_core.load(folder, mode, device="cpu", storage=storage, torch_dtype=bf16,
                                    offload_dir=None if storage == "ram" else str(workdir),
-                                   staging_dir=str(workdir))
+                                   staging_dir=str(workdir), in_place=in_place)
         model = handle.target
     loaded = time.perf_counter()
     load_anon, load_file = sampler.take()

@@ -465,3 +465,23 @@ def test_a_load_killed_while_streaming_leaves_nothing_behind(tmp_path):
                          text=True, timeout=300)
     assert out.returncode == -9, out.stderr[-2000:]
     assert list(offload.iterdir()) == []
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_in_place_can_be_forced_or_refused(in_place, tmp_path):
+    """``in_place=True`` keeps even an 8-byte aligned checkpoint's pages as the offloaded copy on the CPU
+    (outputs then match from_pretrained + apply to the last bits, not bit for bit); ``False`` writes every
+    group, memmode's own checkpoints included."""
+    family = "flux"
+    folder = saved_folder(family)
+    handle = memmode.load(folder, "model_group_offload", device="cpu", storage="mmap", in_place=in_place,
+                          offload_dir=tmp_path / "offload")
+    stats = handle.report().storage_bytes
+    if in_place:
+        assert stats["borrowed_bytes"] > 0.9 * _weights_bytes(folder, ("transformer", "vae", "text_encoder"))
+        expected = reference(family, folder, None, "model_group_offload", storage="mmap")
+        torch.testing.assert_close(loaded_output(handle, family), expected, rtol=0, atol=1e-5)
+    else:
+        assert stats["borrowed_bytes"] == 0 and stats["disk_bytes"] > 0
+    with pytest.raises(memmode.InvalidOptionError, match="in_place"):
+        memmode.load(folder, "model_group_offload", in_place="yes")

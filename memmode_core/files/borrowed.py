@@ -47,6 +47,8 @@ class Source:
     flat: torch.Tensor
     path: Path | None
     stamp: FileStamp | None
+    #: borrow tensors at any alignment, on a CPU compute device too (``load(..., in_place=True)``)
+    any_alignment: bool = False
 
     @property
     def base(self) -> int:
@@ -66,11 +68,11 @@ _lock = threading.Lock()
 _lent: list[Source] = []
 
 
-def source_of_mapping(view: torch.Tensor, path: Path | None) -> Source:
+def source_of_mapping(view: torch.Tensor, path: Path | None, *, any_alignment: bool = False) -> Source:
     """The :class:`Source` of the whole mapping ``view`` is a view of (its untyped storage)."""
     storage = view.untyped_storage()
     flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
-    return Source(flat, path, FileStamp.of(path) if path is not None else None)
+    return Source(flat, path, FileStamp.of(path) if path is not None else None, any_alignment)
 
 
 @contextlib.contextmanager
@@ -104,7 +106,7 @@ def borrow(layout: Layout, tensors: Tensors, device: torch.device) -> "BorrowedF
         found = next(((s, o) for s in lent if (o := s.offset_of(tensor)) is not None), None)
         if found is None:
             extras[name] = tensor
-        elif device.type == "cpu" and found[1] % DATA_ALIGNMENT:
+        elif device.type == "cpu" and found[1] % DATA_ALIGNMENT and not found[0].any_alignment:
             return None  # computing on it in place could change bits: write the group
         else:
             places[name] = found

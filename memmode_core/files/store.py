@@ -11,8 +11,11 @@ the device; ``mmap``: mapped once, for the whole session):
 - **Verified on reuse.** An existing file is used only if its size, header and every byte equal
   the weights in memory; otherwise it is rewritten (a truncated copy, or another file put under
   this name).
-- **Written atomically.** A temporary file in the same folder, ``fsync``, ``os.replace``, then
-  ``fsync`` of the folder: the name only ever points at a complete file, even after a power cut.
+- **Written atomically.** A temporary file in the same folder, then ``os.replace``: the name only ever
+  points at a complete file. Files kept past the session (``keep_files=True``) are also ``fsync``-ed, file
+  and folder, so that they survive a power cut; the others are not, since they are deleted at ``close()``
+  and a file that did not reach the disk whole is never reused: reuse compares every byte (below). The
+  ``fsync`` of every group costs about as much as writing it (measured: 1.1 s of 3.0 s for 570 MiB).
 - **Safe to share.** Processes using one folder take turns on a lock of the folder while they
   check and write, so N processes applying the same model write each file once and all map the
   same file (one copy in the page cache); no session deletes a file another live session still
@@ -183,10 +186,12 @@ class GroupFileStore:
             with open(fd, "wb") as file:
                 group_format.write(file, layout, tensors)
                 file.flush()
-                os.fsync(file.fileno())
+                if self.keep_files:
+                    os.fsync(file.fileno())
             os.replace(temporary, path)
             temporary = None
-            self._folder.sync()  # the rename itself survives a crash
+            if self.keep_files:
+                self._folder.sync()  # the rename itself survives a crash
         except OSError as exc:
             raise self._refusal(f"cannot write {path.name} ({layout.file_size / 2**20:.1f} MiB) in "
                                 f"{self.folder}: {exc}") from None

@@ -66,16 +66,25 @@ def load(path: str | os.PathLike, mode: str, *, torch_dtype: torch.dtype | None 
          weight_dtype: torch.dtype | None = None, storage: str | None = None, offload_dir: str | None = None,
          components: Iterable[str] | None = None, exclude: Iterable[str] | None = None,
          exclude_components: Iterable[str] | None = None, variant: str | None = None,
-         staging_dir: str | os.PathLike | None = None, **options: Any) -> Handle:
+         staging_dir: str | os.PathLike | None = None, in_place: bool | None = None, **options: Any) -> Handle:
     """Load the diffusers pipeline (or the single model) saved in ``path`` straight into ``mode``.
 
     Arguments are those of :func:`memmode_core.apply`, plus ``torch_dtype`` and ``variant`` as
     ``from_pretrained`` takes them, and ``staging_dir`` for the files converted weights are streamed
     through (default: ``offload_dir``, else the system's temporary folder; they are unlinked as soon
     as they are mapped). Returns the :class:`Handle`; ``handle.target`` is the pipeline or model.
+
+    ``in_place`` decides whether the ``disk`` and ``mmap`` storages may keep a group in the checkpoint's own
+    pages instead of writing it again (:mod:`memmode_core.files.borrowed`): ``None`` (default) where no bit
+    of any output can change, ``True`` wherever the group lies in the checkpoint (on a CPU compute device,
+    outputs may then differ in the last bits from ``from_pretrained`` + ``apply``: CPU kernels can sum in
+    another order for a weight at another alignment), ``False`` never (the storage's files are independent
+    of the checkpoint, e.g. one on a slow or removable disk).
     """
     if not isinstance(mode, str):
         raise TypeError(f"mode must be a string such as 'model_cpu_offload_and_qfloat8', not {type(mode).__name__}")
+    if in_place not in (None, True, False):
+        raise InvalidOptionError(f"in_place={in_place!r} must be None (where no bit can change), True or False")
     if torch_dtype is not None and not (isinstance(torch_dtype, torch.dtype) and torch_dtype.is_floating_point):
         raise InvalidOptionError(f"torch_dtype={torch_dtype!r} must be a floating torch.dtype")
     folder = Path(path)
@@ -138,9 +147,11 @@ def load(path: str | os.PathLike, mode: str, *, torch_dtype: torch.dtype | None 
 
     # the checkpoint's mappings and the streamed files are lent to file storages, which store the groups
     # lying in them by reference rather than writing them again (see memmode_core.files.borrowed)
-    sources = [source_of_mapping(f.mapping, f.path) for item in loads for f in item.checkpoint.files
-               if f.mapping is not None]
-    sources += [source_of_mapping(flat, None) for flat in mappings]
+    anywhere = in_place is True
+    sources = [] if in_place is False else [
+        *(source_of_mapping(f.mapping, f.path, any_alignment=anywhere) for item in loads for f in item.checkpoint.files
+          if f.mapping is not None),
+        *(source_of_mapping(flat, None, any_alignment=anywhere) for flat in mappings)]
     try:
         with lending(sources):
             handle = apply(target, mode, device=device, weight_dtype=weight_dtype, storage=storage,
