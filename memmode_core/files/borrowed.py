@@ -9,14 +9,19 @@ stored as a :class:`BorrowedFile`: a :class:`~memmode_core.files.store.GroupFile
 of the checkpoint. The storage reads it back as it reads its own files (mapped, or copied range by range
 into staging buffers), never deletes it, and counts no disk bytes for it.
 
-A group is borrowed only when that cannot change a bit of any output:
+A tensor is borrowed only where that cannot change a bit of any output:
 
 - the compute device is not the CPU (every onload copies into fresh device memory), or
-- every tensor of the group starts on a 64-byte boundary of the file, as in memmode's own group files.
-  CPU kernels can take another path for a weight at another alignment (a GEMV on a weight 24 bytes off
-  a cache line sums in another order); safetensors files written by other tools align tensors to 8 bytes
-  only, so on a CPU compute device their groups are written to the storage's files as usual, while files
-  memmode wrote (quantized checkpoints, streamed conversions) are borrowed.
+- it starts on a 64-byte boundary of the file, as in memmode's own group files. CPU kernels can take
+  another path for a weight at another alignment (a GEMV on a weight 24 bytes off a cache line sums in
+  another order). Safetensors files written by other tools align tensors to 8 bytes only; files memmode
+  wrote (quantized checkpoints, streamed conversions) align them to 64.
+
+The other tensors of a group (misaligned on a CPU device, or in no lent mapping at all, like buffers
+``__init__`` computes) are kept as copies of its own, when they are a small part of it (the float32 norms
+next to a group's streamed bfloat16 weights); otherwise the group is written to the storage's files as usual
+(a checkpoint from ``save_pretrained`` in the dtype it is computed in, on a CPU device).
+``load(..., in_place=True)`` borrows at any alignment.
 
 A borrowed checkpoint file that changes (replaced, truncated, rewritten: its inode, size or mtime
 differ) is refused at the next onload, naming it, before any byte is read. Mappings of files that were
@@ -88,8 +93,10 @@ def lending(sources: list[Source]) -> Iterator[None]:
                 _lent.remove(source)
 
 
-#: tensors of a borrowed group that lie in no lent mapping (buffers ``__init__`` computed, never saved) are
-#: kept as copies, up to this fraction of the group's bytes; past it the group is written as usual
+#: tensors of a borrowed group that lie in no lent mapping (buffers ``__init__`` computed, never saved), or
+#: that a CPU would compute on at another alignment (the float32 norms of a bfloat16 checkpoint from
+#: save_pretrained), are kept as copies, up to this fraction of the group's bytes; past it the group is
+#: written as usual
 EXTRAS_FRACTION = 0.125
 
 
@@ -104,10 +111,10 @@ def borrow(layout: Layout, tensors: Tensors, device: torch.device) -> "BorrowedF
     extras: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         found = next(((s, o) for s in lent if (o := s.offset_of(tensor)) is not None), None)
-        if found is None:
+        if found is None or (device.type == "cpu" and found[1] % DATA_ALIGNMENT and not found[0].any_alignment):
+            # in no lent mapping, or where computing on it in place could change bits: a copy of its own
+            # (64-byte aligned, as in memmode's group files)
             extras[name] = tensor
-        elif device.type == "cpu" and found[1] % DATA_ALIGNMENT and not found[0].any_alignment:
-            return None  # computing on it in place could change bits: write the group
         else:
             places[name] = found
     extra_bytes = sum(t.numel() * t.element_size() for t in extras.values())
