@@ -499,3 +499,33 @@ def test_in_place_can_be_forced_or_refused(in_place, tmp_path):
         assert stats["borrowed_bytes"] == 0 and stats["disk_bytes"] > 0
     with pytest.raises(memmode.InvalidOptionError, match="in_place"):
         memmode.load(folder, "model_group_offload", in_place="yes")
+
+
+def test_groups_kept_in_place_need_no_room_in_the_offload_folder(tmp_path, monkeypatch):
+    """The offload folder's disk has 64 KiB free: a load that keeps every group in the checkpoint's pages
+    needs none of it, where writing the groups is refused up front, before anything is written."""
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    real = shutil.disk_usage
+    offload = tmp_path / "offload"
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, (1 << 30) - (64 << 10), 64 << 10)
+                        if str(path).startswith(str(tmp_path)) else real(path))
+    family = "flux"
+    folder = saved_folder(family)
+    handle = memmode.load(folder, "model_group_offload", device="cpu", storage="disk", offload_dir=offload,
+                          in_place=True)
+    stats = handle.report().storage_bytes
+    assert stats["disk_bytes"] == 0 and stats["borrowed_bytes"] > 0, stats
+    expected = reference(family, folder, None, "model_group_offload", storage="disk")
+    torch.testing.assert_close(loaded_output(handle, family), expected, rtol=0, atol=1e-5)
+    with pytest.raises(memmode.StorageUnavailableError, match="free"):
+        memmode.load(folder, "model_group_offload", device="cpu", storage="disk", offload_dir=tmp_path / "o2",
+                     in_place=False)
+    assert not list((tmp_path / "o2").glob("memmode-*"))
+    # the default keeps only what cannot change a bit in place (on the CPU: not this 8-byte aligned
+    # checkpoint), so a group has to be written and its own room check refuses it; nothing is left behind
+    with pytest.raises(memmode.StorageUnavailableError, match="the next group needs"):
+        memmode.load(folder, "model_group_offload", device="cpu", storage="disk", offload_dir=tmp_path / "o3")
+    assert not list((tmp_path / "o3").glob("memmode-*"))

@@ -73,6 +73,12 @@ _lock = threading.Lock()
 _lent: list[Source] = []
 
 
+def lending_now() -> bool:
+    """Whether a load is lending mappings right now (a storage may then need far less room than it reserves)."""
+    with _lock:
+        return bool(_lent)
+
+
 def source_of_mapping(view: torch.Tensor, path: Path | None, *, any_alignment: bool = False) -> Source:
     """The :class:`Source` of the whole mapping ``view`` is a view of (its untyped storage)."""
     storage = view.untyped_storage()

@@ -21,7 +21,9 @@ the device; ``mmap``: mapped once, for the whole session):
   same file (one copy in the page cache); no session deletes a file another live session still
   reads (:mod:`memmode_core.files.folder`).
 - **Refused early.** :meth:`GroupFileStore.reserve` checks that the folder can be created and
-  written and that the groups fit in its free space before the engine releases any weight.
+  written and that the groups fit in its free space before the engine releases any weight. While a
+  load lends the checkpoint's pages (:mod:`memmode_core.files.borrowed`), groups kept in place need no
+  room, which is only known group by group: then each write checks its own room instead.
 - **Cleaned up.** The default folder is private (``mkdtemp``) and removed at ``close()`` and at
   interpreter exit. In a caller-given folder, the files a session wrote are deleted at
   ``close()`` (and at exit) unless ``keep_files=True``.
@@ -46,7 +48,7 @@ from memmode_core.contracts.errors import InvalidOptionError, StorageUnavailable
 from memmode_core.files.format import Layout
 from memmode_core.files.folder import OffloadFolder
 from memmode_core.files.groupfile import FILE_PREFIX, FILE_SUFFIX, FileStamp, GroupFile
-from memmode_core.files.borrowed import borrow
+from memmode_core.files.borrowed import borrow, lending_now as lending
 from memmode_core.contracts.options import Option, one_of
 from memmode_core.engine.staging import Fill, StagingRing
 from memmode_core.contracts.storage import Storage, StorageSession, Tensors
@@ -96,6 +98,8 @@ class GroupFileStore:
         self._sizes: dict[str, int] = {}  # file name -> size, of every file this session uses
         #: bytes of groups stored by reference in a lent checkpoint mapping (nothing written)
         self.borrowed_bytes = 0
+        #: check the free space before each write rather than for all groups up front (see reserve)
+        self._room_per_write = False
 
     @property
     def folder(self) -> Path | None:
@@ -128,10 +132,15 @@ class GroupFileStore:
         needed = sum(sizes.values()) + PER_FILE_ALLOWANCE * len(sizes)
         # files already there may be exactly these groups (a second run): they need no new space
         if free + existing < needed:
-            raise self._refusal(
-                f"{self.folder} has {free / 2**30:.2f} GiB free and the groups need {needed / 2**30:.2f} GiB; "
-                f"free some space or choose another offload_dir="
-            )
+            if lending():
+                # loading straight into the mode: most groups may be kept in the checkpoint's pages and need
+                # no space at all, which is only known group by group; each write checks its own room instead
+                self._room_per_write = True
+            else:
+                raise self._refusal(
+                    f"{self.folder} has {free / 2**30:.2f} GiB free and the groups need {needed / 2**30:.2f} GiB; "
+                    f"free some space or choose another offload_dir="
+                )
         if self.warn_in_ram and (kind := offload_folder.filesystem_type(self.folder)) in ("tmpfs", "ramfs"):
             logger.warning("memmode: storage %r writes to %s, a %s held in RAM: the weights will take as much "
                            "memory as with storage='ram'; pass offload_dir= on a disk to save memory",
@@ -170,6 +179,8 @@ class GroupFileStore:
         with self._folder.locked():
             self._folder.claim(name)
             if not group_format.matches(path, layout, host):
+                if self._room_per_write:
+                    self._check_room(layout.file_size + PER_FILE_ALLOWANCE)
                 if path.exists():
                     logger.warning("memmode: %s does not hold the bytes its name promises (truncated or another "
                                    "file); rewriting it", path)
@@ -178,6 +189,15 @@ class GroupFileStore:
             stamp = FileStamp.of(path)
         self._sizes[name] = layout.file_size
         return GroupFile(path, layout, stamp)
+
+    def _check_room(self, size: int) -> None:
+        try:
+            free = shutil.disk_usage(self.folder).free
+        except OSError as exc:
+            raise self._refusal(f"cannot write in {self.folder}: {exc}") from None
+        if free < size:
+            raise self._refusal(f"{self.folder} has {free / 2**30:.2f} GiB free and the next group needs "
+                                f"{size / 2**30:.2f} GiB; free some space or choose another offload_dir=")
 
     def _write(self, path: Path, layout: Layout, tensors: Tensors) -> None:
         temporary = None
