@@ -138,9 +138,12 @@ def write_pieces(specs: Mapping[str, torch.Tensor], pieces: Iterable[Tensors], *
     try:
         for piece in pieces:
             streamed.write(piece)
-            del piece
-            give_back_freed_memory()
     except BaseException:
         streamed.abandon()
         raise
+    finally:
+        piece = None
+        # once, at the end: the heap reuses its freed memory from piece to piece, and trimming after every
+        # piece would only make the next one fault its pages in again
+        give_back_freed_memory()
     return streamed.finish()
