@@ -18,7 +18,7 @@ import sys
 
 import memmode_core as memmode
 
-from memmode_core.cli.table import format_bytes
+from memmode_core.contracts.units import format_bytes
 
 #: exit status when the reader of stdout went away (128 + SIGPIPE, what a shell reports for ``cmd | head``)
 BROKEN_PIPE_STATUS = 141

@@ -17,11 +17,3 @@ def render(headers: Sequence[str], rows: Iterable[Sequence[object]], *, right: S
     out += [line(r) for r in cells]
     return "\n".join(out)
 
-
-def format_bytes(n: float) -> str:
-    """``1536`` -> ``'1.5 KiB'`` (the CLI's own copy, so that it needs only memmode_core's public API)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"

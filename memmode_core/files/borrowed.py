@@ -141,6 +141,14 @@ class BorrowedFile(GroupFile):
         #: tensor name -> its own copy (tensors in no lent mapping)
         self.extras = extras
         self._sources = list({id(s): s for s, _ in places.values()}.values())
+        # the typed views, made once: disk's CPU onload maps the group at every call
+        self._typed = dict(extras)
+        for entry in layout.entries:
+            if entry.name in places:
+                source, offset = places[entry.name]
+                self._typed[entry.name] = source.flat[offset:offset + entry.end - entry.start].view(
+                    entry.dtype).view(entry.shape)
+        self._bytes = {name: view.reshape(-1).view(torch.uint8) for name, view in self._typed.items()}
 
     def check(self, verify: str = "size") -> None:
         if verify == "none":
@@ -161,31 +169,20 @@ class BorrowedFile(GroupFile):
         return StorageUnavailableError(f"checkpoint file {path}, which holds offloaded weights in place, is not "
                                        f"the one memmode loaded: {why}")
 
-    def _views(self) -> Tensors:
-        views = dict(self.extras)
-        for entry in self.layout.entries:
-            if entry.name in self.places:
-                source, offset = self.places[entry.name]
-                views[entry.name] = source.flat[offset:offset + entry.end - entry.start].view(entry.dtype).view(
-                    entry.shape)
-        return views
-
     def map(self) -> tuple[torch.Tensor | None, Tensors]:
         """``(None, views)``: the group's tensors as views of the lent mappings (and its own copies)."""
-        return None, self._views()
+        return None, dict(self._typed)
 
     def read(self) -> Tensors:
-        return {name: view.clone() for name, view in self._views().items()}
+        return {name: view.clone() for name, view in self._typed.items()}
 
     def mapped_filler(self, flat: torch.Tensor | None) -> Fill:
-        views = {name: view.reshape(-1).view(torch.uint8) for name, view in self._views().items()}
-
         def fill(chunk: torch.Tensor, offset: int) -> None:
             end = offset + chunk.numel()
             for entry in self.layout.entries:
                 lo, hi = max(offset, entry.start), min(end, entry.end)
                 if lo < hi:
-                    chunk[lo - offset:hi - offset].copy_(views[entry.name][lo - entry.start:hi - entry.start])
+                    chunk[lo - offset:hi - offset].copy_(self._bytes[entry.name][lo - entry.start:hi - entry.start])
         return fill
 
     @contextlib.contextmanager

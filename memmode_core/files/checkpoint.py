@@ -102,7 +102,7 @@ class CheckpointFile:
             numel = 1
             for d in shape:
                 numel *= d
-            if end - begin != numel * _element_size(dtype) or begin < 0:
+            if end - begin != numel * dtype.itemsize or begin < 0:
                 raise CheckpointError(f"{path}: tensor {key!r} has {end - begin} bytes for a {list(shape)} "
                                       f"{entry['dtype']} tensor (a damaged header)")
             if data_start + end > size:
@@ -130,7 +130,7 @@ class CheckpointFile:
         raw = self._flat[record.start:record.end]
         if record.nbytes == 0:
             return torch.empty(record.shape, dtype=record.dtype)
-        if record.start % _element_size(record.dtype):
+        if record.start % record.dtype.itemsize:
             raw = raw.clone()  # safetensors does not promise alignment; a misaligned tensor costs its size
         return raw.view(record.dtype).view(record.shape)
 
@@ -142,10 +142,6 @@ class CheckpointFile:
     def release(self) -> None:
         """Drop this file's mapping (the views handed out keep it alive as long as they live)."""
         self._flat = None
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 class Checkpoint:

@@ -33,6 +33,13 @@ class Slot:
     keys: list[str]
     current: torch.Tensor
 
+    def assign(self, value: torch.Tensor) -> None:
+        """Register ``value`` under every name of the slot (one Parameter object for all: ties stay tied)."""
+        if not self.is_buffer:
+            value = nn.Parameter(value, requires_grad=self.current.requires_grad)
+        for owner, name in self.owners:
+            (owner._buffers if self.is_buffer else owner._parameters)[name] = value
+
 
 @dataclass
 class BindPlan:
@@ -95,35 +102,22 @@ def plan_binding(skeleton: Skeleton, checkpoint: Checkpoint, *, where: str) -> B
     return BindPlan(slots, source, convert, unexpected)
 
 
-def bind(skeleton: Skeleton, checkpoint: Checkpoint, plan: BindPlan, *, staging_dir=None) -> int:
-    """Bind every tensor; returns the bytes written converting. The skeleton is changed only at the end."""
+def bind(skeleton: Skeleton, checkpoint: Checkpoint, plan: BindPlan, *, staging_dir=None) -> None:
+    """Bind every tensor: views of the checkpoint, or of a streamed file for the converted ones."""
     values: dict[int, torch.Tensor] = {}
-    converted = {index: dtype for index, dtype in plan.convert.items()}
-    if converted:
+    if plan.convert:
         specs = {str(i): torch.empty(plan.slots[i].current.shape, dtype=dtype, device="meta")
-                 for i, dtype in converted.items()}
+                 for i, dtype in plan.convert.items()}
 
         def pieces():
-            for i, dtype in converted.items():
+            for i, dtype in plan.convert.items():
                 yield {str(i): checkpoint.view(plan.source[i]).to(dtype)}
 
         streamed = write_pieces(specs, pieces(), folder=staging_dir)
         plan.streamed.append(streamed.flat)
         values.update({int(name): tensor for name, tensor in streamed.items()})
     for index, key in plan.source.items():
-        if index not in values:
-            values[index] = checkpoint.view(key)
-    for index, value in values.items():
-        slot = plan.slots[index]
-        if slot.is_buffer:
-            for owner, name in slot.owners:
-                owner._buffers[name] = value
-        else:
-            param = type(slot.current)(value, requires_grad=slot.current.requires_grad) \
-                if type(slot.current) is nn.Parameter else nn.Parameter(value, requires_grad=slot.current.requires_grad)
-            for owner, name in slot.owners:
-                owner._parameters[name] = param
+        plan.slots[index].assign(values[index] if index in values else checkpoint.view(key))
     if plan.unexpected:
         logger.warning("memmode: %d tensors of the checkpoint are not used by %s (e.g. %s)", len(plan.unexpected),
                        type(skeleton.module).__name__, plan.unexpected[0])
-    return sum(plan.slots[i].current.numel() * torch.empty((), dtype=d).element_size() for i, d in converted.items())

@@ -25,13 +25,12 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
-from torch import nn
 
 from memmode_core.api import Handle, apply
 from memmode_core.contracts.devices import resolve_device
 from memmode_core.contracts.errors import CheckpointError, IncompatibleModeError, InvalidOptionError
 from memmode_core.contracts.options import resolve_options
-from memmode_core.contracts.targets import Target
+from memmode_core.contracts.targets import MODULE_COMPONENT, Target
 from memmode_core.discovery.grammar import resolve
 from memmode_core.discovery.plugins import current
 from memmode_core.files.borrowed import lending, source_of_mapping
@@ -39,7 +38,7 @@ from memmode_core.files.checkpoint import Checkpoint
 from memmode_core.loading.binding import BindPlan, bind, plan_binding
 from memmode_core.loading.skeleton import Skeleton, build, is_weight_module_class, model_class, pipeline_index
 from memmode_core.quantization import saved
-from memmode_core.quantization.layers import check_component, install_forward
+from memmode_core.quantization.layers import check_component, component_bytes, install_forward
 
 logger = logging.getLogger("memmode")
 
@@ -120,25 +119,29 @@ def load(path: str | os.PathLike, mode: str, *, torch_dtype: torch.dtype | None 
             continue
         bind(item.skeleton, item.checkpoint, item.plan, staging_dir=staging)
         mappings.extend(item.plan.streamed)
-        if item.reader is not None and (quantizer is None or item.name not in _quantized_names(index, components)):
-            for layer in item.saved_layers:  # no quantizer of the mode will install their forward: do it here
+    target = _assemble(folder, index, loads, torch_dtype, variant)
+
+    # -- what apply's quantizer will touch, as apply selects it ----------------------------------------
+    selected = {}
+    if quantizer is not None:
+        whole = Target.of(target)
+        names = None if components is None else ((components,) if isinstance(components, str) else tuple(components))
+        selected = (whole if names is not None else whole.without(tuple(exclude_components or ()))).select(names)
+    for item in loads:  # saved quantized, and no quantizer of the mode will install their forward: do it here
+        if item.reader is not None and item.name not in selected:
+            for layer in item.saved_layers:
                 install_forward(item.skeleton.module.get_submodule(layer.path), item.reader,
                                 weight_dtype or layer.compute_dtype or layer.dtype)
-    target = _assemble(folder, index, loads, torch_dtype, variant)
 
     # -- quantize while streaming, as apply would quantize ------------------------------------------
     summaries_fix = {}
     if quantizer is not None:
-        whole = Target.of(target)
-        left_alone = tuple(exclude_components or ())
-        names = None if components is None else ((components,) if isinstance(components, str) else tuple(components))
-        selected = (whole if names is not None else whole.without(left_alone)).select(names)
         excluded = tuple(exclude or ())
         if _uses_default_quantize(quantizer):
             for name, module in selected.items():
                 plan = check_component(quantizer, name, module, exclude=excluded, options=quantizer_options)
                 if plan.packs_anything:
-                    before = _bytes(module)
+                    before = component_bytes(module)
                     packed = saved.stream_pack(plan, staging_dir=staging, mappings=mappings)
                     summaries_fix[name] = (packed, before)
         else:
@@ -174,25 +177,10 @@ def _uses_default_quantize(quantizer) -> bool:
     return type(quantizer).quantize is Quantizer.quantize and getattr(quantizer, "packs", True)
 
 
-def _quantized_names(index, components) -> set[str]:
-    if components is not None:
-        return {components} if isinstance(components, str) else set(components)
-    return {"transformer", "transformer_2"} if index is not None else {"module"}
-
-
-def _bytes(module: nn.Module) -> int:
-    seen, total = set(), 0
-    for t in [*module.parameters(), *module.buffers()]:
-        if id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return total
-
-
 def _plan_components(folder: Path, index: dict | None, torch_dtype, variant, plugins, quantizer) -> list[ComponentLoad]:
     if index is None:
         cls = _single_model_class(folder)
-        entries = [("module", folder, cls)]
+        entries = [(MODULE_COMPONENT, folder, cls)]
     else:
         entries = []
         for name, value in index.items():
@@ -300,9 +288,5 @@ def skeleton(path: str | os.PathLike, *, torch_dtype: torch.dtype | None = None,
             slot = item.plan.slots[i]
             record = item.checkpoint.record(key)
             dtype = item.plan.convert.get(i, record.dtype)
-            value = torch.empty(slot.current.shape, dtype=dtype, device="meta")
-            if not slot.is_buffer:
-                value = nn.Parameter(value, requires_grad=False)  # one object for every name: ties stay tied
-            for owner, name in slot.owners:
-                (owner._buffers if slot.is_buffer else owner._parameters)[name] = value
+            slot.assign(torch.empty(slot.current.shape, dtype=dtype, device="meta"))
     return _assemble(folder, index, loads, torch_dtype, variant)

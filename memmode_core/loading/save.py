@@ -22,7 +22,7 @@ from memmode_core.contracts.storage import is_placeholder
 from memmode_core.contracts.targets import Target
 from memmode_core.files.streamed import write_pieces
 from memmode_core.quantization import saved
-from memmode_core.quantization.layers import is_quantized, packed_record
+from memmode_core.quantization.layers import is_quantized
 
 
 def save_quantized(target: Any, path: str | os.PathLike) -> Path:
@@ -38,8 +38,8 @@ def save_quantized(target: Any, path: str | os.PathLike) -> Path:
         return folder
     target.save_config(folder)
     for name, component in target.components.items():
-        if component is None or not hasattr(component, "save_pretrained") and not isinstance(component, nn.Module):
-            continue
+        if not isinstance(component, nn.Module) and not hasattr(component, "save_pretrained"):
+            continue  # None, or nothing to save (a plain attribute)
         sub = folder / name
         if isinstance(component, nn.Module):
             _save_module(component, sub, handle, name)
@@ -77,7 +77,6 @@ def _save_module(module: nn.Module, folder: Path, handle, name: str) -> None:
     seen: set[int] = set()
     for prefix, sub in module.named_modules():
         dot = prefix + "." if prefix else ""
-        packed = packed_record(sub) is not None
         for attr, tensor in [*sub._parameters.items(),
                              *((n, b) for n, b in sub._buffers.items() if n not in sub._non_persistent_buffers_set)]:
             if tensor is None or id(tensor) in seen:
@@ -88,7 +87,6 @@ def _save_module(module: nn.Module, folder: Path, handle, name: str) -> None:
             if is_placeholder(value):
                 raise InvalidOptionError(f"{name}: {dot}{attr} is offloaded and memmode cannot read it back")
             tensors[dot + attr] = value
-        del packed
     specs = {key: torch.empty(t.shape, dtype=t.dtype, device="meta") for key, t in tensors.items()}
     pieces = ({key: value.to("cpu").contiguous()} for key, value in tensors.items())
     write_pieces(specs, pieces, metadata=saved.packed_metadata(module), keep_as=folder / f"{stem}.safetensors")

@@ -197,8 +197,8 @@ class QuantizedLinear(nn.Linear):
         its own as well: the layer computes in its compute dtype whatever its storage holds, and code that
         casts a layer before writing into its weight (VideoX-Fun's ``merge_lora``: ``layer.to(device,
         dtype)``, then ``layer.weight.data += ...``, written through by :class:`WeightStandIn`) changes
-        nothing but the codes the write re-quantizes. Devices change as asked. The cast copies made by ``fn`` are discarded (scales and
-        biases: small).
+        nothing but the codes the write re-quantizes. Devices change as asked. The cast copies made by
+        ``fn`` are discarded (scales and biases: small).
         """
         originals = {name: (t.data if isinstance(t, nn.Parameter) else t)
                      for name, t in (*self._parameters.items(), *self._buffers.items()) if t is not None}
@@ -438,7 +438,7 @@ def _write_through(target: WeightStandIn, func, name: str, args: tuple, kwargs: 
 
 def _repacked(codec: Quantizer, full: torch.Tensor, tensors: dict[str, torch.Tensor],
               record: PackedLayer) -> dict[str, torch.Tensor]:
-    """``full`` packed by ``codec`` (checked by :func:`_pack_checked`) into tensors of the names, shapes
+    """``full`` packed by ``codec`` (checked by :func:`pack_checked`) into tensors of the names, shapes
     and dtypes the layer holds now. Packed from ``full``'s dtype when the format stores the same
     tensors for it (a finer scale than from a bfloat16 copy), else from the original weight dtype."""
     sizes = PackedSizes(codec)
@@ -447,7 +447,7 @@ def _repacked(codec: Quantizer, full: torch.Tensor, tensors: dict[str, torch.Ten
         same = sizes.specs(record.shape, full.dtype) == current
     except Exception:  # a format that packs only some dtypes: pack the weight's own
         same = False
-    packed = _pack_checked(codec, sizes, full if same else full.to(record.dtype))
+    packed = pack_checked(codec, sizes, full if same else full.to(record.dtype))
     got = {key: (t.shape, t.dtype) for key, t in packed.items()}
     if got != current:
         raise RuntimeError(f"{type(codec).__name__}.pack returned {got} for a weight the layer holds as {current}")
@@ -624,7 +624,7 @@ def _direct_bytes(module: nn.Module) -> int:
     return tensor_bytes(t for _, t in _direct_tensors(module))
 
 
-def _component_bytes(component: nn.Module) -> int:
+def component_bytes(component: nn.Module) -> int:
     """Bytes of the component's tensors, each counted once (a tied weight is stored once)."""
     unique = {id(t): t for m in component.modules() for _, t in _direct_tensors(m)}
     return tensor_bytes(unique.values())
@@ -795,7 +795,7 @@ def _summary(quantizer: Quantizer, plan: QuantizationPlan, packed_now: int, byte
         already_packed_layers=0 if plan.packs_anything else len(plan.packed),
         full_precision=dict(sorted(full_precision.items())),
         bytes_before=bytes_before,
-        bytes_after=_component_bytes(plan.component),
+        bytes_after=component_bytes(plan.component),
     )
 
 
@@ -890,7 +890,7 @@ def _pack_all(plan: QuantizationPlan) -> int:
         weight = module.weight
         known = shared.get(id(weight))
         if known is None:
-            packed = _pack_checked(quantizer, plan.sizes, weight)
+            packed = pack_checked(quantizer, plan.sizes, weight)
             payload = nn.Parameter(packed.pop(PAYLOAD), requires_grad=False)
             known = shared[id(weight)] = (weight, payload, packed)
         _, payload, buffers = known
@@ -923,7 +923,7 @@ def _replace_parameter(module: nn.Module, old: str, new: str, parameter: nn.Para
     module._parameters.update(entries)
 
 
-def _pack_checked(quantizer: Quantizer, sizes: PackedSizes, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+def pack_checked(quantizer: Quantizer, sizes: PackedSizes, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     expected = sizes.specs(weight.shape, weight.dtype)
     with torch.no_grad():
         packed = quantizer.pack(weight.detach())
@@ -959,7 +959,7 @@ def convert(quantizer: Quantizer | str, module: nn.Module, *, exclude: Iterable[
                         f"memmode_core.convert({quantizer!r}, module)")
     options = {"default_exclude": tuple(default_exclude)}
     plan = check_component(quantizer, type(module).__name__, module, exclude=tuple(exclude), options=options)
-    before = _component_bytes(module)
+    before = component_bytes(module)
     packed_now = _pack_all(plan) if plan.packs_anything else 0
     return _summary(quantizer, plan, packed_now, before)
 
@@ -976,7 +976,7 @@ def quantize_component(quantizer: Quantizer, component: nn.Module, *, weight_dty
     """
     check_weight_dtype(weight_dtype)
     plan = check_component(quantizer, name, component, exclude=exclude, options=options)
-    before = _component_bytes(component)
+    before = component_bytes(component)
     packed_now = _pack_all(plan) if plan.packs_anything else 0
     for module in component.modules():
         record = packed_record(module)
@@ -989,7 +989,7 @@ def quantize_component(quantizer: Quantizer, component: nn.Module, *, weight_dty
 __all__ = [
     "COMPUTE_DTYPES", "DEFAULT_EXCLUDE", "OUTSIDE_BLOCKS", "LayerPlan", "PackedLayer", "PackedSizes",
     "QuantizationPlan", "QuantizationSummary", "QuantizedLinear", "WeightStandIn", "attach_packed", "check_component",
-    "check_components",
+    "check_components", "component_bytes", "pack_checked",
     "convert",
     "install_forward", "is_quantized", "packed_record", "plan_layers", "plan_quantization", "quantize_component",
     "quantized_class", "quantized_direct_bytes", "tensor_bytes",

@@ -23,7 +23,7 @@ from torch import nn
 
 from memmode_core.contracts.errors import CheckpointError
 from memmode_core.files.streamed import write_pieces
-from memmode_core.quantization.layers import (PAYLOAD, PackedSizes, QuantizationPlan, _pack_checked, attach_packed,
+from memmode_core.quantization.layers import (PAYLOAD, PackedSizes, QuantizationPlan, pack_checked, attach_packed,
                                               packed_record)
 from memmode_core.quantization.quantizer import Quantizer
 
@@ -131,7 +131,7 @@ def stream_pack(plan: QuantizationPlan, *, staging_dir=None, mappings: list | No
     def pieces() -> Iterator[dict[str, torch.Tensor]]:
         for layer in plan.to_pack:
             if firsts[id(layer.module.weight)] == layer.path:
-                packed = _pack_checked(quantizer, plan.sizes, layer.module.weight)
+                packed = pack_checked(quantizer, plan.sizes, layer.module.weight)
                 yield {f"{layer.path}.{name}": tensor for name, tensor in packed.items()}
 
     if not specs:
