@@ -14,7 +14,7 @@ The modules are layered, one folder per layer, and imports only point down
 
 0. ``contracts/``: errors, options, hookspecs, devices, costs, storage, placement, targets, layout (groups
    and policies), packing;
-1. mechanics: ``engine/`` (runtime, hooks, ledger, staging, pipeline hooks), ``files/`` (group files) and
+1. mechanics: ``engine/`` (runtime, hooks, reads outside forward, ledger, staging, pipeline hooks), ``files/`` (group files) and
    ``quantization/`` (packed layers, and the ``Quantizer`` base class whose defaults use them);
 2. ``discovery/``: plugins, grammar (built-in plugins are loaded by module name, like entry points);
 3. ``planning/``: the planner;
@@ -37,6 +37,7 @@ from memmode_core.contracts.errors import (CheckpointError, DuplicatePluginError
 from memmode_core.discovery.grammar import Mode, parse_mode
 from memmode_core.contracts.hookspecs import hookimpl
 from memmode_core.engine.ledger import Report
+from memmode_core.engine.reads import placeholder_trap
 from memmode_core.contracts.options import Option
 from memmode_core.contracts.placement import Placement
 from memmode_core.planning.planner import NoModeFitsError, PlanEntry, plan
@@ -49,6 +50,7 @@ __all__ = [
     "apply", "remove", "convert", "load", "save_quantized", "CheckpointError", "plan", "PlanEntry", "NoModeFitsError", "Handle", "Report", "parse_mode", "Mode", "list_plugins", "PluginInfo", "hookimpl",
     "temporary_plugin", "Placement", "Quantizer", "Storage", "StorageSession", "StorageCost", "Option",
     "GroupSpec", "Policy", "block_groups", "leaf_groups", "whole_component", "Target", "Tensors", "placeholder", "is_placeholder",
+    "placeholder_trap",
     "MemmodeError", "UnknownModeError", "PluginNotInstalledError", "PluginLoadError", "IncompatibleModeError",
     "StorageUnavailableError", "DuplicatePluginError", "InvalidOptionError", "OffloadedWeightReadError",
     "RestoreError", "QuantizedWeightWriteError", "__version__",

@@ -65,6 +65,12 @@ def _is_container(module: nn.Module) -> bool:
     return isinstance(module, (nn.ModuleList, nn.Sequential))
 
 
+def has_forward(module: nn.Module) -> bool:
+    """Whether ``module`` can be called: its class defines a forward (``ModuleList``, ``ModuleDict``,
+    ``ParameterList`` and a module that only holds tensors for its parent do not)."""
+    return type(module).forward is not nn.Module.forward
+
+
 def _component_entries(module: nn.Module) -> list[nn.Module]:
     """The component and its direct children: methods other than ``forward`` (a VAE's ``decode``
     calls ``post_quant_conv`` and ``decoder``) enter the component through one of these."""
@@ -85,16 +91,31 @@ def whole_component(component: str, module: nn.Module, policy: Policy) -> GroupS
 
 def leaf_groups(component: str, module: nn.Module, keep_resident: KeepResident | None = None) -> list[GroupSpec]:
     """One streaming group per module that owns tensors directly: leaves with weights, and parents
-    with loose parameters or buffers. Modules ``keep_resident`` selects form one resident group."""
-    groups: list[GroupSpec] = []
+    with loose parameters or buffers. Modules ``keep_resident`` selects form one resident group.
+
+    A module that owns tensors but is never called (no forward: a ``ParameterList``, a holder of a
+    parent's statistics) cannot enter a group of its own, so its tensors join the group of its
+    nearest ancestor that is called (the component itself at least), onloaded when that ancestor is
+    entered: its parent's forward, or any of the component's methods, reads them.
+    """
+    groups: dict[str, GroupSpec] = {}
     kept: list[nn.Module] = []
-    for path, sub in module.named_modules():
+    named = dict(module.named_modules())
+    for path, sub in named.items():
         if not owns_tensors(sub):
             continue
         if keep_resident is not None and keep_resident(path, sub):
             kept.append(sub)
             continue
-        groups.append(GroupSpec(_key(component, path or "<root>"), component, [sub], [sub], [sub]))
+        host = path
+        while host and not has_forward(named[host]):
+            host = host.rpartition(".")[0]
+        spec = groups.get(host)
+        if spec is None:
+            entry = named[host]
+            spec = groups[host] = GroupSpec(_key(component, host or "<root>"), component, [], [entry], [entry])
+        spec.owners.append(sub)
+    groups = list(groups.values())
     if kept:
         groups.insert(0, GroupSpec(_key(component, "<resident>"), component, kept, policy=Policy.RESIDENT,
                                    prefetchable=False))
@@ -154,12 +175,13 @@ def _blocks_of(container: nn.Module, path: str) -> Iterator[tuple[str, nn.Module
     """The blocks of a container: its children, with nested containers opened.
 
     A block is something that is *called*. A ``ModuleList`` inside a ``ModuleList`` (stages of
-    blocks) has no forward of its own, so as a block it would never be entered and its weights
-    would never be onloaded; its own children are the blocks instead. (A ``Sequential`` is called.)
+    blocks), or a ``ModuleDict``, has no forward of its own, so as a block it would never be entered
+    and its weights would never be onloaded; its own children are the blocks instead. (A
+    ``Sequential`` is called.)
     """
     for name, child in container.named_children():
         child_path = f"{path}.{name}"
-        if isinstance(child, nn.ModuleList):
+        if not has_forward(child) and not owns_tensors(child):
             yield from _blocks_of(child, child_path)
         else:
             yield child_path, child

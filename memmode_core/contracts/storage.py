@@ -7,8 +7,9 @@ A :class:`Storage` is what a plugin registers; ``open`` gives a :class:`StorageS
    storage cannot hold the groups — the target is still untouched.
 2. ``put(key, tensors, readable)`` keeps the group's offloaded copy and returns what each tensor
    holds at rest: the copy itself, a view of it, or — for parameters only — a
-   :func:`placeholder` without memory. Names in ``readable`` (the buffers) must hold real values at
-   rest, because pipelines read buffers outside any forward (a VAE's ``latents_mean``). ``put``
+   :func:`placeholder` without memory. Names in ``readable`` (the buffers, and a component's own
+   loose parameters) must hold real values at rest, because pipelines read them outside any forward
+   (a VAE's ``latents_mean``, ACE-Step's ``condition_encoder.null_condition_emb``). ``put``
    must not modify the tensors it is given: if a later ``put`` fails, the engine closes the
    session and the model still holds its original weights.
 3. ``fetch(key, device, stream)`` returns the group's tensors on the compute device. With a
@@ -26,6 +27,7 @@ Tensors are passed as ``{slot_name: tensor}`` dicts; slot names are stable withi
 
 from __future__ import annotations
 
+import weakref
 from typing import Mapping
 
 import torch
@@ -112,13 +114,19 @@ def to_device(tensors: Tensors, device: torch.device, non_blocking: bool = False
     return {name: t.to(device, non_blocking=non_blocking) for name, t in tensors.items()}
 
 
+#: ``data_ptr`` of each live placeholder's single element -> the placeholder (see :func:`is_known_placeholder`)
+_PLACEHOLDERS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
 def placeholder(tensor: torch.Tensor) -> torch.Tensor:
     """What a parameter holds while its weights are elsewhere (on disk): no memory, same metadata.
 
     A one-element tensor broadcast to the full shape on the CPU, so ``shape``, ``dtype`` and
     ``device`` stay truthful for code that inspects them. It holds NaN (floats) or the largest
     value (integers), so a weight used without being onloaded shows up as NaN or an index error,
-    and an in-place write to it raises, instead of computing with plausible numbers.
+    and an in-place write to it raises, instead of computing with plausible numbers. Each one is
+    remembered (weakly) by the address of its element, so that a placeholder passed to a
+    computation can be recognised for what it is (:func:`is_known_placeholder`).
     """
     if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
         fill: float | int | bool = float("nan")
@@ -126,9 +134,21 @@ def placeholder(tensor: torch.Tensor) -> torch.Tensor:
         fill = False
     else:
         fill = torch.iinfo(tensor.dtype).max
-    return torch.full((), fill, dtype=tensor.dtype).expand(tensor.shape)
+    held = torch.full((), fill, dtype=tensor.dtype).expand(tensor.shape)
+    _PLACEHOLDERS[held.data_ptr()] = held
+    return held
 
 
 def is_placeholder(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a :func:`placeholder` (a broadcast single element), not real data."""
     return tensor.numel() > 1 and all(stride == 0 for stride in tensor.stride())
+
+
+def is_known_placeholder(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds the memory of a live :func:`placeholder` (a parameter whose ``.data`` is
+    one, or the placeholder itself) — not merely some broadcast tensor, such as ``t.expand(n)`` of a
+    scalar in model code."""
+    if not is_placeholder(tensor):
+        return False
+    held = _PLACEHOLDERS.get(tensor.data_ptr())
+    return held is not None and held.dtype == tensor.dtype

@@ -28,6 +28,7 @@ a LoRA stores the adapter's weights and nothing else.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -42,6 +43,7 @@ from memmode_core.contracts.storage import StorageSession, Tensors, is_placehold
 from memmode_core.engine import watch
 from memmode_core.engine.hooks import MethodWrapper
 from memmode_core.engine.inputs import move_inputs
+from memmode_core.engine.reads import PlaceholderTrap, non_finite
 from memmode_core.contracts.layout import GroupSpec, Policy
 
 def _not_traced(function):
@@ -50,7 +52,8 @@ def _not_traced(function):
     return torch.compiler.disable(function, recursive=True)
 
 
-#: methods besides ``forward`` through which a pipeline calls a component
+#: methods besides ``forward`` through which a pipeline calls a component, wherever they are defined
+#: (every method the model's own classes define is an entry point too: see :func:`entry_methods`)
 COMPONENT_METHODS = ("encode", "decode")
 #: component calls remembered for the report (a long video run makes a few thousand)
 MAX_RECORDED_CALLS = 100_000
@@ -68,6 +71,8 @@ class Slot:
     owner: nn.Module
     attr: str
     rest_ptr: int = 0
+    #: the address of the data onloading gave it (a different one at offload: replaced while onloaded)
+    live_ptr: int = 0
 
     def registered(self) -> bool:
         registry = self.owner._buffers if self.is_buffer else self.owner._parameters
@@ -113,7 +118,7 @@ class Group:
         self.ready_event: torch.cuda.Event | None = None
         #: the group that followed this one in the recorded execution order
         self.next: Group | None = None
-        #: slot names whose at-rest value must stay readable (buffers)
+        #: slot names whose at-rest value must stay readable (buffers, a component root's own parameters)
         self.readable: frozenset[str] = frozenset()
         #: where the storage keeps the group: usually one part; a rebuilt group may keep old parts
         self.parts: list[Part] = []
@@ -124,6 +129,25 @@ class Group:
     def assign(self, tensors: Tensors) -> None:
         for slot in self.slots:
             slot.tensor.data = tensors[slot.name]
+
+    def onload(self, tensors: Tensors) -> None:
+        """Assign the onloaded tensors, remembering their addresses for :meth:`offload_at_rest`."""
+        for slot in self.slots:
+            data = tensors[slot.name]
+            slot.tensor.data = data
+            slot.live_ptr = data.data_ptr()
+
+    def offload_at_rest(self) -> list[Slot]:
+        """Give every slot its at-rest tensor again, except those whose tensor was replaced while the group
+        was onloaded (a method of the component setting ``param.data = ...``): those keep their new
+        value, and are returned."""
+        replaced = []
+        for slot in self.slots:
+            if slot.tensor.data_ptr() != slot.live_ptr:
+                replaced.append(slot)
+            else:
+                slot.tensor.data = self.at_rest[slot.name]
+        return replaced
 
     def rest(self, tensors: Tensors) -> None:
         """Assign the at-rest tensors and remember their addresses (to notice replacements)."""
@@ -140,6 +164,7 @@ class Group:
 class Runtime:
     def __init__(self, components: dict[str, nn.Module], specs: Iterable[GroupSpec], *, device: torch.device,
                  session: StorageSession | None, ledger: Ledger, prefetch: bool = False,
+                 offload_after_call: bool = True,
                  relayout: Callable[[str], list[GroupSpec]] | None = None, pipeline: object | None = None,
                  refuse_edit: Callable[[str, dict[str, nn.Module]], None] | None = None) -> None:
         self.components = components
@@ -165,6 +190,7 @@ class Runtime:
         #: the storage's copies are the device tensors: onload and offload only keep the books
         self._zero_copy = session is not None and session.zero_copy(device)
         self._prefetch = prefetch
+        self._offload_after_call = offload_after_call
         #: where prefetches are copied; without CUDA a prefetch is a synchronous early onload
         self._copy_stream = torch.cuda.Stream(device) if prefetch and self._cuda else None
         #: component -> groups in the order of their first onload during the component's first call
@@ -176,6 +202,13 @@ class Runtime:
         self._member_of: dict[int, str] = {}
         self._editing = 0
         self._generation = 0
+        #: on a CPU device a non-finite result of a component whose tensors rest as placeholders is
+        #: explained (see :mod:`memmode_core.engine.reads`); on CUDA the same read is a device mismatch
+        self._check_results = device.type == "cpu"
+        #: components some of whose tensors rest as placeholders (no real value at rest)
+        self._placeholdered: set[str] = set()
+        #: > 0 while a call runs again under the placeholder trap
+        self._diagnosing = 0
         #: serializes calls of this runtime's components, edits, refresh and remove across threads
         self.lock = threading.RLock()
 
@@ -213,6 +246,7 @@ class Runtime:
                 self._onload_resident(group)
         for name in self.components:
             self._install_hooks(name)
+            self._note_placeholders(name)
         self._install_edit_wrappers()
         self._index_members()
         watch.watch(self)
@@ -246,10 +280,9 @@ class Runtime:
                     group.assign({n: t.to("cpu") for n, t in group.tensors().items()})
                 else:
                     restored = self._restore(group)
-                    if self._zero_copy:  # the live tensors are the stored ones; one replaced since is the newest
-                        restored.update({s.name: s.tensor.data for s in group.slots
-                                         if s.tensor.data_ptr() != s.rest_ptr})
+                    restored.update(self._replaced_since(group, restored))
                     group.assign(restored)
+                    self._restore_replacements(group, restored)
             except Exception as exc:  # noqa: BLE001 - every failure is reported, after the other groups
                 failed[group.key] = str(exc) or type(exc).__name__
                 group.assign({s.name: placeholder(s.tensor.data) for s in group.slots})
@@ -265,6 +298,43 @@ class Runtime:
             self.session.close()
         if failed:
             raise RestoreError(failed)
+
+    def _replaced_since(self, group: Group, restored: Tensors) -> Tensors:
+        """Slots whose data was replaced since it was stored (``param.data = x``, a cast by ``module.to(dtype)``):
+        the newest value is what ``remove()`` gives back. One computed from the at-rest placeholder (all NaN:
+        the cast of a placeholder) is the stored value put through the same cast."""
+        newest: Tensors = {}
+        for slot in group.slots:
+            expected = slot.live_ptr if (group.resident and not self._zero_copy) else slot.rest_ptr
+            current = slot.tensor.data
+            if current.data_ptr() == expected or slot.name not in restored:
+                continue
+            at_rest = group.at_rest.get(slot.name)
+            if at_rest is not None and is_placeholder(at_rest) and current.shape == at_rest.shape \
+                    and (is_placeholder(current) or _derived_from_placeholder(current, at_rest)):
+                newest[slot.name] = restored[slot.name].to(dtype=current.dtype)
+            else:
+                newest[slot.name] = current if current.device.type == "cpu" else current.to("cpu")
+        return newest
+
+    def _restore_replacements(self, group: Group, restored: Tensors) -> None:
+        """Tensors registered since the last rebuild in place of this group's ones (a component's ``to()``
+        or ``_apply`` making new parameters) go back to ordinary CPU memory too, and one computed from
+        the at-rest placeholder (all NaN) gets the stored value, in its own dtype: nothing computed from
+        a placeholder outlives ``remove()``."""
+        for slot in group.slots:
+            if slot.registered():
+                continue
+            registry = slot.owner._buffers if slot.is_buffer else slot.owner._parameters
+            now = registry.get(slot.attr)
+            if now is None or slot.name not in restored:
+                continue
+            at_rest = group.at_rest.get(slot.name)
+            if at_rest is not None and is_placeholder(at_rest) and now.shape == at_rest.shape \
+                    and _derived_from_placeholder(now, at_rest):
+                now.data = restored[slot.name].to(dtype=now.dtype)
+            elif now.device.type not in ("cpu", "meta"):  # meta: another library's (accelerate's) to give back
+                now.data = now.data.to("cpu")
 
     # -- moving -------------------------------------------------------------------------------------
 
@@ -338,7 +408,7 @@ class Runtime:
             tensors = self._fetch_parts(group, None)
             seconds = clock() - began
         if tensors is not None:
-            group.assign(tensors)
+            group.onload(tensors)
         group.resident = True
         self._resident[group.component][group] = None
         self.ledger.onloaded(group.nbytes, seconds)
@@ -358,8 +428,13 @@ class Runtime:
             seconds = 0.0
         else:
             start = clock()
-            group.assign(group.at_rest)
+            replaced = group.offload_at_rest()
             seconds = clock() - start
+            if replaced:  # kept, in ordinary memory; the component's next call stores them (see changed())
+                for slot in replaced:
+                    if slot.tensor.device.type != "cpu":
+                        slot.tensor.data = slot.tensor.data.to("cpu")
+                self._dirty.add(group.component)
         group.resident = False
         group.ready_event = None
         del self._resident[group.component][group]
@@ -372,6 +447,18 @@ class Runtime:
                 for group in list(resident):
                     self.offload(group)
         self.active = component
+
+    def end_call(self) -> None:
+        """A pipeline call returned (``maybe_free_model_hooks``): offload what it left on the device, as
+        diffusers frees its models then — unless the placement keeps it (``keep_last_on_device``)."""
+        if not self._offload_after_call:
+            return
+        with self.lock:
+            if any(self._depth.values()):
+                return  # called from inside a component's call: not the end of the pipeline's
+            for name in self.components:
+                self._offload_component(name)
+            self.active = None
 
     def _offload_component(self, component: str) -> None:
         if self._cuda:
@@ -417,11 +504,67 @@ class Runtime:
     def _index_members(self) -> None:
         self._member_of = {id(m): name for name, root in self.components.items() for m in root.modules()}
 
-    def note_registration(self, module: nn.Module) -> None:
-        """Called for every parameter, buffer or submodule registration in the process (see watch)."""
+    def note_registration(self, module: nn.Module, name: str | None = None, value: object = None) -> None:
+        """Called for every parameter, buffer or submodule registration in the process (see watch).
+
+        A tensor computed from the placeholder it replaces (all NaN, where ``name`` holds an offloaded
+        placeholder now) is refused before it is registered: it would become the weight for good.
+        """
         component = self._member_of.get(id(module))
-        if component is not None and not self._editing:
-            self._dirty.add(component)
+        if component is None or self._editing:
+            return
+        if isinstance(value, torch.Tensor) and name is not None:
+            current = module._parameters.get(name) if name in module._parameters else module._buffers.get(name)
+            if (current is not None and is_placeholder(current) and value.shape == current.shape
+                    and _derived_from_placeholder(value, current)):
+                where = self._path_of(component, module)
+                raise OffloadedWeightReadError(
+                    f"{where}.{name}: the new value was computed from its offloaded placeholder (it is all NaN), "
+                    f"not from the weight; refused before anything changed. Code that rebuilds a component's "
+                    f"parameters from their values (a to() override, nn.Parameter(self.x.to(...))) must run "
+                    f"inside one of the component's methods, which memmode onloads it for"
+                )
+        self._dirty.add(component)
+
+    def _path_of(self, component: str, module: nn.Module) -> str:
+        for path, sub in self.components[component].named_modules():
+            if sub is module:
+                return f"{component}.{path}" if path else component
+        return f"{component}.<{type(module).__name__}>"
+
+    def _note_placeholders(self, component: str) -> None:
+        """Remember whether ``component`` has tensors resting as placeholders (what its results are checked for)."""
+        if any(is_placeholder(t) for g in self._groups_of.get(component, ()) for t in g.at_rest.values()):
+            self._placeholdered.add(component)
+        else:
+            self._placeholdered.discard(component)
+
+    def placeholder_name(self, tensor: torch.Tensor) -> str | None:
+        """``"<slot name> (group <key>)"`` if ``tensor`` holds the at-rest placeholder of one of this runtime's slots."""
+        pointer = tensor.data_ptr()
+        for group in self.groups:
+            for slot in group.slots:
+                rest = group.at_rest.get(slot.name)
+                if rest is not None and rest.data_ptr() == pointer and is_placeholder(rest):
+                    qualified = slot.name if len(self.components) > 1 else f"{group.component}.{slot.name}"
+                    return f"{qualified} (group {group.key})"
+        return None
+
+    def explain_non_finite(self, component: str, module: nn.Module, method: str, args, kwargs) -> None:
+        """A call of ``component`` returned NaN or infinity while some of its tensors rest as placeholders:
+        run it again under the :class:`PlaceholderTrap`, which raises naming the placeholder if one was
+        read. If none was, the model itself produced the values, and the caller returns them unchanged."""
+        where = f"{self._path_of(component, module)}.{method}"
+        self._diagnosing += 1
+        try:
+            with PlaceholderTrap(self.placeholder_name, where=where):
+                getattr(module, method)(*args, **kwargs)
+        except OffloadedWeightReadError:
+            raise
+        except Exception:  # noqa: BLE001 - the second run is only an explanation; the first run's result stands
+            return
+        finally:
+            self._diagnosing -= 1
 
     @_not_traced
     def changed(self, component: str) -> bool:
@@ -506,12 +649,15 @@ class Runtime:
         # before anything moves (remove() still gives every weight back from the storage)
         refuse_foreign_offloading({component: self.components[component]})
         self._offload_component(component)
-        for wrapper in self._wrappers[component]:
+        retired = list(self._wrappers[component])
+        for wrapper in retired:
             wrapper.remove()
         self._wrappers[component].clear()
         old = self._groups_of[component]
         new = claim_groups(self.components, self._relayout(component), names=self.components)
         previous = {id(slot.tensor): (group, slot) for group in old for slot in group.slots}
+        # a tensor registered where an old one was (``_apply`` or a ``to()`` override making new parameters)
+        previous.update({_place(slot): (group, slot) for group in old for slot in group.slots})
         kept: set[str] = set()
         for group in new:
             if group.policy is Policy.RESIDENT:
@@ -530,6 +676,12 @@ class Runtime:
         if self._prefetch:
             self._recording[component] = []
         self._install_hooks(component)
+        successors = {(id(w.module), w.method): w for w in self._wrappers[component]}
+        for wrapper in retired:  # a caller holding a retired wrapper (bound before the rebuild) reaches the new one,
+            successor = successors.get((id(wrapper.module), wrapper.method))  # unless a hook installed since
+            if successor is not None and successor.original == wrapper.original:  # calls the retired one itself
+                wrapper.successor = successor
+        self._note_placeholders(component)
         self._index_members()
         self._dirty.discard(component)
 
@@ -565,14 +717,14 @@ class Runtime:
         if fresh:
             values = {}
             for slot in fresh:
-                found = previous.get(id(slot.tensor))
+                found = previous.get(id(slot.tensor)) or previous.get(_place(slot))
                 current = slot.tensor.data
                 if found is not None and found[0].policy is not Policy.RESIDENT:
                     current = self._real_value(found[0], found[1], current)
                 values[slot.name] = current
             self._generation += 1
             key = f"{group.key}@{self._generation}"
-            readable = frozenset(s.name for s in fresh if s.is_buffer)
+            readable = frozenset(s.name for s in fresh if s.name in group.readable)
             self.session.reserve({key: sum(v.numel() * v.element_size() for v in values.values())})
             at_rest.update(self.session.put(key, values, readable))
             parts.append(Part(key, tuple(values)))
@@ -628,11 +780,30 @@ class Runtime:
         for module, enters, exits, root_of in plans.values():
             wrappers.append(MethodWrapper(module, self._forward_maker(module, "forward", enters, exits, root_of)))
             if root_of is not None:
-                # a component's other entry points: a VAE's decode() never calls its forward()
-                for method in COMPONENT_METHODS:
-                    if callable(getattr(type(module), method, None)):
-                        wrappers.append(MethodWrapper(module, self._forward_maker(module, method, enters, [], root_of),
-                                                      method))
+                # a component's other entry points: a VAE's decode() never calls its forward(), a prior's
+                # post_process_latents() reads the prior's statistics (see entry_methods)
+                for method in entry_methods(module):
+                    wrappers.append(MethodWrapper(module, self._method_maker(module, method, enters, root_of), method,
+                                                  eager=False))
+
+    def _method_maker(self, module: nn.Module, method: str, enters: list[Group], component: str):
+        """A component's entry method other than ``forward``: called from outside the component it enters
+        it as the forward does; called from inside (the component is entered) it is the method itself,
+        traceable by torch.compile without a graph break."""
+        depth = self._depth
+        root_path = self._forward_maker(module, method, enters, [], component)
+
+        def make(original, wrapper: MethodWrapper):
+            enter = torch.compiler.disable(root_path(original, wrapper), recursive=False)
+
+            def entry(*args, **kwargs):
+                if not wrapper.active:
+                    return wrapper.passthrough()(*args, **kwargs)
+                if depth[component]:
+                    return original(*args, **kwargs)
+                return enter(*args, **kwargs)
+            return entry
+        return make
 
     def _forward_maker(self, module: nn.Module, method: str, enters: list[Group], exits: list[Group],
                        component: str | None):
@@ -649,7 +820,7 @@ class Runtime:
 
                 def forward(*args, **kwargs):
                     if not wrapper.active:
-                        return original(*args, **kwargs)
+                        return wrapper.passthrough()(*args, **kwargs)
                     if not group.resident or group.ready_event is not None:
                         ensure(group)
                     if move and (moved := move_inputs(args, kwargs, device)) is not None:
@@ -685,13 +856,13 @@ class Runtime:
             if component is None:
                 def forward(*args, **kwargs):
                     if not wrapper.active:
-                        return original(*args, **kwargs)
+                        return wrapper.passthrough()(*args, **kwargs)
                     return step(args, kwargs)
                 return forward
 
             def forward(*args, **kwargs):
                 if not wrapper.active:
-                    return original(*args, **kwargs)
+                    return wrapper.passthrough()(*args, **kwargs)
                 with lock:  # one call of this handle's components at a time (see the module docstring)
                     if depth[component] == 0 and not runtime._editing and runtime.changed(component):
                         runtime.rebuild(component)
@@ -700,9 +871,13 @@ class Runtime:
                     if depth[component] == 1 and len(calls) < MAX_RECORDED_CALLS:
                         calls.append(component)
                     try:
-                        return step(args, kwargs)
+                        result = step(args, kwargs)
                     finally:
                         leave(component)
+                    if (runtime._check_results and not depth[component] and not runtime._diagnosing
+                            and component in runtime._placeholdered and non_finite(result)):
+                        runtime.explain_non_finite(component, module, method, args, kwargs)
+                    return result
             return forward
         return make
 
@@ -750,11 +925,47 @@ class Runtime:
         def make(original, wrapper: MethodWrapper):
             def edit(*args, **kwargs):
                 if not wrapper.active:
-                    return original(*args, **kwargs)
+                    return wrapper.passthrough()(*args, **kwargs)
                 with self.lock, self.editing(components, method):
                     return original(*args, **kwargs)
             return edit
         return make
+
+
+def entry_methods(module: nn.Module) -> list[str]:
+    """The methods of a component, besides ``forward``, that enter it: ``encode``/``decode`` and every
+    plain method its own model classes define.
+
+    A pipeline calls more of a component than its forward: a prior's ``post_process_latents`` reads
+    the prior's ``clip_mean``/``clip_std``, an image normalizer's ``scale``/``unscale`` and its ``to()``
+    override read ``mean``/``std``, a renderer's ``decode_to_image`` runs its layers. Any of them may
+    read the component's weights, and which do cannot be known in advance, so the rule is general:
+    a method defined by the model's own classes — those in its MRO before the framework's bases
+    (``torch.nn.Module``, diffusers' ``ModelMixin``, transformers' ``PreTrainedModel``), whose methods
+    are machinery (saving, hooks, configuration), not model code — enters the component when called
+    from outside it, exactly as its forward does. A call from inside (the forward calling a helper)
+    passes straight through. The weight-editing methods keep their own wrappers (``watch``).
+    """
+    names: list[str] = [m for m in COMPONENT_METHODS if callable(getattr(type(module), m, None))]
+    for cls in type(module).__mro__:
+        if cls is nn.Module or _is_framework_base(cls):
+            break
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            continue
+        for name, value in vars(cls).items():
+            if (inspect.isfunction(value) and not name.startswith("__") and name != "forward"
+                    and name not in names and name not in watch.EDIT_METHODS):
+                names.append(name)
+    return names
+
+
+#: modules defining the framework base classes whose methods are not model code (see entry_methods)
+_FRAMEWORK_MODULES = ("diffusers.models.modeling_utils", "transformers.modeling_utils")
+
+
+def _is_framework_base(cls: type) -> bool:
+    module = getattr(cls, "__module__", "") or ""
+    return module in _FRAMEWORK_MODULES or module == "torch" or module.startswith("torch.")
 
 
 #: what torch says when one operation gets tensors on two devices
@@ -766,10 +977,16 @@ def is_device_mismatch(error: BaseException) -> bool:
     return any(text in message for text in _DEVICE_MISMATCH)
 
 
+def _place(slot: Slot) -> tuple[int, str, bool]:
+    """Where a slot's tensor is registered: the same key for whatever tensor is registered there later."""
+    return (id(slot.owner), slot.attr, slot.is_buffer)
+
+
 def _derived_from_placeholder(current: torch.Tensor, at_rest: torch.Tensor) -> bool:
     """Whether ``current`` holds nothing but the placeholder's fill (NaN for floats): a value
     computed from the placeholder. Real weights are never entirely NaN."""
-    if not (current.dtype.is_floating_point and at_rest.dtype.is_floating_point) or current.numel() == 0:
+    if not (current.dtype.is_floating_point and at_rest.dtype.is_floating_point) or current.numel() == 0 \
+            or current.is_meta:
         return False
     return bool(torch.isnan(current).all())
 
@@ -826,6 +1043,9 @@ def claim_groups(components: dict[str, nn.Module], specs: list[GroupSpec], *,
         for slot in claimed[index]:
             group.slots.append(slot)
             group.nbytes += slot.tensor.numel() * slot.tensor.element_size()
-    for group in order:
-        group.readable = frozenset(slot.name for slot in group.slots if slot.is_buffer)
+    for group in order:  # what pipelines read outside any forward: buffers, and a model's own loose parameters
+        root = components.get(group.component)
+        container = root is not None and next(iter(root.children()), None) is not None
+        group.readable = frozenset(slot.name for slot in group.slots
+                                   if slot.is_buffer or (container and slot.owner is root))
     return [g for g in order if g.slots]

@@ -13,6 +13,11 @@ Two mechanisms, both cheap enough for the hot path:
   registered on its module and, for offloaded tensors, still holds the at-rest data it gave it
   (``tensor.data = other`` is a replacement). See :meth:`Runtime.changed`.
 
+A registration that would make a value computed from an offloaded placeholder a weight (a model's
+``to()`` override building ``nn.Parameter(self.mean.to(device))`` while ``mean`` rests on disk) is
+refused by the runtime from the hook, before the assignment happens: nothing computed from a
+placeholder ever becomes a weight.
+
 What neither can see — an in-place write into a tensor's memory (``weight.data.mul_(2)``), a
 module deleted from its parent — is what ``handle.refresh()`` is for. The LoRA and projection-fusing
 methods of diffusers and transformers are wrapped instead (:data:`EDIT_METHODS`): memmode prepares
@@ -50,7 +55,12 @@ _lock = threading.Lock()
 
 def _notify(module: nn.Module, name: str, value: Any) -> None:
     for runtime in list(_watchers):
-        runtime.note_registration(module)
+        runtime.note_registration(module, name, value)
+
+
+def live_runtimes() -> list:
+    """The runtimes being watched now (placements not yet removed)."""
+    return list(_watchers)
 
 
 def watch(runtime) -> None:

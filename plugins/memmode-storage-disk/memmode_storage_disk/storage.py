@@ -3,7 +3,8 @@
 Everything about the files — naming by content, atomic writes, verification, free-space checks,
 sharing a folder, cleanup — is :mod:`memmode_core.files`. What is particular to ``disk`` is
 how little it keeps: at rest a parameter holds a :func:`~memmode_core.contracts.storage.placeholder` (no
-memory) and only the small buffers keep their values (pipelines read them outside any forward).
+memory) and only what the engine marks readable keeps its values: the buffers and a component's own
+loose parameters, small tensors that pipelines read outside any forward.
 Memory holds the groups that are on the device at the time, whatever the size of the model.
 
 How a group comes back depends on the device:
