@@ -38,7 +38,7 @@ class Handle:
     """What ``apply`` returns: the applied mode, its ledger, and the way back."""
 
     def __init__(self, target: Target, resolved: Resolved, device: torch.device, runtime: Runtime,
-                 ledger: Ledger, quantized: dict[str, Any]) -> None:
+                 ledger: Ledger, quantized: dict[str, Any], notes: Mapping[str, str] | None = None) -> None:
         self._target = weakref.ref(target.obj) if _weakrefable(target.obj) else (lambda obj=target.obj: obj)
         self._components = target.components
         self._is_pipeline = target.is_pipeline
@@ -55,9 +55,13 @@ class Handle:
         self.device = device
         #: component name -> the quantizer's summary of what it did there
         self.quantized = quantized
+        #: component name -> what core placed differently from the placement's layout, and why
+        #: (``_supports_group_offloading = False``, ``_exclude_from_cpu_offload``; see ``lay_out``)
+        self.notes = dict(notes or {})
         self._runtime = runtime
         self._ledger = ledger
         self._removed = False
+        self._guards: list = []
 
     @property
     def target(self) -> Any:
@@ -83,6 +87,7 @@ class Handle:
             quantization={name: _as_dict(summary) for name, summary in self.quantized.items()},
             component_calls={name: self._runtime.calls.count(name) for name in self._components},
             call_sequence=list(self._runtime.calls),
+            placement_notes=dict(self.notes),
         )
 
     def reset_stats(self) -> None:
@@ -123,6 +128,8 @@ class Handle:
         """Mark the target and its placed components as placed by this handle."""
         if self._is_pipeline:
             pipeline_hooks.install(self._components, self.device, self.remove)
+        self._guards = pipeline_hooks.install_guards(self.target if self._is_pipeline else None, self._components,
+                                                     self.mode, self._runtime.end_call)
         for obj in [self.target, *self._components.values()]:
             setattr(obj, HANDLE_ATTRIBUTE, self)
 
@@ -139,6 +146,7 @@ class Handle:
         try:
             self._runtime.remove()
         finally:
+            pipeline_hooks.remove_guards(self._guards)
             pipeline_hooks.uninstall(self._components)
             target = self.target
             for obj in [target, *self._components.values()]:
@@ -197,15 +205,22 @@ def handle_of(target: Any) -> Handle | None:
 def apply(target: Any, mode: str, *, device: Any = None, weight_dtype: torch.dtype | None = None,
           storage: str | None = None, offload_dir: str | None = None, components: Iterable[str] | None = None,
           exclude: Iterable[str] | None = None, exclude_components: Iterable[str] | None = None,
-          **options: Any) -> Handle:
+          strict: bool = False, **options: Any) -> Handle:
     """Put ``target`` (a diffusers pipeline or an ``nn.Module``) into ``mode``; see the user guide.
 
     ``exclude_components`` names pipeline components the placement leaves exactly where they are
     (diffusers' ``exclude_modules``): no hooks, nothing stored, nothing moved.
+
+    ``strict=True``: refuse (``IncompatibleModeError``) rather than adjust the placement's layout where
+    the model or the pipeline declares it must be (a component with ``_supports_group_offloading =
+    False`` moved whole, one in the pipeline's ``_exclude_from_cpu_offload`` kept on the device; each
+    adjustment is otherwise logged and noted in ``report().placement_notes``).
     """
     # -- resolve and validate: nothing is touched until all of this has passed ----------------------
     if not isinstance(mode, str):
         raise TypeError(f"mode must be a string such as 'model_cpu_offload_and_qfloat8', not {type(mode).__name__}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True or False, not {type(strict).__name__}")
     whole = Target.of(target)
     dev = resolve_device(device)
     _check_dtype(weight_dtype)
@@ -238,7 +253,7 @@ def apply(target: Any, mode: str, *, device: Any = None, weight_dtype: torch.dty
         return _apply_choice(target, tgt, mode, placement, placement_options, resolved, dev,
                              storage=storage, weight_dtype=weight_dtype, offload_dir=offload_dir,
                              components=component_names, exclude=excluded, exclude_components=left_alone,
-                             extra={k: v for k, v in options.items() if k not in placement_options})
+                             strict=strict, extra={k: v for k, v in options.items() if k not in placement_options})
     if quantizer is None and (component_names is not None or excluded):
         raise InvalidOptionError(
             f"components= and exclude= choose what a quantizer touches, and mode {mode!r} has no quantizer"
@@ -253,16 +268,17 @@ def apply(target: Any, mode: str, *, device: Any = None, weight_dtype: torch.dty
     if quantizer is not None:
         if not quantize_targets:
             raise InvalidOptionError(
-                f"{tgt.label} has no transformer or transformer_2 component to quantize; "
+                f"{tgt.label} has no denoiser to quantize (no component's forward takes a timestep); "
                 f"name the components with components=[...] (it has {', '.join(tgt.components)})"
             )
         refuse_compiled(quantize_targets, f"quantize with {quantizer.name}")
     previous = handle_of(target)
     _refuse_foreign_handles(tgt, previous)
-    specs = lay_out(placement, tgt, placement_options, dev)
+    layout = lay_out(placement, tgt, placement_options, dev, strict=strict)
+    specs = layout.specs
     if quantizer is not None:
         quantizer.check(quantize_targets, weight_dtype=weight_dtype, exclude=excluded, options=quantizer_options)
-    placing = Placing(tgt, placement, placement_options, storage_obj, storage_options, dev, offload_dir)
+    placing = Placing(tgt, placement, placement_options, storage_obj, storage_options, dev, offload_dir, strict)
     session = placing.open_session()
     reserved = None
     if session is not None:
@@ -291,7 +307,9 @@ def apply(target: Any, mode: str, *, device: Any = None, weight_dtype: torch.dty
         if previous is not None:
             _revive(previous, exc, quantized)
         raise
-    handle = Handle(tgt, resolved, dev, runtime, ledger, quantized)
+    if quantized:
+        logger.info("memmode: %s quantized %s with %s", tgt.label, ", ".join(quantized), quantizer.name)
+    handle = Handle(tgt, resolved, dev, runtime, ledger, quantized, layout.notes)
     handle._placing = placing
     handle._attach()
     return handle
@@ -308,6 +326,10 @@ class Placing:
     storage_options: Mapping[str, Any]
     device: torch.device
     offload_dir: Any
+    strict: bool = False
+
+    def lay_out(self):
+        return lay_out(self.placement, self.target, self.options, self.device, strict=self.strict)
 
     def open_session(self):
         if self.storage is None:
@@ -319,8 +341,8 @@ class Placing:
         ledger = Ledger()
         runtime = Runtime(tgt.components, specs, device=self.device, session=session, ledger=ledger,
                           prefetch=placement.prefetch(options, self.device),
-                          relayout=lambda name: [spec for spec in placement.layout(tgt, options)
-                                                 if spec.component == name],
+                          offload_after_call=placement.offloads_after_call(options),
+                          relayout=lambda name: [spec for spec in self.lay_out().specs if spec.component == name],
                           pipeline=tgt.obj if tgt.is_pipeline else None, refuse_edit=_refuse_fusing_packed)
         runtime.install(reserved)
         return runtime, ledger
@@ -335,7 +357,7 @@ def _revive(previous: Handle, failure: BaseException, quantized: dict) -> None:
     try:
         session = placing.open_session()
         try:
-            specs = lay_out(placing.placement, placing.target, placing.options, placing.device)
+            specs = placing.lay_out().specs
             runtime, ledger = placing.install(specs, session)
         except BaseException:
             if session is not None:
@@ -354,7 +376,7 @@ def _revive(previous: Handle, failure: BaseException, quantized: dict) -> None:
 
 def _apply_choice(target, tgt: Target, mode: str, placement, placement_options, resolved: Resolved,
                   device: torch.device, *, storage, weight_dtype, offload_dir, components, exclude, exclude_components,
-                  extra) -> Handle:
+                  strict, extra) -> Handle:
     """``auto``: let the placement choose a mode with the planner, then apply that."""
     if offload_dir is not None and storage is None:
         raise InvalidOptionError("with auto and offload_dir=, name the storage that writes there: storage='disk' or "
@@ -364,7 +386,7 @@ def _apply_choice(target, tgt: Target, mode: str, placement, placement_options, 
                               weight_dtype=weight_dtype, components=components, exclude=exclude)
     handle = apply(target, choice.mode, device=device, weight_dtype=weight_dtype, storage=choice.storage,
                    offload_dir=offload_dir, components=components, exclude=exclude or None,
-                   exclude_components=exclude_components or None, **choice.options, **extra)
+                   exclude_components=exclude_components or None, strict=strict, **choice.options, **extra)
     handle.requested_mode = mode
     handle.choice = choice
     logger.info("memmode: %s chose %s with storage %s (peak %d bytes on the device)", mode, choice.label(),

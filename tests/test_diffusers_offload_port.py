@@ -140,9 +140,11 @@ def assert_equal(got: torch.Tensor, expected: torch.Tensor, what: str = "output"
 
 def resting_weights(module: nn.Module, handle: memmode.Handle) -> list[str]:
     """Parameters holding real values between calls, other than those the placement keeps resident
-    on purpose (sequential offload's small RoPE / modulation tables). Under a placeholder storage an
-    offloaded component has none; it must have placeholders, or there is nothing to check."""
-    kept = {id(slot.tensor) for g in handle._runtime.groups if g.policy is Policy.RESIDENT for slot in g.slots}
+    on purpose (sequential offload's small RoPE / modulation tables) and those every storage keeps readable
+    at rest (a model's own loose parameters, which pipelines read outside any forward). Under a placeholder
+    storage an offloaded component has none; it must have placeholders, or there is nothing to check."""
+    kept = {id(slot.tensor) for g in handle._runtime.groups for slot in g.slots
+            if g.policy is Policy.RESIDENT or slot.name in g.readable}
     assert any(is_placeholder(p) for p in module.parameters()), f"{type(module).__name__} holds no placeholder"
     return [name for name, p in module.named_parameters()
             if p.numel() > 1 and not is_placeholder(p) and id(p) not in kept]
@@ -281,15 +283,21 @@ def test_error_raised_if_streams_used_and_no_accelerator_device(monkeypatch):
 
 
 @pytest.mark.parametrize("options", [pytest.param(BLOCK, id="block"), pytest.param(LEAF, id="leaf")])
-def test_error_raised_if_supports_group_offloading_false(options):
-    """A model that says it cannot be group offloaded (``_supports_group_offloading = False``) is
-    refused with a ``MemmodeError`` before anything is changed, instead of computing with placeholders."""
+def test_supports_group_offloading_false_moves_whole_or_is_refused_with_strict(options):
+    """A model that says it cannot be group offloaded (``_supports_group_offloading = False``): diffusers
+    refuses it; memmode moves it whole (one group, onloaded for its call) and says so, and with
+    ``strict=True`` refuses with a ``MemmodeError`` before anything is changed."""
     model = seeded(BlockModel)
     model._supports_group_offloading = False
     before, weights = snapshot(model), weights_of(model)
     with pytest.raises(MemmodeError, match="_supports_group_offloading"):
-        memmode.apply(model, "model_group_offload", device="cpu", storage="poison", **options)
+        memmode.apply(model, "model_group_offload", device="cpu", storage="poison", strict=True, **options)
     assert_untouched(model, before, weights)
+    handle = memmode.apply(model, "model_group_offload", device="cpu", storage="poison", **options)
+    assert "moved whole" in handle.report().placement_notes["module"]
+    assert_equal(forward(model, 1), reference(BlockModel))
+    assert handle.report().resident_device_bytes == 0, "offloaded after its call"
+    handle.remove()
 
 
 def _enable_diffusers_offloading(pipe: SinglePipeline, scheme: str) -> None:
@@ -306,29 +314,43 @@ def _pipeline_output(pipe: SinglePipeline) -> torch.Tensor:
         return pipe(model_inputs(pipe.model)["x"])
 
 
-@pytest.mark.parametrize("target", ["pipeline", "component"])
-@pytest.mark.parametrize("scheme", ["model_cpu_offload", "sequential_cpu_offload"])
-def test_cpu_offloading_enabled_on_a_memmode_placed_model_does_not_stack(scheme, target):
+@pytest.mark.parametrize("scheme", ["model_cpu_offload", "sequential_cpu_offload", "diffusers_group_offload"])
+def test_diffusers_offloading_enabled_on_a_memmode_placed_pipeline_is_refused(scheme):
     """``test_error_raised_if_{model,sequential}_offloading_applied_on_group_offloaded_module``: two
-    offloading schemes never fight over one model. On a pipeline, diffusers' ``enable_*_cpu_offload``
-    first removes the hooks it knows (``remove_all_hooks``) and memmode's placement goes with them;
-    on a component placed by itself, accelerate's hooks land on top and memmode refuses the next call
-    with ``IncompatibleModeError`` (docs/placements.md, "Hooks added after apply"), and ``remove()``
-    gives every weight back intact. Either way diffusers' offloading then computes alone, exactly."""
+    offloading schemes never fight over one model. diffusers' ``enable_model_cpu_offload``,
+    ``enable_sequential_cpu_offload`` (on the pipeline) and ``enable_group_offload`` (on the component)
+    after memmode placed the pipeline are refused at that call with ``IncompatibleModeError``, before
+    anything changes: memmode keeps placing it, exactly as before."""
+    pipe = SinglePipeline(seeded(BlockModel))
+    handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage="poison", **BLOCK)
+    expected = _pipeline_output(SinglePipeline(seeded(BlockModel)))
+    assert_equal(_pipeline_output(pipe), expected, "under memmode")
+    wrappers = active_wrappers(pipe.model)
+    with pytest.raises(IncompatibleModeError, match="memmode mode 'model_group_offload' is applied"):
+        _enable_diffusers_offloading(pipe, scheme)
+    assert handle.active and active_wrappers(pipe.model) == wrappers
+    assert_equal(_pipeline_output(pipe), expected, "under memmode, after the refusal")
+    handle.remove()
+    if scheme == "model_cpu_offload":  # diffusers' offloading works on the pipeline memmode gave back
+        pipe.enable_model_cpu_offload(device="cpu")
+        assert_equal(_pipeline_output(pipe), expected, "under diffusers' model_cpu_offload")
+
+
+@pytest.mark.parametrize("scheme", ["model_cpu_offload", "sequential_cpu_offload"])
+def test_cpu_offloading_enabled_on_a_pipeline_whose_component_memmode_placed_does_not_stack(scheme):
+    """memmode placed the component by itself, so the pipeline's ``enable_*_cpu_offload`` is not memmode's
+    to refuse: accelerate's hooks land on top, memmode refuses the next call with
+    ``IncompatibleModeError`` (docs/placements.md, "Hooks added after apply"), and ``remove()`` gives every
+    weight back intact; diffusers' offloading then computes alone, exactly."""
     pipe = SinglePipeline(seeded(BlockModel))
     weights = weights_of(pipe)
-    handle = memmode.apply(pipe if target == "pipeline" else pipe.model, "model_group_offload", device="cpu",
-                           storage="poison", **BLOCK)
+    handle = memmode.apply(pipe.model, "model_group_offload", device="cpu", storage="poison", **BLOCK)
     expected = _pipeline_output(SinglePipeline(seeded(BlockModel)))
     assert_equal(_pipeline_output(pipe), expected, "under memmode")
     _enable_diffusers_offloading(pipe, scheme)
-    if target == "pipeline":
-        assert not handle.active, f"memmode is still placing the model under diffusers' {scheme}"
-        assert hook_count(pipe) == 0
-    else:
-        with pytest.raises(IncompatibleModeError):
-            _pipeline_output(pipe)
-        handle.remove()
+    with pytest.raises(IncompatibleModeError):
+        _pipeline_output(pipe)
+    handle.remove()
     assert not active_wrappers(pipe.model), "memmode still acts under diffusers' offloading"
     if scheme == "model_cpu_offload":  # accelerate's sequential offload cannot execute on a CPU device
         assert_equal(_pipeline_output(pipe), expected, f"under diffusers' {scheme}")

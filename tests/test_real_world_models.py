@@ -180,16 +180,28 @@ UNSPLITTABLE = {"dit": (tiny_dit, lambda m: m(**dit_inputs())[0]), "vq": (tiny_v
 
 @pytest.mark.parametrize("placement", SPLITTING, ids=mode_id)
 @pytest.mark.parametrize("model", sorted(UNSPLITTABLE))
-def test_models_that_do_not_support_group_offloading_are_refused_untouched(model, placement):
-    make, _ = UNSPLITTABLE[model]
+def test_models_that_do_not_support_group_offloading_move_whole_under_splitting_placements(model, placement):
+    """Refused untouched with ``strict=True``; otherwise one group for the whole model, onloaded for its call
+    and offloaded after, with the same output and a note saying why."""
+    make, call = UNSPLITTABLE[model]
     target = make()
     assert type(target)._supports_group_offloading is False
     before = snapshot(target)
     mode, options = placement
     with pytest.raises(IncompatibleModeError, match="_supports_group_offloading = False"):
-        memmode.apply(target, mode, device="cpu", storage="disk", **options)
+        memmode.apply(target, mode, device="cpu", storage="disk", strict=True, **options)
     assert snapshot(target) == before
-    assert {e.mode for e in memmode.plan(target, device="cpu")} <= {"model_full_load", "model_cpu_offload"}
+    with torch.no_grad():
+        expected = call(make())
+        handle = memmode.apply(target, mode, device="cpu", storage="disk", **options)
+        assert_bit_equal(call(target), expected)
+    report = handle.report()
+    assert "moved whole" in report.placement_notes["module"] and report.resident_device_bytes == 0
+    assert report.onloads == 1, "one group, onloaded once for the call"
+    handle.remove()
+    assert_same_state(target, state_of(make()))
+    planned = {e.mode: e for e in memmode.plan(target, device="cpu")}
+    assert planned[mode].peak_device_bytes == planned["model_cpu_offload"].peak_device_bytes
 
 
 @pytest.mark.parametrize("storage", STORAGES)
@@ -206,13 +218,18 @@ def test_models_that_do_not_support_group_offloading_move_whole(model, storage):
     assert_same_state(target, before)
 
 
-def test_a_pipeline_with_such_a_component_can_leave_it_out():
-    """exclude_components is the way to group-offload the rest of a pipeline around such a model."""
+def test_a_pipeline_with_such_a_component_streams_the_rest_around_it():
+    """The other components stream as asked; strict=True refuses, and exclude_components leaves it out."""
     pipe = make_pipeline("flux")
     pipe.vae._supports_group_offloading = False  # as Stable Audio's Oobleck VAE declares
     with pytest.raises(IncompatibleModeError, match="exclude_components=\\['vae'\\]"):
-        memmode.apply(pipe, "model_group_offload", device="cpu")
+        memmode.apply(pipe, "model_group_offload", device="cpu", strict=True)
     expected = run(make_pipeline("flux"), "flux", 0)
+    handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage="poison")
+    assert list(handle.report().placement_notes) == ["vae"]
+    assert len([g for g in handle._runtime.groups if g.component == "transformer"]) > 1, "the rest still streams"
+    assert_bit_equal(run(pipe, "flux", 0), expected)
+    handle.remove()
     handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage="poison", exclude_components=["vae"])
     assert_bit_equal(run(pipe, "flux", 0), expected)
     handle.remove()
@@ -253,13 +270,18 @@ def test_an_undeclared_read_outside_forward_names_the_module_on_cuda():
     handle.remove()
 
 
-def test_an_undeclared_read_outside_forward_is_caught_by_poison_on_cpu():
-    """What the suite relies on: on a CPU, the poison storage turns such a read into NaN."""
+@pytest.mark.parametrize("storage", ["poison", "disk"])
+def test_an_undeclared_read_outside_forward_is_a_typed_error_on_cpu(storage):
+    """On a CPU the placeholder turns such a read into NaN; memmode sees the non-finite result, runs the call
+    again under its placeholder trap and names the weight that was read, instead of returning NaN."""
     torch.manual_seed(0)
     target = ReadsOutsideForward()
-    handle = memmode.apply(target, "model_group_offload", device="cpu", storage="poison")
-    assert torch.isnan(target(torch.randn(2, 16))).all()
+    before = state_of(target)
+    handle = memmode.apply(target, "model_group_offload", device="cpu", storage=storage)
+    with pytest.raises(OffloadedWeightReadError, match=r"blocks\.0\.scale\.weight \(group module/blocks\.0\)"):
+        target(torch.randn(2, 16))
     handle.remove()
+    assert_same_state(target, before)
 
 
 # -- 4. hooks installed after apply ------------------------------------------------------------------------
@@ -429,7 +451,7 @@ def test_excluded_components_are_left_where_they_are(storage):
 def test_excluded_components_with_a_quantizer_and_with_auto():
     with memmode.temporary_plugin(Int8Plugin(), name="qint8", distribution="tests"):
         pipe = make_pipeline("flux")
-        with pytest.raises(InvalidOptionError, match="no transformer"):  # left out: not a default target either
+        with pytest.raises(InvalidOptionError, match="no denoiser"):  # left out: not a default target either
             memmode.apply(pipe, "model_cpu_offload_and_qint8", device="cpu", exclude_components=["transformer"])
         handle = memmode.apply(pipe, "model_cpu_offload_and_qint8", device="cpu", exclude_components=["transformer"],
                                components=["transformer"])

@@ -13,7 +13,8 @@ from torch import nn
 from memmode_core.contracts.layout import GroupSpec, Policy, block_groups, leaf_groups, whole_component
 from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError
 from memmode_core.contracts.hookspecs import hookimpl
-from memmode_core.contracts.options import Option, boolean_or_none, byte_size, names_list, one_of, positive_int
+from memmode_core.contracts.options import (Option, boolean, boolean_or_none, byte_size, names_list, one_of,
+                                             positive_int)
 from memmode_core.planning.planner import DEFAULT_STEPS
 from memmode_core.contracts.placement import Placement
 from memmode_core.contracts.targets import Target, is_fsdp_wrapped
@@ -36,7 +37,15 @@ class ModelFullLoad(Placement):
 
 class ModelCpuOffload(Placement):
     name = "model_cpu_offload"
-    description = "one whole component on the device at a time; it stays until another one is called"
+    description = ("one whole component on the device at a time; it stays until another one is called, and "
+                   "leaves when the pipeline call returns")
+    options = (
+        Option("keep_last_on_device", False, "leave the last component a pipeline call used on the device after the "
+               "call returns (the next call starts without onloading it)", boolean),
+    )
+
+    def offloads_after_call(self, options: Mapping[str, object]) -> bool:
+        return not options["keep_last_on_device"]
 
     def layout(self, target: Target, options: Mapping[str, object]) -> list[GroupSpec]:
         return [whole_component(name, module, Policy.EXCLUSIVE) for name, module in target.components.items()]

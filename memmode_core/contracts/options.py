@@ -50,6 +50,12 @@ def positive_int(value: Any) -> int:
     return value
 
 
+def boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError("must be True or False")
+    return value
+
+
 def boolean_or_none(value: Any) -> bool | None:
     if value is not None and not isinstance(value, bool):
         raise TypeError("must be True, False or None")

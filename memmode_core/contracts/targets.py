@@ -5,6 +5,7 @@ Normalising both into one ``Target`` lets every placement reason about named com
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -16,8 +17,23 @@ from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionEr
 #: The component name used for a bare ``nn.Module`` target.
 MODULE_COMPONENT = "module"
 
-#: Components a quantizer targets by default: the denoiser, and Wan 2.2's second expert.
-DEFAULT_QUANTIZED_COMPONENTS = ("transformer", "transformer_2")
+#: Parameter names of a forward that takes the denoising step: the mark of a denoiser (``timestep``
+#: for UNets, DiTs, priors and ControlNets; Stable Cascade's ``timestep_ratio``; Würstchen's ``r``).
+TIMESTEP_PARAMETERS = frozenset({"timestep", "timesteps", "timestep_ratio", "t", "r"})
+
+
+def takes_timestep(module: nn.Module) -> bool:
+    """Whether ``module``'s forward takes the denoising step, i.e. it is called once per step (a denoiser)."""
+    seen = 0
+    while seen < 4 and isinstance(getattr(module, "_orig_mod", getattr(module, "module", None)), nn.Module):
+        module = getattr(module, "_orig_mod", None) or module.module  # torch.compile, DDP or FSDP1 wrappers
+        seen += 1
+    forward = getattr(type(module), "forward", None)
+    try:
+        parameters = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return not TIMESTEP_PARAMETERS.isdisjoint(parameters)
 
 
 @dataclass(eq=False)
@@ -71,12 +87,19 @@ class Target:
             raise InvalidOptionError(f"exclude_components={names!r} leaves no component of {self.label} to place")
         return Target(self.obj, self.is_pipeline, kept)
 
+    def denoisers(self) -> dict[str, nn.Module]:
+        """The components the pipeline calls once per denoising step, whatever they are called: those whose
+        forward takes the step (``timestep``, ``timestep_ratio``, ...) — a Flux or Wan ``transformer`` (and
+        Wan 2.2's ``transformer_2``), an SD ``unet``, a Kandinsky ``prior``, a Würstchen ``decoder``, a
+        ControlNet. Text encoders, VAEs and vocoders take no step."""
+        return {name: module for name, module in self.components.items() if takes_timestep(module)}
+
     @property
     def label(self) -> str:
         return type(self.obj).__name__
 
-    def select(self, names: Iterable[str] | None, *, default: Iterable[str] = DEFAULT_QUANTIZED_COMPONENTS) -> dict[str, nn.Module]:
-        """The components named by ``names``; by default the denoisers (or the module itself)."""
+    def select(self, names: Iterable[str] | None) -> dict[str, nn.Module]:
+        """The components named by ``names``; by default the :meth:`denoisers` (or the module itself)."""
         if not self.is_pipeline:
             if names is not None and set(names) - {MODULE_COMPONENT}:
                 raise InvalidOptionError(
@@ -84,8 +107,7 @@ class Target:
                 )
             return dict(self.components)
         if names is None:
-            chosen = {n: m for n, m in self.components.items() if n in default}
-            return chosen
+            return self.denoisers()
         names = [names] if isinstance(names, str) else list(names)
         missing = [n for n in names if n not in self.components]
         if missing:

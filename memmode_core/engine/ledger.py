@@ -37,6 +37,9 @@ class Report:
     component_calls: dict[str, int] = field(default_factory=dict)
     #: the same calls in the order they happened (``plan(calls=report.call_sequence)`` replays them)
     call_sequence: list[str] = field(default_factory=list)
+    #: component -> what was placed differently from the placement's layout, and why (a model declaring
+    #: ``_supports_group_offloading = False`` moved whole, a pipeline's ``_exclude_from_cpu_offload`` kept)
+    placement_notes: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -5,18 +5,33 @@ the CPU between calls, ``pipe.device`` would say "cpu"; diffusers then looks for
 hook object at ``component._hf_hook`` with an ``execution_device`` attribute, and calls its
 ``pre_forward`` before a VAE's ``encode``/``decode``. memmode puts such an object on each component
 for as long as a mode is applied, so pipelines compute on the device that was asked for. If
-diffusers itself removes it (``pipe.enable_model_cpu_offload()`` calls ``remove_all_hooks``), the
-memmode placement is removed with it, so two offloading schemes never fight over one model.
+diffusers itself removes it (``pipe.remove_all_hooks()``), the memmode placement is removed with it.
+
+Two more guards, on the pipeline and its components (:func:`install_guards`):
+
+* diffusers frees every model at the end of a pipeline call: memmode offloads what the call left on
+  the device (a ``model_cpu_offload`` placement's last component) when the pipeline's ``__call__``
+  returns, unless the placement keeps it. ``__call__`` is looked up on the class (Python calls
+  ``type(pipe).__call__``), so the class gets one wrapper, shared by its placed instances and removed
+  with the last of them; an instance memmode does not place calls straight through. (diffusers' own
+  ``maybe_free_model_hooks`` is not the end: AudioLDM 2 runs its vocoder after it.)
+* diffusers' own offloading (``enable_model_cpu_offload``, ``enable_sequential_cpu_offload``,
+  ``enable_group_offload``, on the pipeline or a component) would fight memmode over the weights: it is
+  refused at that call with :class:`IncompatibleModeError`, before anything changes.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+import threading
+import weakref
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from memmode_core.contracts.errors import IncompatibleModeError
+from memmode_core.engine.hooks import MethodWrapper
 
 ATTRIBUTE = "_hf_hook"
 
@@ -68,6 +83,108 @@ def refuse_foreign_offloading(components: dict[str, nn.Module]) -> None:
                     f"{where!r} already uses diffusers' group offloading; remove it first (build the component "
                     f"again, or call its _diffusers_hook.remove_hook('group_offloading', recurse=True))"
                 )
+
+
+#: diffusers' own offloading: the methods of a pipeline, and of a model, that install it
+FOREIGN_PIPELINE_OFFLOADING = ("enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload")
+FOREIGN_MODEL_OFFLOADING = ("enable_group_offload",)
+#: pipeline class -> (its ``__call__`` wrapper, whether the class defined ``__call__`` itself, the original)
+_CALL_WRAPPERS: dict[type, tuple[Callable[..., Any], bool, Callable[..., Any]]] = {}
+#: placed pipeline -> what to run when its call returns
+_CALL_ENDS: "weakref.WeakKeyDictionary[Any, Callable[[], None]]" = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+class CallEndGuard:
+    """The end of one placed pipeline's calls (see the module docstring); ``remove()`` undoes it."""
+
+    def __init__(self, pipeline: Any, on_call_end: Callable[[], None]) -> None:
+        self._pipeline = weakref.ref(pipeline)
+        self.method = "__call__"
+        cls = type(pipeline)
+        with _lock:
+            if cls not in _CALL_WRAPPERS:
+                # a class inheriting a wrapped __call__ (a parent class placed too) wraps the original, once
+                original = getattr(cls.__call__, "__memmode_original__", cls.__call__)
+                _CALL_WRAPPERS[cls] = (_call_wrapper(original), "__call__" in vars(cls), cls.__call__)
+                cls.__call__ = _CALL_WRAPPERS[cls][0]
+            _CALL_ENDS[pipeline] = on_call_end
+
+    @property
+    def module(self) -> Any:
+        return self._pipeline()
+
+    def remove(self) -> None:
+        pipeline = self._pipeline()
+        with _lock:
+            if pipeline is not None:
+                _CALL_ENDS.pop(pipeline, None)
+            for cls, (wrapper, own, original) in list(_CALL_WRAPPERS.items()):
+                if any(type(p) is cls for p in list(_CALL_ENDS.keys())):
+                    continue
+                if vars(cls).get("__call__") is wrapper:
+                    if own:
+                        cls.__call__ = original
+                    else:
+                        delattr(cls, "__call__")
+                del _CALL_WRAPPERS[cls]
+
+
+def _call_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def __call__(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            on_end = _CALL_ENDS.get(self)
+            if on_end is not None:
+                on_end()
+    __call__.__memmode_call_end__ = True
+    __call__.__memmode_original__ = original
+    return __call__
+
+
+def watches_call_end(cls: type) -> bool:
+    """Whether ``cls.__call__`` is memmode's end-of-call wrapper."""
+    return getattr(vars(cls).get("__call__"), "__memmode_call_end__", False)
+
+
+def install_guards(pipeline: Any, components: dict[str, nn.Module], mode: str,
+                   on_call_end: Callable[[], None]) -> list:
+    """Watch the end of a pipeline's calls and refuse diffusers' offloading (see the module docstring)."""
+    wrappers: list = []
+    owners: list[tuple[Any, str, tuple[str, ...]]] = [
+        (module, name, FOREIGN_MODEL_OFFLOADING) for name, module in components.items()]
+    if pipeline is not None:
+        owners.insert(0, (pipeline, type(pipeline).__name__, FOREIGN_PIPELINE_OFFLOADING))
+        if callable(getattr(type(pipeline), "__call__", None)) and not isinstance(pipeline, nn.Module):
+            wrappers.append(CallEndGuard(pipeline, on_call_end))
+    for owner, label, methods in owners:
+        for method in methods:
+            if callable(getattr(type(owner), method, None)):
+                wrappers.append(MethodWrapper(owner, _refusal(f"{label}.{method}", mode), method))
+    return wrappers
+
+
+def remove_guards(wrappers: list) -> None:
+    for wrapper in wrappers:
+        wrapper.remove()
+    wrappers.clear()
+
+
+def _refusal(where: str, mode: str):
+    def make(original, wrapper: MethodWrapper):
+        def refused(*args, **kwargs):
+            if not wrapper.active:
+                return original(*args, **kwargs)
+            raise IncompatibleModeError(
+                f"{where}(): memmode mode {mode!r} is applied here, and a second offloading scheme would fight it "
+                f"over the weights; nothing was changed. Call memmode.remove(...) (handle.remove()) first, or let "
+                f"memmode place it: memmode.apply(pipe, 'model_cpu_offload' / 'sequential_cpu_offload' / "
+                f"'model_group_offload')"
+            )
+        return refused
+    return make
 
 
 def install(components: dict[str, nn.Module], device: torch.device, on_detach: Callable[[], None]) -> None:

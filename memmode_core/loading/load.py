@@ -120,6 +120,8 @@ def load(path: str | os.PathLike, mode: str, *, torch_dtype: torch.dtype | None 
         bind(item.skeleton, item.checkpoint, item.plan, staging_dir=staging)
         mappings.extend(item.plan.streamed)
     target = _assemble(folder, index, loads, torch_dtype, variant)
+    if index is None:
+        _say_how_to_hand_it_to_its_pipeline(folder)
 
     # -- what apply's quantizer will touch, as apply selects it ----------------------------------------
     selected = {}
@@ -257,6 +259,40 @@ def _single_model_class(folder: Path) -> type:
     if cls is None:
         raise CheckpointError(f"{folder}/config.json names no model class memmode can import")
     return cls
+
+
+def _say_how_to_hand_it_to_its_pipeline(folder: Path) -> None:
+    """A model folder inside a pipeline folder: say which ``from_pretrained`` really uses the loaded model.
+
+    ``DiffusionPipeline.from_pretrained(path, transformer=handle.target)`` resolves the pipeline's optional
+    components against ``DiffusionPipeline`` itself (diffusers 0.42), so a component the pipeline class lists
+    as optional (Wan's ``transformer`` and ``transformer_2``) passed that way is silently replaced by a fresh
+    full copy; the pipeline's own class takes it.
+    """
+    import json
+
+    index_file = folder.parent / "model_index.json"
+    if not index_file.is_file():
+        return
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, ValueError):
+        return
+    if folder.name not in index:
+        return
+    class_name = index.get("_class_name", "DiffusionPipeline")
+    import diffusers
+
+    pipeline_class = getattr(diffusers, class_name, None)
+    optional = folder.name in (getattr(pipeline_class, "_optional_components", None) or ())
+    how = f"{class_name}.from_pretrained({str(folder.parent)!r}, {folder.name}=handle.target)"
+    if optional:
+        logger.warning("memmode: %s is the %r component of a %s folder; pass it as %s: "
+                       "DiffusionPipeline.from_pretrained replaces an optional component passed this way with a "
+                       "fresh full copy, without a word", folder, folder.name, class_name, how)
+    else:
+        logger.info("memmode: %s is the %r component of a %s folder; use it with %s", folder, folder.name,
+                    class_name, how)
 
 
 def _assemble(folder: Path, index: dict | None, loads: list[ComponentLoad], torch_dtype, variant):

@@ -331,7 +331,7 @@ def plan(target: Any, *, device: Any = None, vram_budget: Any = None, ram_budget
                 given = {k: v for k, v in {**options, **variant}.items() if k in {o.name for o in placement.options}}
                 popts = resolve_options([(preg.name, placement.options)], given)[preg.name]
                 try:
-                    specs = lay_out(placement, tgt, popts, dev)
+                    specs = lay_out(placement, tgt, popts, dev).specs
                 except (IncompatibleModeError, InvalidOptionError):
                     continue
                 groups = claim_groups(tgt.components, specs)
