@@ -182,3 +182,37 @@ def test_qfloat8_packs_rows_in_chunks_to_the_same_bits(dtype):
     assert parts.keys() == whole.keys()
     for name in whole:
         assert parts[name].dtype == whole[name].dtype and torch.equal(parts[name], whole[name]), name
+
+
+# -- what could make a scale or a dequantized value overflow --------------------------------------------
+
+
+def _adversarial_weights():
+    generator = torch.Generator().manual_seed(3)
+    base = torch.randn(8, 32, generator=generator)
+    yield "zero rows", torch.cat([torch.zeros(4, 32), base[:4]])
+    yield "subnormal rows", base * 1e-40
+    yield "tiny rows", base * 1e-30
+    yield "huge float32", base * 1e36
+    yield "float16 at its largest", (base / base.abs().max() * 65504).half()
+    yield "bfloat16 near its largest", (base / base.abs().max() * 3e38).bfloat16()
+    yield "one large weight per row", torch.eye(8, 32) * 1e4 + base * 1e-3
+    yield "constant rows", torch.full((8, 32), -2.5)
+
+
+@pytest.mark.parametrize("quantizer", [QFloat8(), QFloat4()], ids=["qfloat8", "qfloat4"])
+def test_no_weight_the_source_dtype_can_hold_dequantizes_to_a_non_finite_value(quantizer):
+    """Every scale is computed in float32 from the weight's own maximum, clamped away from zero (a zero or
+    subnormal row divides to zeros, not NaN) and the largest code times its scale is the maximum again (the
+    block holding a tensor's maximum gets NVFP4's exact top scale), so a weight dequantizes, in any compute
+    dtype that holds its source values, to finite values close to it."""
+    for name, weight in _adversarial_weights():
+        largest = float(weight.float().abs().max())
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            if largest > torch.finfo(dtype).max:
+                continue
+            got = roundtrip(quantizer, weight, dtype)
+            assert torch.isfinite(got).all(), f"{name} in {dtype}: non-finite"
+            if weight.float().abs().max() > torch.finfo(dtype).tiny * 1e3:
+                floor = 8 if dtype == torch.float32 else 5  # bfloat16's own rounding is coarser than the codes'
+                assert sqnr(weight.float(), got.float()) > floor, f"{name} in {dtype}"

@@ -30,6 +30,8 @@ API: ``FAMILIES`` (name -> builder), ``make_pipeline(family, seed, dtype)``,
 
 from __future__ import annotations
 
+import contextlib
+
 import string
 import zlib
 from functools import partial
@@ -191,11 +193,42 @@ def _cast(module: torch.nn.Module, dtype: torch.dtype) -> None:
             tensor.data = tensor.data.to(dtype)
 
 
+@contextlib.contextmanager
+def _uninitialized_memory_is_nan():
+    """``torch.empty`` fills floating-point memory with NaN while this is active.
+
+    Some models leave a parameter uninitialized and count on the checkpoint to fill it (Lumina-Next's
+    ``pad_token = nn.Parameter(torch.empty(...))``): built from config, it would hold whatever the
+    allocator returned, which differs from one build to the next (a NaN in one, plausible numbers in
+    the other) and makes two builds of one seed disagree.  PyTorch's deterministic mode fills such memory
+    with NaN, which :func:`_component` then replaces with seeded values.
+    """
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+
+
 def _component(name: str, factory: Callable[[], torch.nn.Module], *, seed: int, dtype: torch.dtype):
-    """``factory()`` run under its own seed (without disturbing the caller's global RNG), cast, in eval mode."""
+    """``factory()`` run under its own seed (without disturbing the caller's global RNG), cast, in eval mode.
+
+    Tensors the model leaves uninitialized (``torch.empty``: NaN here, see
+    :func:`_uninitialized_memory_is_nan`) get seeded normal values, as a checkpoint would give them.
+    """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_component_seed(seed, name))
-        module = factory()
+        with _uninitialized_memory_is_nan():
+            module = factory()
+        with torch.no_grad():
+            for tensor in chain(module.parameters(), module.buffers()):
+                if tensor.is_floating_point() and tensor.isnan().any():
+                    tensor.copy_(torch.where(tensor.isnan(), torch.randn_like(tensor) * 0.02, tensor))
     _cast(module, dtype)
     return module.eval()
 
