@@ -318,7 +318,9 @@ def _add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--model", metavar="DIR", help="a local diffusers pipeline folder (default: the built-in "
                         "Wan 2.2-shaped pipeline with random weights)")
-    parser.add_argument("--size", choices=sorted(SIZES), default="small", help="size of the built-in pipeline")
+    parser.add_argument("--size", choices=sorted(SIZES), default="small",
+                        help="size of the built-in pipeline: small (0.036 B parameters per transformer) or tiny "
+                             "(0.05 M parameters per transformer)")
     parser.add_argument("--dtype", help="load the weights in this dtype (bfloat16, float16, float32)")
     parser.add_argument("--device", help="compute device (default: cuda when available, else cpu)")
     parser.add_argument("--steps", type=int, default=4, help="denoising steps per call")
