@@ -31,7 +31,6 @@ API: ``FAMILIES`` (name -> builder), ``make_pipeline(family, seed, dtype)``,
 from __future__ import annotations
 
 import contextlib
-
 import string
 import zlib
 from functools import partial
@@ -151,17 +150,21 @@ def _t5_tokenizer() -> T5Tokenizer:
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=MAX_SEQUENCE_LENGTH)
 
 
+def _byte_level_bpe(tokenizer_cls, specials: list[str], text: str, **kwargs):
+    """A byte-level BPE tokenizer of ``tokenizer_cls`` (GPT-2 / RoBERTa / Qwen layout): the ``specials``,
+    all 256 byte symbols, then merges that make each pre-tokenized word of ``text`` a single token."""
+    for special in specials:
+        text = text.replace(special, "\n")
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    words = [piece for piece in _pre_tokenized(tokenizer_cls(), text) if len(piece) > 1]
+    merges = _prefix_merges([list(piece) for piece in words])
+    return tokenizer_cls(vocab=_bpe_vocab(specials, alphabet, merges), merges=merges, **kwargs)
+
+
 def _qwen_tokenizer() -> Qwen2Tokenizer:
     """Byte-level BPE over all 256 bytes plus the corpus' words, with Qwen's chat special tokens."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    words = [piece for piece in _pre_tokenized(Qwen2Tokenizer(), _CORPUS) if len(piece) > 1]
-    merges = _prefix_merges([list(piece) for piece in words])
-    return Qwen2Tokenizer(
-        vocab=_bpe_vocab(specials, alphabet, merges),
-        merges=merges,
-        extra_special_tokens=specials[1:],
-    )
+    return _byte_level_bpe(Qwen2Tokenizer, specials, _CORPUS, extra_special_tokens=specials[1:])
 
 
 # --------------------------------------------------------------------------- components
@@ -268,21 +271,58 @@ def _clip_encoder(model_cls, tokenizer, hidden_size: int = 32):
     return lambda: model_cls(config)
 
 
-def _image_vae(latent_channels: int = 4):
-    """A two-level ``AutoencoderKL`` (spatial scale factor 2)."""
+def _kl_vae(latent_channels: int, *, scaling_factor: float, shift_factor: float | None = None,
+            quant_conv: bool = True, levels: int = 2, channels: int = 3, sample_size: int = 32):
+    """An ``AutoencoderKL`` with ``levels`` resolution levels (spatial scale factor ``2 ** (levels - 1)``)
+    for images of ``channels`` channels (1: a mel spectrogram).
+
+    ``quant_conv=False`` is the Flux-family VAE (Flux, Chroma, Lumina 2): no ``quant_conv`` /
+    ``post_quant_conv`` modules at all, as in those checkpoints.
+    """
     return lambda: AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 16),
+        in_channels=channels,
+        out_channels=channels,
+        down_block_types=("DownEncoderBlock2D",) * levels,
+        up_block_types=("UpDecoderBlock2D",) * levels,
+        block_out_channels=(8, 16, 16, 16)[:levels],
         layers_per_block=1,
         latent_channels=latent_channels,
         norm_num_groups=4,
-        sample_size=16,
-        shift_factor=0.0609,
-        scaling_factor=1.5035,
+        sample_size=sample_size,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+        use_quant_conv=quant_conv,
+        use_post_quant_conv=quant_conv,
     )
+
+
+def _image_vae():
+    """The Flux / SD3 VAE here: two levels (spatial scale factor 2), four latent channels, shift and scale."""
+    return _kl_vae(4, scaling_factor=1.5035, shift_factor=0.0609, sample_size=16)
+
+
+def _wan_vae():
+    """The Wan 2.1 / 2.2 causal 3D VAE (16 latent channels, spatial x8, temporal x4)."""
+    return lambda: AutoencoderKLWan(
+        base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
+
+
+def _wan_transformer(**overrides):
+    """A two-block ``WanTransformer3DModel`` (the text-to-video layout; ``overrides`` add image conditioning)."""
+    config = dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,  # UMT5 d_model
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        rope_max_seq_len=32,
+    )
+    return lambda: WanTransformer3DModel(**{**config, **overrides})
 
 
 # --------------------------------------------------------------------------- families
@@ -292,30 +332,11 @@ def make_wan22(seed: int = 0, dtype: torch.dtype = torch.float32) -> WanPipeline
     """Wan 2.2 text-to-video (A14B layout): high-noise ``transformer`` + low-noise ``transformer_2``."""
     build = partial(_component, seed=seed, dtype=dtype)
     tokenizer = _t5_tokenizer()
-
-    def transformer():
-        return WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=2,
-            attention_head_dim=16,
-            in_channels=16,
-            out_channels=16,
-            text_dim=32,
-            freq_dim=32,
-            ffn_dim=64,
-            num_layers=2,
-            rope_max_seq_len=32,
-        )
-
+    transformer = _wan_transformer()
     return WanPipeline(
         tokenizer=tokenizer,
         text_encoder=build("text_encoder", _t5_encoder(UMT5EncoderModel, UMT5Config, tokenizer)),
-        vae=build(
-            "vae",
-            lambda: AutoencoderKLWan(
-                base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
-            ),
-        ),
+        vae=build("vae", _wan_vae()),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         transformer=build("transformer", transformer),
         transformer_2=build("transformer_2", transformer),
@@ -330,7 +351,7 @@ def make_flux(seed: int = 0, dtype: torch.dtype = torch.float32) -> FluxPipeline
     tokenizer, tokenizer_2 = _clip_tokenizer(), _t5_tokenizer()
     return FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=build("vae", _image_vae(latent_channels=4)),
+        vae=build("vae", _image_vae()),
         text_encoder=build("text_encoder", _clip_encoder(CLIPTextModel, tokenizer)),
         tokenizer=tokenizer,
         text_encoder_2=build("text_encoder_2", _t5_encoder(T5EncoderModel, T5Config, tokenizer_2)),
@@ -359,7 +380,7 @@ def make_sd3(seed: int = 0, dtype: torch.dtype = torch.float32) -> StableDiffusi
     tokenizer, tokenizer_2, tokenizer_3 = _clip_tokenizer(), _clip_tokenizer(), _t5_tokenizer()
     return StableDiffusion3Pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=build("vae", _image_vae(latent_channels=4)),
+        vae=build("vae", _image_vae()),
         text_encoder=build("text_encoder", _clip_encoder(CLIPTextModelWithProjection, tokenizer)),
         tokenizer=tokenizer,
         text_encoder_2=build("text_encoder_2", _clip_encoder(CLIPTextModelWithProjection, tokenizer_2)),

@@ -61,7 +61,6 @@ from typing import Callable
 import torch
 from diffusers import (
     CMStochasticIterativeScheduler,
-    CogVideoXDDIMScheduler,
     CogView3PlusPipeline,
     CogView3PlusTransformer2DModel,
     CogView4Pipeline,
@@ -106,17 +105,30 @@ from transformers import (
 )
 
 from tiny_pipelines import (
-    MAX_SEQUENCE_LENGTH,
     NEGATIVE_PROMPT,
     PROMPT,
     _clip_encoder,
     _clip_tokenizer,
     _component,
-    _component_seed,
+    _kl_vae,
     _t5_encoder,
     _t5_tokenizer,
 )
-from tiny_pipelines_more import _gemma_tokenizer, _kl_vae, _sd_scheduler, _sd_vae, _unet, _with_trained_zero_convs
+from tiny_pipelines_more import (
+    _IMAGE,
+    _NO_SAFETY_CHECKER,
+    _PIXART_DIT,
+    _T5,
+    _cogvideox_scheduler,
+    _gemma_tokenizer,
+    _lm_encoder,
+    _random_image,
+    _sd_components,
+    _sd_scheduler,
+    _sd_vae,
+    _unet,
+    _with_trained_zero_convs,
+)
 
 __all__ = ["FAMILIES", "KINDS", "call_kwargs", "make", "run"]
 
@@ -177,40 +189,6 @@ def _bert_encoder(tokenizer, hidden_size: int = 32):
         pad_token_id=tokenizer.pad_token_id,
     )
     return lambda: BertModel(config)
-
-
-def _gemma_encoder(tokenizer, hidden_size: int = 16):
-    """A two-layer ``GemmaModel`` (Gemma 1, GQA: the 2B encoder's architecture)."""
-    config = GemmaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    return lambda: GemmaModel(config)
-
-
-def _glm_encoder(tokenizer, hidden_size: int = 32):
-    config = GlmConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    return lambda: GlmModel(config)
 
 
 def _t5(build, d_model: int = 32):
@@ -280,9 +258,7 @@ def make_hunyuandit(seed: int = 0) -> HunyuanDiTPipeline:
         ),
         scheduler=DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.03,
                                 clip_sample=False, steps_offset=1, prediction_type="v_prediction"),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
+        **_NO_SAFETY_CHECKER,
     )
 
 
@@ -314,7 +290,7 @@ def make_lumina_next(seed: int = 0) -> LuminaPipeline:
         ),
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=build("vae", _factor8_vae()),
-        text_encoder=build("text_encoder", _gemma_encoder(tokenizer)),
+        text_encoder=build("text_encoder", _lm_encoder(GemmaModel, GemmaConfig, tokenizer)),  # Gemma 1 (2B's layout)
         tokenizer=tokenizer,
     )
 
@@ -326,26 +302,7 @@ def make_pixart_alpha(seed: int = 0) -> PixArtAlphaPipeline:
     return PixArtAlphaPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
-        transformer=build(
-            "transformer",
-            lambda: PixArtTransformer2DModel(
-                sample_size=8,
-                num_layers=2,
-                patch_size=2,
-                attention_head_dim=8,
-                num_attention_heads=3,
-                caption_channels=32,  # T5 d_model
-                in_channels=4,
-                cross_attention_dim=24,
-                out_channels=8,
-                attention_bias=True,
-                activation_fn="gelu-approximate",
-                num_embeds_ada_norm=1000,
-                norm_type="ada_norm_single",
-                norm_elementwise_affine=False,
-                norm_eps=1e-6,
-            ),
-        ),
+        transformer=build("transformer", lambda: PixArtTransformer2DModel(**_PIXART_DIT)),
         vae=build("vae", _sd_vae()),
         scheduler=DPMSolverMultistepScheduler(),
     )
@@ -376,10 +333,7 @@ def make_cogview3plus(seed: int = 0) -> CogView3PlusPipeline:
             ),
         ),
         vae=build("vae", _kl_vae(4, scaling_factor=1.0)),
-        scheduler=CogVideoXDDIMScheduler(
-            beta_schedule="scaled_linear", prediction_type="v_prediction", rescale_betas_zero_snr=True,
-            set_alpha_to_one=True, timestep_spacing="trailing", snr_shift_scale=4.0,
-        ),
+        scheduler=_cogvideox_scheduler(snr_shift_scale=4.0),
     )
 
 
@@ -390,7 +344,9 @@ def make_cogview4(seed: int = 0) -> CogView4Pipeline:
     tokenizer = _glm_tokenizer()
     return CogView4Pipeline(
         tokenizer=tokenizer,
-        text_encoder=build("text_encoder", _glm_encoder(tokenizer)),
+        text_encoder=build(
+            "text_encoder", _lm_encoder(GlmModel, GlmConfig, tokenizer, hidden_size=32, heads=4, kv_heads=2)
+        ),
         transformer=build(
             "transformer",
             lambda: CogView4Transformer2DModel(
@@ -445,16 +401,9 @@ def make_lcm(seed: int = 0) -> LatentConsistencyModelPipeline:
     """Latent consistency model (LCM Dreamshaper layout): SD 1.5 components, the guidance scale embedded
     through the UNet's ``time_cond_proj_dim``; LCM scheduler."""
     build = partial(_component, seed=seed, dtype=torch.float32)
-    tokenizer = _clip_tokenizer()
     return LatentConsistencyModelPipeline(
-        vae=build("vae", _sd_vae()),
-        text_encoder=build("text_encoder", _clip_encoder(CLIPTextModel, tokenizer)),
-        tokenizer=tokenizer,
-        unet=build("unet", _unet(time_cond_proj_dim=32)),
+        **_sd_components(build, time_cond_proj_dim=32),
         scheduler=_sd_scheduler(LCMScheduler, clip_sample=False, set_alpha_to_one=False),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
     )
 
 
@@ -531,10 +480,8 @@ def make_deepfloyd_if(seed: int = 0) -> IFPipeline:
             beta_schedule="squaredcos_cap_v2", thresholding=True, dynamic_thresholding_ratio=0.95,
             sample_max_value=1.0, prediction_type="epsilon", variance_type="learned_range",
         ),
-        safety_checker=None,
-        feature_extractor=None,
+        **_NO_SAFETY_CHECKER,
         watermarker=None,
-        requires_safety_checker=False,
     )
 
 
@@ -603,9 +550,6 @@ KINDS: dict[str, str] = {
     "sd_upscale": "unet",
 }
 
-_IMAGE = dict(prompt=PROMPT, num_inference_steps=2, height=16, width=16, output_type="pt")
-_T5 = dict(max_sequence_length=MAX_SEQUENCE_LENGTH)
-
 _CALL_KWARGS: dict[str, dict] = {
     "dit": dict(class_labels=[1], num_inference_steps=2, guidance_scale=4.0, output_type="pt"),
     "hunyuandit": dict(_IMAGE, height=32, width=32, negative_prompt=NEGATIVE_PROMPT, guidance_scale=5.0,
@@ -647,8 +591,7 @@ def call_kwargs(family: str, seed: int = 0) -> dict:
     """
     kwargs = dict(_CALL_KWARGS[family])
     if family == "sd_upscale":
-        generator = torch.Generator().manual_seed(_component_seed(seed, "low_res_image"))
-        kwargs["image"] = torch.rand(1, 3, LOW_RES_SIZE, LOW_RES_SIZE, generator=generator)
+        kwargs["image"] = _random_image(seed, "low_res_image", LOW_RES_SIZE)
     return kwargs
 
 

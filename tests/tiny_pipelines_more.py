@@ -12,6 +12,8 @@ seed derived from ``(seed, component name)`` (``_component``), so two builds are
 global RNG is left alone; tokenizers are the classes the pipelines expect, built in code from a small
 vocabulary (nothing is downloaded); dimensions follow the ``get_dummy_components()`` of diffusers' own
 tests, with the text-encoder widths matched to our tokenizers.  Everything is float32, on CPU, in eval mode.
+Its component helpers (VAEs, UNet and DiT configurations, language-model and CLIP vision encoders, filling
+zero-initialised weights, schedulers, seeded random call inputs) serve the later builder modules too.
 
 Families (pipeline class):
 
@@ -40,7 +42,6 @@ from diffusers import (
     AuraFlowPipeline,
     AuraFlowTransformer2DModel,
     AutoencoderDC,
-    AutoencoderKL,
     AutoencoderKLCogVideoX,
     AutoencoderKLHunyuanVideo,
     AutoencoderKLMochi,
@@ -79,8 +80,10 @@ from diffusers import (
 from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE as HUNYUAN_TEMPLATE
 from tokenizers import Tokenizer, models, trainers
 from transformers import (
+    CLIPImageProcessor,
     CLIPTextModel,
     CLIPTextModelWithProjection,
+    CLIPVisionConfig,
     Gemma2Config,
     Gemma2Model,
     GemmaTokenizer,
@@ -102,6 +105,7 @@ from tiny_pipelines import (
     _clip_tokenizer,
     _component,
     _component_seed,
+    _kl_vae,
     _t5_encoder,
     _t5_tokenizer,
 )
@@ -165,47 +169,51 @@ def _llama_tokenizer() -> LlamaTokenizer:
 # --------------------------------------------------------------------------- components
 
 
-def _gemma2_encoder(tokenizer, hidden_size: int = 16):
-    """A two-layer ``Gemma2Model`` (GQA, soft-capping, sliding window: the real encoder's architecture)."""
-    config = Gemma2Config(
+def _lm_encoder(model_cls, config_cls, tokenizer, *, hidden_size: int = 16, heads: int = 2, kv_heads: int = 1,
+                layers: int = 2, max_positions: int = 512, **config):
+    """A decoder-only language model of ``model_cls`` as a text encoder (Gemma, Llama, GLM, Qwen3): ``layers``
+    layers, grouped-query attention (``heads`` query and ``kv_heads`` key/value heads, 8 wide), the tokenizer's
+    vocabulary and special tokens; ``config``, what else ``config_cls`` is given."""
+    config = config_cls(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         head_dim=8,
-        max_position_embeddings=512,
-        sliding_window=8,
+        max_position_embeddings=max_positions,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        **config,
     )
-    return lambda: Gemma2Model(config)
+    return lambda: model_cls(config)
 
 
-def _kl_vae(latent_channels: int, *, scaling_factor: float, shift_factor: float | None = None,
-            quant_conv: bool = True, levels: int = 2):
-    """An ``AutoencoderKL`` with ``levels`` resolution levels (spatial scale factor ``2 ** (levels - 1)``).
+def _gemma2_encoder(tokenizer):
+    """SANA's and Lumina 2's text encoder: a ``Gemma2Model`` (GQA, soft-capping, sliding window: the real
+    encoder's architecture)."""
+    return _lm_encoder(Gemma2Model, Gemma2Config, tokenizer, sliding_window=8)
 
-    ``quant_conv=False`` is the Flux-family VAE (Flux, Chroma, Lumina 2): no ``quant_conv`` /
-    ``post_quant_conv`` modules at all, as in those checkpoints.
-    """
-    return lambda: AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * levels,
-        up_block_types=("UpDecoderBlock2D",) * levels,
-        block_out_channels=(8, 16, 16, 16)[:levels],
-        layers_per_block=1,
-        latent_channels=latent_channels,
-        norm_num_groups=4,
-        sample_size=32,
-        scaling_factor=scaling_factor,
-        shift_factor=shift_factor,
-        use_quant_conv=quant_conv,
-        use_post_quant_conv=quant_conv,
+
+def _clip_vision_encoder(model_cls, hidden_size: int, *, image_size: int, patch_size: int, heads: int = 2):
+    """A two-layer CLIP vision encoder of ``model_cls`` (with projection: as wide as the hidden states)."""
+    config = CLIPVisionConfig(
+        hidden_size=hidden_size,
+        projection_dim=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        image_size=image_size,
+        patch_size=patch_size,
     )
+    return lambda: model_cls(config)
+
+
+def _clip_image_processor(size: int) -> CLIPImageProcessor:
+    """A CLIP image processor that resizes and crops to ``size`` pixels (the vision encoder's input)."""
+    return CLIPImageProcessor(crop_size=size, size=size)
 
 
 def _sd_vae():
@@ -238,18 +246,58 @@ def _unet(**overrides):
     return lambda: UNet2DConditionModel(**{**config, **overrides})
 
 
-def _with_trained_zero_convs(factory: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
-    """``factory``, with the parameters it initialises to zero filled with small random values.
+#: The PixArt DiT (adaLN-single, cross-attention to T5, learned sigma) of PixArt-Alpha / Sigma, on which
+#: Latte's spatial/temporal blocks are built.
+_PIXART_DIT = dict(
+    sample_size=8,
+    num_layers=2,
+    patch_size=2,
+    attention_head_dim=8,
+    num_attention_heads=3,
+    caption_channels=32,  # T5 d_model
+    in_channels=4,
+    cross_attention_dim=24,
+    out_channels=8,  # learned sigma: the pipeline keeps the first four channels
+    attention_bias=True,
+    activation_fn="gelu-approximate",
+    num_embeds_ada_norm=1000,
+    norm_type="ada_norm_single",
+    norm_elementwise_affine=False,
+    norm_eps=1e-6,
+)
+
+
+def _oobleck_vae(latent_channels: int):
+    """The Stable Audio Open VAE layout (``AutoencoderOobleck``: stereo waveform, hop length 2)."""
+    return lambda: AutoencoderOobleck(
+        encoder_hidden_size=6,
+        downsampling_ratios=[1, 2],
+        decoder_channels=3,
+        decoder_input_channels=latent_channels,
+        audio_channels=2,
+        channel_multiples=[2, 4],
+        sampling_rate=4,
+    )
+
+
+def _with_trained_zero_convs(
+    factory: Callable[[], torch.nn.Module], *, below: float | None = None
+) -> Callable[[], torch.nn.Module]:
+    """``factory``, with the parameters it initialises to zero (with ``below``: to values all smaller than it
+    in magnitude) filled with small random values.
 
     A fresh ControlNet's "zero convolutions" make its residuals exactly zero, so the control image and
     most of its weights would have no influence on the output; a trained ControlNet's do.
     """
 
+    def untrained(parameter: torch.Tensor) -> bool:
+        return not parameter.any() if below is None else bool(parameter.abs().max() < below)
+
     def build():
         module = factory()
         with torch.no_grad():
             for parameter in module.parameters():
-                if not parameter.any():
+                if untrained(parameter):
                     parameter.normal_(std=0.05)
         return module
 
@@ -261,17 +309,29 @@ def _sd_scheduler(cls, **extra):
     return cls(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1, **extra)
 
 
-def _sd_components(build) -> dict:
-    """Components shared by the SD 1.5 text-to-image and ControlNet pipelines."""
+def _cogvideox_scheduler(snr_shift_scale: float) -> CogVideoXDDIMScheduler:
+    """CogVideoX's DDIM (v-prediction, zero terminal SNR, trailing timesteps), as CogVideoX and CogView3-Plus
+    ship it (with their own SNR shift)."""
+    return CogVideoXDDIMScheduler(
+        beta_schedule="scaled_linear", prediction_type="v_prediction", rescale_betas_zero_snr=True,
+        set_alpha_to_one=True, timestep_spacing="trailing", snr_shift_scale=snr_shift_scale,
+    )
+
+
+#: What the SD-family pipelines are given for their safety checker: none.
+_NO_SAFETY_CHECKER = dict(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+
+
+def _sd_components(build, **unet_overrides) -> dict:
+    """Components shared by the SD 1.5 text-to-image, ControlNet and LCM pipelines (``unet_overrides``: see
+    ``_unet``)."""
     tokenizer = _clip_tokenizer()
     return dict(
         vae=build("vae", _sd_vae()),
         text_encoder=build("text_encoder", _clip_encoder(CLIPTextModel, tokenizer)),
         tokenizer=tokenizer,
-        unet=build("unet", _unet()),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
+        unet=build("unet", _unet(**unet_overrides)),
+        **_NO_SAFETY_CHECKER,
     )
 
 
@@ -338,20 +398,11 @@ def make_hunyuanvideo(seed: int = 0) -> HunyuanVideoPipeline:
     build = partial(_component, seed=seed, dtype=torch.float32)
     tokenizer, tokenizer_2 = _llama_tokenizer(), _clip_tokenizer()
     tokenizer_2.model_max_length = 77  # the pipeline pads the CLIP prompt to 77 tokens, whatever the tokenizer says
-    llama = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=3,  # the pipeline reads hidden_states[-3]: the last two layers never count
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
     return HunyuanVideoPipeline(
-        text_encoder=build("text_encoder", lambda: LlamaModel(llama)),
+        # three layers: the pipeline reads hidden_states[-3], so the last two never count
+        text_encoder=build(
+            "text_encoder", _lm_encoder(LlamaModel, LlamaConfig, tokenizer, layers=3, max_positions=256)
+        ),
         tokenizer=tokenizer,
         text_encoder_2=build("text_encoder_2", _clip_encoder(CLIPTextModel, tokenizer_2, hidden_size=8)),
         tokenizer_2=tokenizer_2,
@@ -433,10 +484,7 @@ def make_cogvideox(seed: int = 0) -> CogVideoXPipeline:
                 temporal_compression_ratio=4,
             ),
         ),
-        scheduler=CogVideoXDDIMScheduler(
-            beta_schedule="scaled_linear", prediction_type="v_prediction", rescale_betas_zero_snr=True,
-            set_alpha_to_one=True, timestep_spacing="trailing", snr_shift_scale=3.0,
-        ),
+        scheduler=_cogvideox_scheduler(snr_shift_scale=3.0),
     )
 
 
@@ -538,26 +586,7 @@ def make_pixart_sigma(seed: int = 0) -> PixArtSigmaPipeline:
     return PixArtSigmaPipeline(
         tokenizer=tokenizer,
         text_encoder=build("text_encoder", _t5_encoder(T5EncoderModel, T5Config, tokenizer)),
-        transformer=build(
-            "transformer",
-            lambda: PixArtTransformer2DModel(
-                sample_size=8,
-                num_layers=2,
-                patch_size=2,
-                attention_head_dim=8,
-                num_attention_heads=3,
-                caption_channels=32,  # T5 d_model
-                in_channels=4,
-                cross_attention_dim=24,
-                out_channels=8,  # learned sigma: the pipeline keeps the first four channels
-                attention_bias=True,
-                activation_fn="gelu-approximate",
-                num_embeds_ada_norm=1000,
-                norm_type="ada_norm_single",
-                norm_elementwise_affine=False,
-                norm_eps=1e-6,
-            ),
-        ),
+        transformer=build("transformer", lambda: PixArtTransformer2DModel(**_PIXART_DIT)),
         vae=build("vae", _sd_vae()),
         scheduler=DPMSolverMultistepScheduler(),
     )
@@ -679,18 +708,7 @@ def make_stable_audio(seed: int = 0) -> StableAudioPipeline:
                 cross_attention_input_dim=4,
             ),
         ),
-        vae=build(
-            "vae",
-            lambda: AutoencoderOobleck(
-                encoder_hidden_size=6,
-                downsampling_ratios=[1, 2],
-                decoder_channels=3,
-                decoder_input_channels=3,
-                audio_channels=2,
-                channel_multiples=[2, 4],
-                sampling_rate=4,
-            ),
-        ),
+        vae=build("vae", _oobleck_vae(latent_channels=3)),
         scheduler=EDMDPMSolverMultistepScheduler(
             sigma_min=0.3, sigma_max=500.0, sigma_data=1.0, sigma_schedule="exponential",
             prediction_type="v_prediction", solver_order=2,
@@ -757,6 +775,18 @@ def make_more(family: str, seed: int = 0) -> DiffusionPipeline:
     return pipe
 
 
+def _call_generator(seed: int, name: str) -> torch.Generator:
+    """A generator for the call input ``name`` (a control image, image embeddings), derived from the call seed
+    as a component's seed is from the build seed: each call seed gets other inputs."""
+    return torch.Generator().manual_seed(_component_seed(seed, name))
+
+
+def _random_image(seed: int, name: str, height: int, width: int | None = None) -> torch.Tensor:
+    """A fixed random RGB image in [0, 1], ``(1, 3, height, width)`` (square by default), for the call input
+    ``name``: see ``_call_generator``."""
+    return torch.rand(1, 3, height, width or height, generator=_call_generator(seed, name))
+
+
 def more_call_kwargs(family: str, seed: int = 0) -> dict:
     """Keyword arguments (a fresh dict, without ``generator``) for one small, fast call of ``family``.
 
@@ -767,8 +797,7 @@ def more_call_kwargs(family: str, seed: int = 0) -> dict:
     if family == "hunyuanvideo":
         kwargs["prompt_template"] = dict(_hunyuan_prompt_template())
     if family == "controlnet":
-        generator = torch.Generator().manual_seed(_component_seed(seed, "control_image"))
-        kwargs["image"] = torch.rand(1, 3, kwargs["height"], kwargs["width"], generator=generator)
+        kwargs["image"] = _random_image(seed, "control_image", kwargs["height"], kwargs["width"])
     return kwargs
 
 

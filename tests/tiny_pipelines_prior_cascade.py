@@ -87,10 +87,8 @@ from diffusers.pipelines.deprecated.wuerstchen import PaellaVQModel, WuerstchenD
 from diffusers.pipelines.shap_e import ShapERenderer
 from diffusers.pipelines.stable_diffusion.stable_unclip_image_normalizer import StableUnCLIPImageNormalizer
 from transformers import (
-    CLIPImageProcessor,
     CLIPTextModel,
     CLIPTextModelWithProjection,
-    CLIPVisionConfig,
     CLIPVisionModelWithProjection,
     T5Config,
     T5EncoderModel,
@@ -103,11 +101,18 @@ from tiny_pipelines import (
     _clip_encoder,
     _clip_tokenizer,
     _component,
-    _component_seed,
     _t5_encoder,
     _t5_tokenizer,
 )
-from tiny_pipelines_more import _sd_scheduler, _sd_vae, _unet, _with_trained_zero_convs
+from tiny_pipelines_more import (
+    _call_generator,
+    _clip_image_processor,
+    _clip_vision_encoder,
+    _sd_scheduler,
+    _sd_vae,
+    _unet,
+    _with_trained_zero_convs,
+)
 
 __all__ = ["FAMILIES", "KINDS", "call_kwargs", "make", "run"]
 
@@ -137,25 +142,6 @@ def _with_embedding_stats(factory: Callable[[], torch.nn.Module], mean: str, std
     return build
 
 
-def _with_trained_vanishing_weights(factory: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
-    """``factory``, with the parameters it leaves zero *or vanishingly small* filled with small random values.
-
-    ``WuerstchenDiffNeXt._init_weights`` runs once per submodule (``self.apply``) and scales every
-    ``ResBlockStageB``'s last ``channelwise`` layer by ``sqrt(1 / sum(blocks))`` each time: a fresh model's are
-    about 1e-15, so its residual blocks -- and the stage C embeddings they inject -- have no influence.
-    """
-
-    def build():
-        module = factory()
-        with torch.no_grad():
-            for parameter in module.parameters():
-                if parameter.abs().max() < 1e-6:
-                    parameter.normal_(std=0.05)
-        return module
-
-    return build
-
-
 def _prior_transformer(**config):
     """A ``PriorTransformer`` as a checkpoint leaves it: positional and ``prd`` embeddings, CLIP statistics set."""
     return _with_embedding_stats(lambda: PriorTransformer(**config), "clip_mean", "clip_std")
@@ -173,22 +159,9 @@ def _image_normalizer():
     return _with_embedding_stats(lambda: StableUnCLIPImageNormalizer(embedding_dim=EMBED_DIM), "mean", "std")
 
 
-def _clip_vision_encoder():
-    config = CLIPVisionConfig(
-        hidden_size=EMBED_DIM,
-        projection_dim=EMBED_DIM,
-        intermediate_size=2 * EMBED_DIM,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=IMAGE_SIZE,
-        patch_size=4,
-        num_channels=3,
-    )
-    return lambda: CLIPVisionModelWithProjection(config)
-
-
-def _clip_image_processor() -> CLIPImageProcessor:
-    return CLIPImageProcessor(crop_size=IMAGE_SIZE, size=IMAGE_SIZE)
+def _image_encoder():
+    """The CLIP vision encoder of Kandinsky 2.2's prior and Stable unCLIP image variation: ``EMBED_DIM`` wide."""
+    return _clip_vision_encoder(CLIPVisionModelWithProjection, EMBED_DIM, image_size=IMAGE_SIZE, patch_size=4, heads=4)
 
 
 def _movq():
@@ -239,14 +212,14 @@ def make_kandinsky22_prior(seed: int = 0) -> KandinskyV22PriorPipeline:
     tokenizer = _clip_tokenizer()
     return KandinskyV22PriorPipeline(
         prior=build("prior", _unclip_prior()),
-        image_encoder=build("image_encoder", _clip_vision_encoder()),
+        image_encoder=build("image_encoder", _image_encoder()),
         text_encoder=build("text_encoder", _clip_encoder(CLIPTextModelWithProjection, tokenizer)),
         tokenizer=tokenizer,
         scheduler=UnCLIPScheduler(
             variance_type="fixed_small_log", prediction_type="sample", num_train_timesteps=1000, clip_sample=True,
             clip_sample_range=10.0,
         ),
-        image_processor=_clip_image_processor(),
+        image_processor=_clip_image_processor(IMAGE_SIZE),
     )
 
 
@@ -402,8 +375,8 @@ def make_stable_unclip_img2img(seed: int = 0) -> StableUnCLIPImg2ImgPipeline:
     """Stable unCLIP image variation: the CLIP vision encoder embeds the input image, the rest as ``stable_unclip``."""
     build = partial(_component, seed=seed, dtype=torch.float32)
     return StableUnCLIPImg2ImgPipeline(
-        feature_extractor=_clip_image_processor(),
-        image_encoder=build("image_encoder", _clip_vision_encoder()),
+        feature_extractor=_clip_image_processor(IMAGE_SIZE),
+        image_encoder=build("image_encoder", _image_encoder()),
         **_stable_unclip_denoiser(build),
     )
 
@@ -432,7 +405,11 @@ def make_wuerstchen_decoder(seed: int = 0) -> WuerstchenDecoderPipeline:
     return WuerstchenDecoderPipeline(
         tokenizer=tokenizer,
         text_encoder=build("text_encoder", _clip_encoder(CLIPTextModel, tokenizer)),
-        decoder=build("decoder", _with_trained_vanishing_weights(decoder)),
+        # ``WuerstchenDiffNeXt._init_weights`` runs once per submodule (``self.apply``) and scales every
+        # ``ResBlockStageB``'s last ``channelwise`` layer by ``sqrt(1 / sum(blocks))`` each time: a fresh model's
+        # are about 1e-15, so its residual blocks -- and the stage C embeddings they inject -- would have no
+        # influence.  Those are filled like the zero-initialised parameters.
+        decoder=build("decoder", _with_trained_zero_convs(decoder, below=1e-6)),
         scheduler=DDPMWuerstchenScheduler(),
         vqgan=build("vqgan", _paella_vq()),
         latent_dim_scale=4.0,
@@ -582,10 +559,6 @@ def make(family: str, seed: int = 0) -> DiffusionPipeline:
     pipe = FAMILIES[family](seed=seed)
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-def _call_generator(seed: int, name: str) -> torch.Generator:
-    return torch.Generator().manual_seed(_component_seed(seed, name))
 
 
 def call_kwargs(family: str, seed: int = 0) -> dict:

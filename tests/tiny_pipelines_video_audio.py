@@ -78,11 +78,8 @@ from diffusers import (
     AudioLDM2ProjectionModel,
     AudioLDM2UNet2DConditionModel,
     AudioLDMPipeline,
-    AutoencoderKL,
     AutoencoderKLAllegro,
     AutoencoderKLTemporalDecoder,
-    AutoencoderKLWan,
-    AutoencoderOobleck,
     DanceDiffusionPipeline,
     DDIMScheduler,
     DiffusionPipeline,
@@ -100,13 +97,11 @@ from diffusers import (
     UNetMotionModel,
     UNetSpatioTemporalConditionModel,
     WanImageToVideoPipeline,
-    WanTransformer3DModel,
 )
 from diffusers.models.transformers.ace_step_transformer import AceStepTransformer1DModel
 from diffusers.pipelines.ace_step import AceStepConditionEncoder
 from diffusers.pipelines.ace_step.pipeline_ace_step import DEFAULT_DIT_INSTRUCTION, SFT_GEN_PROMPT
 from diffusers.pipelines.wan import pipeline_wan_i2v
-from tokenizers import pre_tokenizers
 from transformers import (
     ClapAudioConfig,
     ClapConfig,
@@ -114,9 +109,7 @@ from transformers import (
     ClapModel,
     ClapTextConfig,
     ClapTextModelWithProjection,
-    CLIPImageProcessor,
     CLIPTextModel,
-    CLIPVisionConfig,
     CLIPVisionModel,
     CLIPVisionModelWithProjection,
     GPT2Config,
@@ -138,17 +131,27 @@ from tiny_pipelines import (
     MAX_SEQUENCE_LENGTH,
     NEGATIVE_PROMPT,
     PROMPT,
-    _bpe_vocab,
+    _byte_level_bpe,
     _clip_encoder,
     _clip_tokenizer,
     _component,
-    _component_seed,
-    _pre_tokenized,
-    _prefix_merges,
+    _kl_vae,
     _t5_encoder,
     _t5_tokenizer,
+    _wan_transformer,
+    _wan_vae,
 )
-from tiny_pipelines_more import _kl_vae, _sd_vae, _with_trained_zero_convs
+from tiny_pipelines_more import (
+    _PIXART_DIT,
+    _clip_image_processor,
+    _clip_vision_encoder,
+    _lm_encoder,
+    _oobleck_vae,
+    _random_image,
+    _sd_scheduler,
+    _sd_vae,
+    _with_trained_zero_convs,
+)
 
 __all__ = ["FAMILIES", "KINDS", "call_kwargs", "make", "run"]
 
@@ -162,17 +165,6 @@ _ROBERTA_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # bos=0, pad=1,
 
 
 # --------------------------------------------------------------------------- tokenizers
-
-
-def _byte_level_bpe(tokenizer_cls, specials: list[str], text: str, **kwargs):
-    """A byte-level BPE tokenizer of ``tokenizer_cls`` (GPT-2 / RoBERTa / Qwen layout): the ``specials``,
-    all 256 byte symbols, then merges that make each pre-tokenized word of ``text`` a single token."""
-    for special in specials:
-        text = text.replace(special, "\n")
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    words = [piece for piece in _pre_tokenized(tokenizer_cls(), text) if len(piece) > 1]
-    merges = _prefix_merges([list(piece) for piece in words])
-    return tokenizer_cls(vocab=_bpe_vocab(specials, alphabet, merges), merges=merges, **kwargs)
 
 
 def _roberta_tokenizer() -> RobertaTokenizer:
@@ -197,19 +189,6 @@ def _qwen3_tokenizer() -> Qwen2Tokenizer:
 # --------------------------------------------------------------------------- components
 
 
-def _clip_vision(model_cls, hidden_size: int, *, image_size: int = 32, patch_size: int = 1, layers: int = 2):
-    config = CLIPVisionConfig(
-        hidden_size=hidden_size,
-        projection_dim=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        image_size=image_size,
-        patch_size=patch_size,
-    )
-    return lambda: model_cls(config)
-
-
 def _hifigan_vocoder():
     """SpeechT5's HiFi-GAN: 8 mel bins in, x4 upsampling (16 kHz)."""
     config = SpeechT5HifiGanConfig(
@@ -230,18 +209,19 @@ def _hifigan_vocoder():
 
 def _mel_vae():
     """The AudioLDM VAE layout: a one-channel mel spectrogram, two levels (scale factor 2)."""
-    return lambda: AutoencoderKL(
-        in_channels=1,
-        out_channels=1,
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 16),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=4,
-        sample_size=32,
-        scaling_factor=0.9227,
-    )
+    return _kl_vae(4, scaling_factor=0.9227, channels=1)
+
+
+#: The AudioLDM / AudioLDM 2 UNet layout on the mel VAE's latents (the two add their text conditioning).
+_MEL_UNET = dict(
+    sample_size=8,
+    in_channels=4,
+    out_channels=4,
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+    block_out_channels=(32, 64),
+    layers_per_block=1,
+)
 
 
 def _clap_text_config(tokenizer, hidden_size: int) -> ClapTextConfig:
@@ -287,7 +267,7 @@ def make_svd(seed: int = 0) -> StableVideoDiffusionPipeline:
             ),
         ),
         image_encoder=build(
-            "image_encoder", _clip_vision(CLIPVisionModelWithProjection, 32, image_size=16, patch_size=2)
+            "image_encoder", _clip_vision_encoder(CLIPVisionModelWithProjection, 32, image_size=16, patch_size=2)
         ),
         unet=build(
             "unet",
@@ -305,22 +285,19 @@ def make_svd(seed: int = 0) -> StableVideoDiffusionPipeline:
                 projection_class_embeddings_input_dim=3 * addition_time_embed_dim,  # fps, motion bucket, noise aug
             ),
         ),
-        scheduler=EulerDiscreteScheduler(
-            beta_start=0.00085,
-            beta_end=0.012,
-            beta_schedule="scaled_linear",
+        scheduler=_sd_scheduler(
+            EulerDiscreteScheduler,
             interpolation_type="linear",
             prediction_type="v_prediction",
             sigma_max=700.0,
             sigma_min=0.002,
-            steps_offset=1,
             timestep_spacing="leading",
             timestep_type="continuous",
             use_karras_sigmas=True,
         ),
         # The pipeline only normalises with it (no resize, no crop), and resizes only PIL images (to 224
         # pixels): the tensor image of the call reaches the vision encoder at 16 pixels.
-        feature_extractor=CLIPImageProcessor(crop_size=16, size=16),
+        feature_extractor=_clip_image_processor(16),
     )
 
 
@@ -407,24 +384,8 @@ def make_latte(seed: int = 0) -> LattePipeline:
         text_encoder=build("text_encoder", _t5_encoder(T5EncoderModel, T5Config, tokenizer)),
         transformer=build(
             "transformer",
-            lambda: LatteTransformer3DModel(
-                sample_size=8,
-                num_layers=2,
-                patch_size=2,
-                attention_head_dim=8,
-                num_attention_heads=3,
-                caption_channels=32,  # T5 d_model
-                in_channels=4,
-                cross_attention_dim=24,
-                out_channels=8,  # learned sigma: the pipeline keeps the first four channels
-                attention_bias=True,
-                activation_fn="gelu-approximate",
-                num_embeds_ada_norm=1000,
-                norm_type="ada_norm_single",
-                norm_elementwise_affine=False,
-                norm_eps=1e-6,
-                video_length=2,  # the temporal position table: as many frames as the call's latents
-            ),
+            # video_length: the temporal position table, as many frames as the call's latents
+            lambda: LatteTransformer3DModel(**_PIXART_DIT, video_length=2),
         ),
         vae=build("vae", _sd_vae()),
         scheduler=DDIMScheduler(beta_schedule="linear", clip_sample=False, timestep_spacing="linspace"),
@@ -494,36 +455,24 @@ def make_wan21_i2v(seed: int = 0) -> WanImageToVideoPipeline:
     _ftfy_stand_in()
     build = partial(_component, seed=seed, dtype=torch.float32)
     tokenizer = _t5_tokenizer()
-    heads, head_dim, image_dim = 2, 16, 16
+    image_dim = 16
     return WanImageToVideoPipeline(
         tokenizer=tokenizer,
         text_encoder=build("text_encoder", _t5_encoder(UMT5EncoderModel, UMT5Config, tokenizer)),
-        vae=build(
-            "vae",
-            lambda: AutoencoderKLWan(
-                base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
-            ),
-        ),
+        vae=build("vae", _wan_vae()),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
-        image_processor=CLIPImageProcessor(crop_size=32, size=32),
-        image_encoder=build("image_encoder", _clip_vision(CLIPVisionModel, image_dim, patch_size=4)),
+        image_processor=_clip_image_processor(32),
+        image_encoder=build(
+            "image_encoder", _clip_vision_encoder(CLIPVisionModel, image_dim, image_size=32, patch_size=4)
+        ),
         transformer=build(
             "transformer",
-            lambda: WanTransformer3DModel(
-                patch_size=(1, 2, 2),
-                num_attention_heads=heads,
-                attention_head_dim=head_dim,
+            _wan_transformer(
                 in_channels=36,
-                out_channels=16,
-                text_dim=32,  # UMT5 d_model
-                freq_dim=32,
-                ffn_dim=64,
-                num_layers=2,
                 cross_attn_norm=True,
                 qk_norm="rms_norm_across_heads",
-                rope_max_seq_len=32,
                 image_dim=image_dim,  # CLIP hidden size
-                added_kv_proj_dim=heads * head_dim,
+                added_kv_proj_dim=32,  # = num_attention_heads * attention_head_dim
             ),
         ),
     )
@@ -545,13 +494,7 @@ def make_audioldm(seed: int = 0) -> AudioLDMPipeline:
         unet=build(
             "unet",
             lambda: UNet2DConditionModel(
-                sample_size=8,
-                in_channels=4,
-                out_channels=4,
-                down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-                up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-                block_out_channels=(32, 64),
-                layers_per_block=1,
+                **_MEL_UNET,
                 cross_attention_dim=(32, 64),  # self-attention: the channel counts
                 class_embed_type="simple_projection",
                 projection_class_embeddings_input_dim=32,  # CLAP projection
@@ -608,13 +551,7 @@ def make_audioldm2(seed: int = 0) -> AudioLDM2Pipeline:
         unet=build(
             "unet",
             lambda: AudioLDM2UNet2DConditionModel(
-                sample_size=8,
-                in_channels=4,
-                out_channels=4,
-                down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-                up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-                block_out_channels=(32, 64),
-                layers_per_block=1,
+                **_MEL_UNET,
                 # per block: self-attention, GPT-2 states, T5 states
                 cross_attention_dim=([None, 16, 32], [None, 16, 32]),
             ),
@@ -629,19 +566,7 @@ def make_ace_step(seed: int = 0) -> AceStepPipeline:
     Oobleck audio VAE; flow-matching Euler on the pipeline's own shifted sigmas."""
     build = partial(_component, seed=seed, dtype=torch.float32)
     tokenizer = _qwen3_tokenizer()
-    qwen3 = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
+    qwen3 = _lm_encoder(Qwen3Model, Qwen3Config, tokenizer, hidden_size=32, heads=4, kv_heads=2, max_positions=256)
     attention = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0, sliding_window=16)
 
     def condition_encoder():
@@ -659,19 +584,8 @@ def make_ace_step(seed: int = 0) -> AceStepPipeline:
         return encoder
 
     return AceStepPipeline(
-        vae=build(
-            "vae",
-            lambda: AutoencoderOobleck(
-                encoder_hidden_size=6,
-                downsampling_ratios=[1, 2],
-                decoder_channels=3,
-                decoder_input_channels=8,
-                audio_channels=2,
-                channel_multiples=[2, 4],
-                sampling_rate=4,
-            ),
-        ),
-        text_encoder=build("text_encoder", lambda: Qwen3Model(qwen3)),
+        vae=build("vae", _oobleck_vae(latent_channels=8)),
+        text_encoder=build("text_encoder", qwen3),
         tokenizer=tokenizer,
         transformer=build(
             "transformer",
@@ -779,12 +693,6 @@ def make(family: str, seed: int = 0) -> DiffusionPipeline:
     return pipe
 
 
-def _random_image(seed: int, size: int) -> torch.Tensor:
-    """A fixed random RGB image in [0, 1], ``(1, 3, size, size)``, derived from ``seed``."""
-    generator = torch.Generator().manual_seed(_component_seed(seed, "image"))
-    return torch.rand(1, 3, size, size, generator=generator)
-
-
 def call_kwargs(family: str, seed: int = 0) -> dict:
     """Keyword arguments (a fresh dict, without ``generator``) for one small, fast call of ``family``.
 
@@ -795,9 +703,9 @@ def call_kwargs(family: str, seed: int = 0) -> dict:
     """
     kwargs = dict(_CALL_KWARGS[family])
     if family == "svd":
-        kwargs["image"] = _random_image(seed, kwargs["height"])
+        kwargs["image"] = _random_image(seed, "image", kwargs["height"])
     if family == "wan21_i2v":
-        pixels = (_random_image(seed, kwargs["height"])[0] * 255).round().to(torch.uint8)
+        pixels = (_random_image(seed, "image", kwargs["height"])[0] * 255).round().to(torch.uint8)
         kwargs["image"] = PIL.Image.fromarray(np.ascontiguousarray(pixels.permute(1, 2, 0).numpy()))
     return kwargs
 

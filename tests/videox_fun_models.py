@@ -21,7 +21,7 @@ from collections import defaultdict
 from functools import partial
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 from transformers import UMT5Config, UMT5EncoderModel
 
 import tiny_pipelines as tp
@@ -37,12 +37,9 @@ def make_wan21(seed: int = 0, dtype: torch.dtype = torch.float32) -> WanPipeline
     pipe = WanPipeline(
         tokenizer=tokenizer,
         text_encoder=build("text_encoder", tp._t5_encoder(UMT5EncoderModel, UMT5Config, tokenizer)),
-        vae=build("vae", lambda: tp.AutoencoderKLWan(base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                                                     temperal_downsample=[False, True, True])),
+        vae=build("vae", tp._wan_vae()),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        transformer=build("transformer", lambda: WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16, out_channels=16,
-            text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=32)),
+        transformer=build("transformer", tp._wan_transformer()),
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe
