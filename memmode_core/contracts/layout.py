@@ -130,8 +130,8 @@ def block_groups(component: str, module: nn.Module, *, num_blocks_per_group: int
     for a VAE's encoder and decoder). Inside a scope, the outermost ``ModuleList``/``Sequential``
     containers are found at any depth (a text encoder keeps its layers in ``encoder.layer``) and
     their children are chunked into groups of ``num_blocks_per_group``. Everything else in the scope
-    forms the scope's rest group, onloaded when the scope is entered and offloaded when its forward
-    returns.
+    forms the scope's rest group, onloaded when the scope (or any module of the rest, called directly)
+    is entered and offloaded when the scope's forward returns.
     """
     named = dict(module.named_modules())
     missing = [p for p in block_modules if p not in named]
@@ -147,11 +147,15 @@ def block_groups(component: str, module: nn.Module, *, num_blocks_per_group: int
         rest: list[nn.Module] = []
         containers: list[tuple[str, nn.Module]] = []
         _walk_scope(root, scope, scope_ids, rest, containers, top=True)
+        entries = _component_entries(root) if not scope else [root]
+        # every called module of the rest enters it too: a pipeline calls some directly (a text encoder's
+        # final_layer_norm for clip_skip), and the rest holds few modules
+        entries += [m for m in _owners(rest) if m not in entries and has_forward(m)]
         groups.append(GroupSpec(
             key=_key(component, scope or "<rest>"),
             component=component,
             owners=_owners(rest),
-            entries=_component_entries(root) if not scope else [root],
+            entries=entries,
             exits=[root],
             prefetchable=False,
         ))
