@@ -322,3 +322,41 @@ def test_the_pipelines_exclusions_are_kept_on_the_device_and_said(placement, sto
     handle.remove()
     with pytest.raises(memmode.IncompatibleModeError, match="_exclude_from_cpu_offload"):
         memmode.apply(pipe, mode, device="cpu", storage=storage, strict=True, **options)
+
+
+class Encoder(nn.Module):
+    """A text encoder whose last norm a pipeline also calls itself (diffusers' clip_skip path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text_model = nn.Sequential(nn.Linear(WIDTH, WIDTH))
+        self.text_model.final_layer_norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.head(self.text_model.final_layer_norm(self.text_model(x)))
+
+
+class SkippingPipeline(DiffusionPipeline):
+    def __init__(self, text_encoder: Encoder) -> None:
+        super().__init__()
+        self.register_modules(text_encoder=text_encoder)
+
+    def __call__(self, x):
+        hidden = self.text_encoder(x)
+        return self.text_encoder.text_model.final_layer_norm(hidden)  # a submodule called by the pipeline
+
+
+@pytest.mark.parametrize("storage", ["poison", "disk"])
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=placement_id)
+def test_a_submodule_the_pipeline_calls_itself_is_onloaded_for_that_call(placement, storage):
+    mode, options = placement
+    torch.manual_seed(0)
+    pipe = SkippingPipeline(Encoder().eval())
+    with torch.no_grad():
+        expected = pipe(latents())
+        handle = memmode.apply(pipe, mode, device="cpu", storage=storage, **options)
+        with PlaceholderTrap():
+            assert torch.equal(pipe(latents()), expected)
+    assert handle.report().resident_device_bytes == 0
+    handle.remove()
