@@ -80,6 +80,25 @@ def isolated_plugins(monkeypatch):
     plugins.reset()
 
 
+@pytest.fixture
+def poison_storage():
+    """The test storage ``poison`` (NaN placeholders at rest; ``fakes.PoisonStorage``), registered for one test."""
+    import memmode_core as memmode
+    from fakes import PoisonPlugin
+
+    with memmode.temporary_plugin(PoisonPlugin(), name="poison", distribution="tests"):
+        yield
+
+
+@pytest.fixture
+def private_tmp(monkeypatch, tmp_path):
+    """The file storages' private default folders go here, to see them come and go."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
 @pytest.fixture(params=sorted(FAMILIES))
 def family(request) -> str:
     return request.param

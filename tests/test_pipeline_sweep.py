@@ -24,7 +24,6 @@ all of it, and ``MEMMODE_TEST_ROTATION=k`` a given slice.
 from __future__ import annotations
 
 import inspect
-import tempfile
 from itertools import chain
 
 import pytest
@@ -36,7 +35,6 @@ from memmode_core.contracts.targets import takes_timestep
 from memmode_core.engine.reads import PlaceholderTrap
 
 from conftest import OFFLOADING_PLACEMENTS, placement_id
-from fakes import PoisonPlugin
 from pipeline_families import FAMILIES, SLICES, full_matrix, rotation
 
 NAMES = sorted(FAMILIES)
@@ -78,17 +76,7 @@ def _quantized_cases() -> list:
             if _takes(index, 2 * position)]
 
 
-@pytest.fixture(autouse=True)
-def poison():
-    with memmode.temporary_plugin(PoisonPlugin(), name="poison", distribution="tests"):
-        yield
-
-
-@pytest.fixture
-def private_tmp(monkeypatch, tmp_path):
-    """The file storages' private default folders go here, to see them come and go."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    return tmp_path
+pytestmark = pytest.mark.usefixtures("poison_storage")
 
 
 def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:

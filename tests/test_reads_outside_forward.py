@@ -31,7 +31,6 @@ from memmode_core.engine import runtime as engine_runtime
 from memmode_core.engine.reads import PlaceholderTrap
 
 from conftest import OFFLOADING_PLACEMENTS, placement_id
-from fakes import PoisonPlugin
 
 WIDTH = 8
 STORAGES = ["ram", "poison", "disk", "mmap"]
@@ -132,17 +131,7 @@ def assert_same_state(got: dict, expected: dict) -> None:
         assert torch.equal(tensor, expected[name]), f"{name} changed"
 
 
-@pytest.fixture(autouse=True)
-def poison():
-    with memmode.temporary_plugin(PoisonPlugin(), name="poison", distribution="tests"):
-        yield
-
-
-@pytest.fixture(autouse=True)
-def private_tmp(monkeypatch, tmp_path):
-    import tempfile
-
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+pytestmark = pytest.mark.usefixtures("poison_storage", "private_tmp")
 
 
 def reference() -> torch.Tensor:
