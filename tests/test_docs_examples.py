@@ -11,7 +11,7 @@ A block that is not meant to run says so in the markdown: a fence info string fo
 HTML comment on the line before the fence:
 
 - ``<!-- not-run: reason -->``: code that cannot run here (quoted from another project);
-- ``<!-- needs-cuda: reason -->``: runs only where CUDA is (skipped, and listed, without it);
+- ``<!-- needs-cuda: reason -->``: run by ``test_cuda_blocks_run`` where CUDA is (a visible skip without it);
 - ``<!-- signature: memmode_core.NAME -->``: a signature, compared with the real one;
 - ``<!-- file: path -->``: a file of a package of the plugin guide, which tests/test_plugin_docs.py builds,
   installs and runs (not run twice here).
@@ -35,7 +35,6 @@ import shutil
 import sys
 import tomllib
 import traceback
-import warnings
 from pathlib import Path
 
 import pytest
@@ -43,11 +42,13 @@ import tiny_loras
 import tiny_pipelines
 import torch
 from diffusers import DiffusionPipeline
-from test_plugin_docs import PACKAGES as GUIDE_DISTRIBUTIONS
-from test_plugin_docs import files_from_the_guide
+from plugin_guide import PACKAGES as GUIDE_DISTRIBUTIONS
+from plugin_guide import files_from_the_guide
 
 import memmode_core
 from memmode_core.cli import main as memmode_main
+
+from conftest import requires_cuda
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -371,6 +372,18 @@ def pages_to_run() -> list[Path]:
 
 @pytest.mark.parametrize("page", pages_to_run(), ids=lambda p: p.name)
 def test_page_runs(page, tmp_path, monkeypatch, tiny_models, request):
+    """Every block of the page but those marked needs-cuda (``test_cuda_blocks_run`` runs the page with them)."""
+    _run_page(page, tmp_path, monkeypatch, tiny_models, request, cuda_blocks=False)
+
+
+@requires_cuda
+@pytest.mark.parametrize("page", [p for p in pages_to_run() if any(b.mark == "needs-cuda" for b in blocks_of(p))],
+                         ids=lambda p: p.name)
+def test_cuda_blocks_run(page, tmp_path, monkeypatch, tiny_models, request):
+    _run_page(page, tmp_path, monkeypatch, tiny_models, request, cuda_blocks=True)
+
+
+def _run_page(page, tmp_path, monkeypatch, tiny_models, request, *, cuda_blocks: bool) -> None:
     torch.manual_seed(0)
     blocks = blocks_of(page)
     substitution = Substitution(monkeypatch, tmp_path, tiny_models)
@@ -385,8 +398,7 @@ def test_page_runs(page, tmp_path, monkeypatch, tiny_models, request):
             stack.enter_context(_one_rank_process_group(tmp_path))
         for block in blocks:
             if block.mark == "needs-cuda":
-                if not CUDA:
-                    warnings.warn(f"{block.name} not run: it needs CUDA ({block.reason})")
+                if not cuda_blocks:
                     continue
                 block.mark = None
             if not runnable(block):

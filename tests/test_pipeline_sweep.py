@@ -24,6 +24,7 @@ all of it, and ``MEMMODE_TEST_ROTATION=k`` a given slice.
 from __future__ import annotations
 
 import inspect
+import sys
 from itertools import chain
 
 import pytest
@@ -42,6 +43,9 @@ STORAGES = ["ram", "poison", "disk", "mmap"]
 #: placements that cut a component into several groups
 SPLITTING = ("model_group_offload", "sequential_cpu_offload")
 QUANTIZED = [("model_group_offload_and_qfloat8", "ram"), ("model_cpu_offload_and_qfloat4", "mmap")]
+#: (family, quantizer) refused with "nothing to quantize": the tiny Sana transformer's in-block layers are all
+#: narrower than NVFP4's 16-input blocks (real checkpoints' are not). Any other refusal fails its case.
+TOO_NARROW = {("sana", "qfloat4")}
 SEEDS = range(6)
 
 
@@ -200,13 +204,21 @@ def test_every_component_influences_the_output(family):
         assert change > 1e-5, f"{name} has no influence on the output"
 
 
-def test_the_sweep_covers_every_kind_and_every_family_runs_in_every_slice():
+def test_the_sweep_covers_every_kind_and_every_family_runs_in_every_slice(monkeypatch):
     kinds = {spec.kind for spec in FAMILIES.values()}
     assert len(FAMILIES) >= 40
     assert {"unet", "dit", "video", "audio", "prior", "cascade"} <= kinds
+    monkeypatch.delenv("MEMMODE_TEST_FULL_MATRIX", raising=False)
+    taken: dict[str, set[int]] = {}
+    for slice_ in range(SLICES):
+        monkeypatch.setattr(sys.modules[__name__], "rotation", lambda: slice_)
+        families = {param.values[0] for param in _lossless_cases()}
+        assert families == set(NAMES), f"slice {slice_} leaves out {sorted(set(NAMES) - families)}"
+        for param in _lossless_cases():
+            taken.setdefault(param.id, set()).add(slice_)
     combinations = len(OFFLOADING_PLACEMENTS) * len(STORAGES)
-    for index in range(len(NAMES)):
-        assert {(index + position) % SLICES for position in range(combinations)} == set(range(SLICES))
+    assert len(taken) == len(NAMES) * combinations, "every case runs in some slice"
+    assert all(len(slices) == 1 for slices in taken.values()), "each case in one slice only"
 
 
 # -- the sweep ------------------------------------------------------------------------------------------
@@ -251,10 +263,12 @@ def test_quantized_mode_quantizes_the_denoisers_and_stays_close(family, mode, st
     assert denoisers, f"{family} has no component taking a timestep"
     try:
         handle = memmode.apply(pipe, mode, device="cpu", storage=storage)
-    except memmode.IncompatibleModeError as refusal:  # every layer of a tiny denoiser too narrow for the format
+    except memmode.IncompatibleModeError as refusal:
+        assert (family, mode.rsplit("_and_", 1)[1]) in TOO_NARROW, f"refused: {refusal}"
         assert "has nothing to quantize" in str(refusal)
         assert_weights_restored(pipe, family)
         return
+    assert (family, mode.rsplit("_and_", 1)[1]) not in TOO_NARROW, "quantizes now: update TOO_NARROW"
     assert sorted(handle.quantized) == denoisers
     assert sorted(handle.report().quantization) == denoisers
     got = _two_calls(pipe, family, trap=False)
@@ -281,7 +295,7 @@ def test_every_quantizer_stays_finite_over_build_seeds(family, quantizer):
         try:
             memmode.apply(pipe, f"model_full_load_and_{quantizer}", device="cpu")
         except memmode.IncompatibleModeError as refusal:
-            assert "has nothing to quantize" in str(refusal)
+            assert (family, quantizer) in TOO_NARROW and "has nothing to quantize" in str(refusal), str(refusal)
             continue
         output = spec.run(pipe, 0)
         assert torch.isfinite(output).all(), f"build seed {seed}: non-finite output under {quantizer}"

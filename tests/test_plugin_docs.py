@@ -23,17 +23,7 @@ import pytest
 import memmode_core
 from memmode_core.discovery import plugins
 
-GUIDE = Path(__file__).resolve().parent.parent / "docs" / "writing-a-plugin.md"
-FILE_BLOCK = re.compile(r"<!-- file: (?P<path>[^ ]+) -->\n```[a-z]*\n(?P<body>.*?)```", re.S)
-PACKAGES = {
-    "memmode-qint8": "memmode_qint8",
-    "memmode-keepfirst": "memmode_keepfirst",
-    "memmode-zram": "memmode_zram",
-}
-
-
-def files_from_the_guide() -> dict[str, str]:
-    return {m["path"]: m["body"] for m in FILE_BLOCK.finditer(GUIDE.read_text())}
+from plugin_guide import GUIDE, PACKAGES, files_from_the_guide
 
 
 def test_the_guide_holds_three_complete_packages():

@@ -110,12 +110,13 @@ def _honour_declarations(target: Target, specs: list[GroupSpec], placement: str)
     if not replaced:
         return Layout(specs)
     adjusted: list[GroupSpec] = []
+    placed: set[str] = set()
     for spec in specs:
         if spec.component not in replaced:
             adjusted.append(spec)
-        elif replaced[spec.component] is not None:
+        elif spec.component not in placed:  # once, in place of the component's first group
+            placed.add(spec.component)
             adjusted.append(replaced[spec.component])
-            replaced[spec.component] = None  # once, where the component's first group was
     for name, note in notes.items():
         logger.info("memmode: %s: %s", name, note)
     return Layout(adjusted, notes)

@@ -309,9 +309,7 @@ class Runtime:
             current = slot.tensor.data
             if current.data_ptr() == expected or slot.name not in restored:
                 continue
-            at_rest = group.at_rest.get(slot.name)
-            if at_rest is not None and is_placeholder(at_rest) and current.shape == at_rest.shape \
-                    and (is_placeholder(current) or _derived_from_placeholder(current, at_rest)):
+            if _computed_from_placeholder(current, group.at_rest.get(slot.name)):
                 newest[slot.name] = restored[slot.name].to(dtype=current.dtype)
             else:
                 newest[slot.name] = current if current.device.type == "cpu" else current.to("cpu")
@@ -329,9 +327,7 @@ class Runtime:
             now = registry.get(slot.attr)
             if now is None or slot.name not in restored:
                 continue
-            at_rest = group.at_rest.get(slot.name)
-            if at_rest is not None and is_placeholder(at_rest) and now.shape == at_rest.shape \
-                    and _derived_from_placeholder(now, at_rest):
+            if _computed_from_placeholder(now, group.at_rest.get(slot.name)):
                 now.data = restored[slot.name].to(dtype=now.dtype)
             elif now.device.type not in ("cpu", "meta"):  # meta: another library's (accelerate's) to give back
                 now.data = now.data.to("cpu")
@@ -449,8 +445,8 @@ class Runtime:
         self.active = component
 
     def end_call(self) -> None:
-        """A pipeline call returned (``maybe_free_model_hooks``): offload what it left on the device, as
-        diffusers frees its models then — unless the placement keeps it (``keep_last_on_device``)."""
+        """A pipeline call returned (see :mod:`~memmode_core.engine.pipeline_hooks`): offload what it left on
+        the device, as diffusers frees its models then — unless the placement keeps it (``keep_last_on_device``)."""
         if not self._offload_after_call:
             return
         with self.lock:
@@ -517,7 +513,7 @@ class Runtime:
             current = module._parameters.get(name) if name in module._parameters else module._buffers.get(name)
             if (current is not None and is_placeholder(current) and value.shape == current.shape
                     and _derived_from_placeholder(value, current)):
-                where = self._path_of(component, module)
+                where = self._path_of(module, component)
                 raise OffloadedWeightReadError(
                     f"{where}.{name}: the new value was computed from its offloaded placeholder (it is all NaN), "
                     f"not from the weight; refused before anything changed. Code that rebuilds a component's "
@@ -526,11 +522,13 @@ class Runtime:
                 )
         self._dirty.add(component)
 
-    def _path_of(self, component: str, module: nn.Module) -> str:
-        for path, sub in self.components[component].named_modules():
-            if sub is module:
-                return f"{component}.{path}" if path else component
-        return f"{component}.<{type(module).__name__}>"
+    def _path_of(self, module: nn.Module, component: str | None = None) -> str:
+        """``component.path.to.module``, searched in ``component`` or in every component."""
+        for name in [component] if component is not None else self.components:
+            for path, sub in self.components[name].named_modules():
+                if sub is module:
+                    return f"{name}.{path}" if path else name
+        return f"{component}.<{type(module).__name__}>" if component is not None else type(module).__name__
 
     def _note_placeholders(self, component: str) -> None:
         """Remember whether ``component`` has tensors resting as placeholders (what its results are checked for)."""
@@ -554,7 +552,7 @@ class Runtime:
         """A call of ``component`` returned NaN or infinity while some of its tensors rest as placeholders:
         run it again under the :class:`PlaceholderTrap`, which raises naming the placeholder if one was
         read. If none was, the model itself produced the values, and the caller returns them unchanged."""
-        where = f"{self._path_of(component, module)}.{method}"
+        where = f"{self._path_of(module, component)}.{method}"
         self._diagnosing += 1
         try:
             with PlaceholderTrap(self.placeholder_name, where=where):
@@ -740,11 +738,7 @@ class Runtime:
         ``apply`` turns the one-element NaN into a full NaN tensor — is the stored value put through
         the same cast; storing it would lose the weights. Anything else is a real new value.
         """
-        if is_placeholder(current):
-            return self._restore_one(group, slot.name)
-        at_rest = group.at_rest.get(slot.name)
-        if (at_rest is not None and is_placeholder(at_rest) and current.shape == at_rest.shape
-                and _derived_from_placeholder(current, at_rest)):
+        if is_placeholder(current) or _computed_from_placeholder(current, group.at_rest.get(slot.name)):
             return self._restore_one(group, slot.name).to(current.dtype)
         return current
 
@@ -898,8 +892,7 @@ class Runtime:
     def offloaded_read(self, module: nn.Module, error: RuntimeError) -> OffloadedWeightReadError:
         """The clear error for a forward that computed with a weight left on the offload side (on
         CUDA the at-rest copies are CPU tensors, so torch reports a device mismatch)."""
-        where = next((f"{name}.{path}" if path else name for name, root in self.components.items()
-                      for path, sub in root.named_modules() if sub is module), type(module).__name__)
+        where = self._path_of(module)
         component = where.split(".", 1)[0]
         offloaded = [g.key for g in self._groups_of.get(component, ()) if not g.resident
                      and g.policy is not Policy.RESIDENT]
@@ -980,6 +973,13 @@ def is_device_mismatch(error: BaseException) -> bool:
 def _place(slot: Slot) -> tuple[int, str, bool]:
     """Where a slot's tensor is registered: the same key for whatever tensor is registered there later."""
     return (id(slot.owner), slot.attr, slot.is_buffer)
+
+
+def _computed_from_placeholder(current: torch.Tensor, at_rest: torch.Tensor | None) -> bool:
+    """Whether ``current`` holds nothing but what the at-rest placeholder ``at_rest`` gives: that placeholder
+    (or a view of it), or a tensor computed from it (a cast). What stands in for it is the stored value."""
+    return (at_rest is not None and is_placeholder(at_rest) and current.shape == at_rest.shape
+            and (is_placeholder(current) or _derived_from_placeholder(current, at_rest)))
 
 
 def _derived_from_placeholder(current: torch.Tensor, at_rest: torch.Tensor) -> bool:
