@@ -7,9 +7,18 @@ import torch
 
 def _config(heads: int, head_dim: int, layers: int) -> dict:
     dim = heads * head_dim
-    return dict(patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim, in_channels=16,
-                out_channels=16, text_dim=dim, freq_dim=256, ffn_dim=max(64, int(dim * 2.7) // 64 * 64),
-                num_layers=layers, rope_max_seq_len=1024)
+    return dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=heads,
+        attention_head_dim=head_dim,
+        in_channels=16,
+        out_channels=16,
+        text_dim=dim,
+        freq_dim=256,
+        ffn_dim=max(64, int(dim * 2.7) // 64 * 64),
+        num_layers=layers,
+        rope_max_seq_len=1024,
+    )
 
 
 def wan_transformer(*, heads: int, head_dim: int, layers: int, seed: int = 0, dtype=torch.float32):

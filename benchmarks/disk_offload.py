@@ -45,7 +45,6 @@ TARGETS = {"memmode disk": (1.0, 1.1, False), "memmode mmap": (0.95, 1.0, True)}
 
 def worker(variant: str, args: argparse.Namespace) -> None:
     import torch
-
     from _models import parameter_bytes, wan_inputs, wan_transformer
 
     torch.set_num_threads(args.threads)
@@ -61,13 +60,26 @@ def worker(variant: str, args: argparse.Namespace) -> None:
     elif variant == "diffusers disk":
         from diffusers.hooks import apply_group_offloading
 
-        apply_group_offloading(model, onload_device=torch.device("cpu"), offload_device=torch.device("cpu"),
-                               offload_type="block_level", num_blocks_per_group=1, offload_to_disk_path=str(folder))
+        apply_group_offloading(
+            model,
+            onload_device=torch.device("cpu"),
+            offload_device=torch.device("cpu"),
+            offload_type="block_level",
+            num_blocks_per_group=1,
+            offload_to_disk_path=str(folder),
+        )
     else:
         import memmode_core as memmode
 
-        handle = memmode.apply(model, "model_group_offload", device="cpu", storage=variant.split()[1],
-                               offload_dir=str(folder), offload_type="block_level", num_blocks_per_group=1)
+        handle = memmode.apply(
+            model,
+            "model_group_offload",
+            device="cpu",
+            storage=variant.split()[1],
+            offload_dir=str(folder),
+            offload_type="block_level",
+            num_blocks_per_group=1,
+        )
     applied = time.perf_counter() - began
     with torch.inference_mode():
         model(**inputs)  # warm-up: first-call work (diffusers writes its files lazily)
@@ -101,9 +113,13 @@ def rss_anon(pid: int) -> int:
 class Worker:
     def __init__(self, variant: str, argv: list[str]) -> None:
         self.variant = variant
-        self.process = subprocess.Popen([sys.executable, __file__, "--worker", variant, *argv],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                        cwd=Path(__file__).parent)
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, "--worker", variant, *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).parent,
+        )
         self.ready = self._receive()
         self.idle_anon = rss_anon(self.process.pid)
         self.peak_anon = self.idle_anon
@@ -150,10 +166,18 @@ def main() -> None:
     parser.add_argument("--height", type=int, default=16, help="latent height (16 x 16: 64 tokens)")
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--text-tokens", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (one: the least noise "
-                        "on a shared machine, where idle OpenMP threads spin)")
-    parser.add_argument("--dir", default=None, help="where the variants write their files (default: a temporary "
-                        "folder on TMPDIR; it should be on a disk, not tmpfs)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per worker (one: the least noise on a shared machine, where idle OpenMP threads spin)",
+    )
+    parser.add_argument(
+        "--dir",
+        default=None,
+        help="where the variants write their files (default: a temporary "
+        "folder on TMPDIR; it should be on a disk, not tmpfs)",
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
@@ -161,9 +185,22 @@ def main() -> None:
         return
 
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="memmode-disk-bench-"))
-    argv = ["--heads", str(args.heads), "--layers", str(args.layers), "--height", str(args.height),
-            "--width", str(args.width), "--text-tokens", str(args.text_tokens), "--threads", str(args.threads),
-            "--dir", str(base)]
+    argv = [
+        "--heads",
+        str(args.heads),
+        "--layers",
+        str(args.layers),
+        "--height",
+        str(args.height),
+        "--width",
+        str(args.width),
+        "--text-tokens",
+        str(args.text_tokens),
+        "--threads",
+        str(args.threads),
+        "--dir",
+        str(base),
+    ]
     workers: list[Worker] = []
     try:
         for variant in VARIANTS:
@@ -188,11 +225,15 @@ def report(workers: list[Worker], args: argparse.Namespace) -> None:
     ref_time, ref_anon = statistics.median(reference.times), reference.peak_anon
     ref_cpu = statistics.median(reference.cpu_times)
     weights = reference.ready["weight_bytes"]
-    print(f"\nWan-shaped transformer, {weights / 1e9:.2f} GB float32, {args.layers} blocks, block-level, one block "
-          f"per group; CPU, {args.threads} threads; latent 1x{args.height}x{args.width}, {args.text_tokens} text "
-          f"tokens; median of {args.rounds} interleaved forwards, page cache hot\n")
-    header = f"{'variant':<16} {'apply s':>8} {'forward s':>10} {'x diffusers':>12} {'peak RssAnon MiB':>17} " \
-             f"{'x diffusers':>12} {'CPU s':>7} {'x diffusers':>12}  target"
+    print(
+        f"\nWan-shaped transformer, {weights / 1e9:.2f} GB float32, {args.layers} blocks, block-level, one block "
+        f"per group; CPU, {args.threads} threads; latent 1x{args.height}x{args.width}, {args.text_tokens} text "
+        f"tokens; median of {args.rounds} interleaved forwards, page cache hot\n"
+    )
+    header = (
+        f"{'variant':<16} {'apply s':>8} {'forward s':>10} {'x diffusers':>12} {'peak RssAnon MiB':>17} "
+        f"{'x diffusers':>12} {'CPU s':>7} {'x diffusers':>12}  target"
+    )
     print(header)
     print("-" * len(header))
     all_met = True
@@ -204,12 +245,15 @@ def report(workers: list[Worker], args: argparse.Namespace) -> None:
             max_time, max_anon, strictly = TARGETS[w.variant]
             met = time_ratio <= max_time and (anon_ratio < max_anon if strictly else anon_ratio <= max_anon)
             all_met &= met
-            verdict = (f"time <= {max_time:.2f}x, RSS {'<' if strictly else '<='} {max_anon:.2f}x: "
-                       f"{'met' if met else 'MISSED'}")
-        print(f"{w.variant:<16} {w.ready['apply_s']:>8.2f} {median:>10.4f} {time_ratio:>11.3f}x "
-              f"{w.peak_anon / 2**20:>17.0f} {anon_ratio:>11.3f}x {cpu:>7.3f} {cpu / ref_cpu:>11.3f}x  {verdict}")
-    print("\nidle RssAnon after apply (MiB): "
-          + ", ".join(f"{w.variant} {w.idle_anon / 2**20:.0f}" for w in workers))
+            verdict = (
+                f"time <= {max_time:.2f}x, RSS {'<' if strictly else '<='} {max_anon:.2f}x: "
+                f"{'met' if met else 'MISSED'}"
+            )
+        print(
+            f"{w.variant:<16} {w.ready['apply_s']:>8.2f} {median:>10.4f} {time_ratio:>11.3f}x "
+            f"{w.peak_anon / 2**20:>17.0f} {anon_ratio:>11.3f}x {cpu:>7.3f} {cpu / ref_cpu:>11.3f}x  {verdict}"
+        )
+    print("\nidle RssAnon after apply (MiB): " + ", ".join(f"{w.variant} {w.idle_anon / 2**20:.0f}" for w in workers))
     print("all targets met" if all_met else "SOME TARGETS MISSED")
 
 

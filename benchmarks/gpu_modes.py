@@ -103,9 +103,14 @@ def run_variant(name: str, args) -> dict:
         from diffusers.hooks import apply_group_offloading
 
         level = name.split()[1]
-        apply_group_offloading(model, onload_device=device, offload_device=torch.device("cpu"), offload_type=level,
-                               num_blocks_per_group=1 if level == "block_level" else None,
-                               use_stream=device.type == "cuda")
+        apply_group_offloading(
+            model,
+            onload_device=device,
+            offload_device=torch.device("cpu"),
+            offload_type=level,
+            num_blocks_per_group=1 if level == "block_level" else None,
+            use_stream=device.type == "cuda",
+        )
         moved_per_step = weight_bytes
     elif name == "accelerate sequential":
         from accelerate import cpu_offload
@@ -185,9 +190,14 @@ def main() -> None:
         if bandwidth and r.get("achieved_gbps"):
             r["of_pinned_bw"] = r["achieved_gbps"] / bandwidth
     size = results[0].get("weights_gib") if results else None
-    print(f"Wan-shaped transformer: {size and round(size, 2)} GiB of weights; pinned H2D bandwidth "
-          f"{bandwidth and round(bandwidth, 1)} GB/s")
-    header = f"{'variant':<26}{'step s':>9}{'x full':>8}{'peak GiB':>10}{'moved GiB':>11}{'GB/s':>8}{'of pinned':>10}{'max|diff|':>11}"
+    print(
+        f"Wan-shaped transformer: {size and round(size, 2)} GiB of weights; pinned H2D bandwidth "
+        f"{bandwidth and round(bandwidth, 1)} GB/s"
+    )
+    header = (
+        f"{'variant':<26}{'step s':>9}{'x full':>8}{'peak GiB':>10}{'moved GiB':>11}{'GB/s':>8}{'of pinned':>10}"
+        f"{'max|diff|':>11}"
+    )
     print(header)
     for r in results:
         if "error" in r:
@@ -197,10 +207,13 @@ def main() -> None:
         def fmt(value, spec):
             width = int(spec.split(".")[0])
             return format(value, spec) if value is not None else "-".rjust(width)
-        print(f"{r['variant']:<26}{fmt(r['step_s'], '9.3f')}{fmt(r.get('vs_full_load'), '8.2f')}"
-              f"{fmt(r['peak_gib'], '10.2f')}{fmt(r['moved_gib_per_step'], '11.2f')}"
-              f"{fmt(r.get('achieved_gbps'), '8.1f')}{fmt(r.get('of_pinned_bw'), '10.0%')}"
-              f"{fmt(r.get('max_abs_diff'), '11.2e')}")
+
+        print(
+            f"{r['variant']:<26}{fmt(r['step_s'], '9.3f')}{fmt(r.get('vs_full_load'), '8.2f')}"
+            f"{fmt(r['peak_gib'], '10.2f')}{fmt(r['moved_gib_per_step'], '11.2f')}"
+            f"{fmt(r.get('achieved_gbps'), '8.1f')}{fmt(r.get('of_pinned_bw'), '10.0%')}"
+            f"{fmt(r.get('max_abs_diff'), '11.2e')}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"pinned_gbps": bandwidth, "results": results}, f, indent=2)

@@ -17,7 +17,6 @@ import statistics
 import time
 
 import torch
-
 from _models import wan_inputs, wan_transformer
 
 
@@ -34,8 +33,13 @@ def build_variants(layers: int):
         memmode.apply(model, "model_group_offload", device="cpu", offload_type=level)
         variants[f"memmode {level}"] = model
         model = wan_transformer(heads=2, head_dim=32, layers=layers)
-        apply_group_offloading(model, onload_device=cpu, offload_device=cpu, offload_type=level,
-                               num_blocks_per_group=1 if level == "block_level" else None)
+        apply_group_offloading(
+            model,
+            onload_device=cpu,
+            offload_device=cpu,
+            offload_type=level,
+            num_blocks_per_group=1 if level == "block_level" else None,
+        )
         variants[f"diffusers {level}"] = model
     return variants
 
@@ -76,8 +80,10 @@ def main() -> None:
     for level in ("block_level", "leaf_level"):
         ours = medians[f"memmode {level}"] - plain
         theirs = medians[f"diffusers {level}"] - plain
-        print(f"{level}: memmode adds {ours * 1e3:.3f} ms, diffusers {theirs * 1e3:.3f} ms -> ratio "
-              f"{ours / theirs:.2f} (target <= 0.50)")
+        print(
+            f"{level}: memmode adds {ours * 1e3:.3f} ms, diffusers {theirs * 1e3:.3f} ms -> ratio "
+            f"{ours / theirs:.2f} (target <= 0.50)"
+        )
 
 
 if __name__ == "__main__":

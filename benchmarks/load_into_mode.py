@@ -83,12 +83,36 @@ SAMPLE_S = 0.020
 def wan_config(quick: bool, layers: int = 30) -> dict:
     """Wan 2.1 1.3B's transformer config with ``layers`` blocks (``--quick``: a tiny one of the same shape)."""
     if quick:
-        return dict(patch_size=[1, 2, 2], num_attention_heads=2, attention_head_dim=64, in_channels=16,
-                    out_channels=16, text_dim=256, freq_dim=256, ffn_dim=512, num_layers=4,
-                    cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
-    return dict(patch_size=[1, 2, 2], num_attention_heads=12, attention_head_dim=128, in_channels=16,
-                out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=layers,
-                cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+        return dict(
+            patch_size=[1, 2, 2],
+            num_attention_heads=2,
+            attention_head_dim=64,
+            in_channels=16,
+            out_channels=16,
+            text_dim=256,
+            freq_dim=256,
+            ffn_dim=512,
+            num_layers=4,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            eps=1e-6,
+            rope_max_seq_len=1024,
+        )
+    return dict(
+        patch_size=[1, 2, 2],
+        num_attention_heads=12,
+        attention_head_dim=128,
+        in_channels=16,
+        out_channels=16,
+        text_dim=4096,
+        freq_dim=256,
+        ffn_dim=8960,
+        num_layers=layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+        rope_max_seq_len=1024,
+    )
 
 
 # -- the checkpoints, built once ------------------------------------------------------------------------
@@ -202,8 +226,9 @@ def worker(args: argparse.Namespace) -> None:
     generator = torch.Generator().manual_seed(0)
     bf16 = torch.bfloat16
     inputs = dict(
-        hidden_states=torch.randn(1, config["in_channels"], args.frames, args.height, args.width,
-                                  generator=generator).to(bf16),
+        hidden_states=torch.randn(
+            1, config["in_channels"], args.frames, args.height, args.width, generator=generator
+        ).to(bf16),
         timestep=torch.tensor([500]),
         encoder_hidden_states=torch.randn(1, args.text_tokens, config["text_dim"], generator=generator).to(bf16),
         return_dict=False,
@@ -219,9 +244,13 @@ def worker(args: argparse.Namespace) -> None:
     if name.startswith("diffusers_"):
         model = WanTransformer3DModel.from_pretrained(folder, torch_dtype=bf16).eval()
         if name == "diffusers_group_disk":
-            model.enable_group_offload(onload_device=torch.device("cpu"), offload_device=torch.device("cpu"),
-                                       offload_type="block_level", num_blocks_per_group=1,
-                                       offload_to_disk_path=str(workdir))
+            model.enable_group_offload(
+                onload_device=torch.device("cpu"),
+                offload_device=torch.device("cpu"),
+                offload_type="block_level",
+                num_blocks_per_group=1,
+                offload_to_disk_path=str(workdir),
+            )
     elif name in ("memmode_apply_disk", "apply_qfloat8_disk"):
         model = WanTransformer3DModel.from_pretrained(folder, torch_dtype=bf16).eval()
         mode = "model_group_offload" if name == "memmode_apply_disk" else "model_group_offload_and_qfloat8"
@@ -230,9 +259,16 @@ def worker(args: argparse.Namespace) -> None:
         in_place = True if name.endswith("_in_place") else None
         storage = name.removesuffix("_in_place").rsplit("_", 1)[1]
         mode = "model_group_offload_and_qfloat8" if "qfloat8" in name else "model_group_offload"
-        handle = memmode_core.load(folder, mode, device="cpu", storage=storage, torch_dtype=bf16,
-                                   offload_dir=None if storage == "ram" else str(workdir),
-                                   staging_dir=str(workdir), in_place=in_place)
+        handle = memmode_core.load(
+            folder,
+            mode,
+            device="cpu",
+            storage=storage,
+            torch_dtype=bf16,
+            offload_dir=None if storage == "ram" else str(workdir),
+            staging_dir=str(workdir),
+            in_place=in_place,
+        )
         model = handle.target
     loaded = time.perf_counter()
     load_anon, load_file = sampler.take()
@@ -242,11 +278,24 @@ def worker(args: argparse.Namespace) -> None:
     peak_anon, peak_file = sampler.take()
     sampler.stop.set()
     digest = hashlib.sha1(out.float().contiguous().numpy().tobytes()).hexdigest()[:12]
-    print("RESULT " + json.dumps({
-        "variant": variant, "load_s": loaded - began, "first_output_s": done - began,
-        "baseline_anon": baseline_anon, "baseline_file": baseline_file, "load_peak_anon": load_anon,
-        "peak_anon": peak_anon, "peak_file": max(peak_file, load_file), "output": digest,
-        "memmode": str(Path(memmode_core.__file__).parent.parent)}), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "variant": variant,
+                "load_s": loaded - began,
+                "first_output_s": done - began,
+                "baseline_anon": baseline_anon,
+                "baseline_file": baseline_file,
+                "load_peak_anon": load_anon,
+                "peak_anon": peak_anon,
+                "peak_file": max(peak_file, load_file),
+                "output": digest,
+                "memmode": str(Path(memmode_core.__file__).parent.parent),
+            }
+        ),
+        flush=True,
+    )
 
 
 # -- driver ----------------------------------------------------------------------------------------------
@@ -255,14 +304,31 @@ def worker(args: argparse.Namespace) -> None:
 def run_variant(variant: str, folder: Path, scratch: Path, args: argparse.Namespace) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix=f"{variant}-", dir=scratch))
     try:
-        argv = [sys.executable, __file__, "--variant", variant, "--folder", str(folder), "--workdir", str(workdir),
-                "--threads", str(args.threads), "--frames", str(args.frames), "--height", str(args.height),
-                "--width", str(args.width), "--text-tokens", str(args.text_tokens)]
-        done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        argv = [
+            sys.executable,
+            __file__,
+            "--variant",
+            variant,
+            "--folder",
+            str(folder),
+            "--workdir",
+            str(workdir),
+            "--threads",
+            str(args.threads),
+            "--frames",
+            str(args.frames),
+            "--height",
+            str(args.height),
+            "--width",
+            str(args.width),
+            "--text-tokens",
+            str(args.text_tokens),
+        ]
+        done = subprocess.run(argv, capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if done.returncode != 0 or not lines:
             raise RuntimeError(f"{variant} failed (exit code {done.returncode}):\n{done.stderr[-3000:]}")
-        return json.loads(lines[-1][len("RESULT "):])
+        return json.loads(lines[-1][len("RESULT ") :])
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -271,12 +337,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 3; --quick: 1)")
     parser.add_argument("--quick", action="store_true", help="a tiny model and one round: a smoke run")
-    parser.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "memmode-load-bench"),
-                        help="where the checkpoints are saved (reused) and the variants write their files; "
-                        "on a disk, not tmpfs")
+    parser.add_argument(
+        "--cache",
+        default=str(Path(tempfile.gettempdir()) / "memmode-load-bench"),
+        help="where the checkpoints are saved (reused) and the variants write their files; on a disk, not tmpfs",
+    )
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
-    parser.add_argument("--layers", type=int, default=30, help="transformer blocks (30: Wan 2.1 1.3B, 2.84 GB "
-                        "in bf16; 22: 2.09 GB)")
+    parser.add_argument(
+        "--layers", type=int, default=30, help="transformer blocks (30: Wan 2.1 1.3B, 2.84 GB in bf16; 22: 2.09 GB)"
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads per worker")
     parser.add_argument("--frames", type=int, default=2, help="latent frames")
     parser.add_argument("--height", type=int, default=4, help="latent height (4 x 4, 2 frames: 8 tokens)")
@@ -312,9 +381,12 @@ def main() -> None:
             for variant in variants[shift:] + variants[:shift]:
                 result = run_variant(variant, folders[VARIANTS[variant][0]], scratch, args)
                 label = "warm-up" if round_index == 0 else f"round {round_index}"
-                print(f"{label:>8} {variant:<26} load {result['load_s']:7.2f} s, first output "
-                      f"{result['first_output_s']:7.2f} s, peak RssAnon {result['peak_anon'] / 2**30:6.2f} GiB",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"{label:>8} {variant:<26} load {result['load_s']:7.2f} s, first output "
+                    f"{result['first_output_s']:7.2f} s, peak RssAnon {result['peak_anon'] / 2**30:6.2f} GiB",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 if round_index > 0:
                     results[variant].append(result)
     finally:
@@ -336,14 +408,18 @@ def report(results: dict[str, list[dict]], folders: dict[str, Path], args, round
         values = [r[key] / scale for r in results[variant]]
         return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}–{max(values):{fmt}})"
 
-    print(f"\nWan-shaped transformer: hidden {config['num_attention_heads'] * config['attention_head_dim']}, "
-          f"ffn {config['ffn_dim']}, {config['num_layers']} blocks, {total / 1e9:.2f} GB in bf16 (f32 checkpoint "
-          f"{2 * total / 1e9:.2f} GB); largest group (one block) {group / 2**20:.0f} MiB, the rest {rest / 2**20:.0f} "
-          f"MiB; CPU, {args.threads} threads; inputs {args.frames}x{args.height}x{args.width} latent, "
-          f"{args.text_tokens} text tokens; median (min–max) of {rounds} interleaved rounds after a warm-up, "
-          f"checkpoint hot in the page cache; {seconds / 60:.1f} min\n")
-    print("| variant | load s | first output s | × ref | peak RssAnon GiB | × ref | peak over baseline MiB "
-          "| × group | peak RssFile GiB | target |")
+    print(
+        f"\nWan-shaped transformer: hidden {config['num_attention_heads'] * config['attention_head_dim']}, "
+        f"ffn {config['ffn_dim']}, {config['num_layers']} blocks, {total / 1e9:.2f} GB in bf16 (f32 checkpoint "
+        f"{2 * total / 1e9:.2f} GB); largest group (one block) {group / 2**20:.0f} MiB, the rest {rest / 2**20:.0f} "
+        f"MiB; CPU, {args.threads} threads; inputs {args.frames}x{args.height}x{args.width} latent, "
+        f"{args.text_tokens} text tokens; median (min–max) of {rounds} interleaved rounds after a warm-up, "
+        f"checkpoint hot in the page cache; {seconds / 60:.1f} min\n"
+    )
+    print(
+        "| variant | load s | first output s | × ref | peak RssAnon GiB | × ref | peak over baseline MiB "
+        "| × group | peak RssFile GiB | target |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     all_met = True
     for variant, runs in results.items():
@@ -365,13 +441,20 @@ def report(results: dict[str, list[dict]], folders: dict[str, Path], args, round
                 checks.append((f"≤ {max_groups:g} groups", groups <= max_groups))
             all_met &= all(ok for _, ok in checks)
             verdict = ", ".join(f"{text} {'met' if ok else 'MISSED'}" for text, ok in checks)
-        ratio = (lambda x: f"{x:.2f}" if x is not None else "—")
-        print(f"| {variant} | {spread(variant, 'load_s')} | {spread(variant, 'first_output_s')} | {ratio(t_ratio)} "
-              f"| {spread(variant, 'peak_anon', gib)} | {ratio(a_ratio)} | {over / 2**20:.0f} | {groups:.1f} "
-              f"| {median(variant, 'peak_file') / gib:.2f} | {verdict} |")
+
+        def ratio(x):
+            return f"{x:.2f}" if x is not None else "—"
+
+        print(
+            f"| {variant} | {spread(variant, 'load_s')} | {spread(variant, 'first_output_s')} | {ratio(t_ratio)} "
+            f"| {spread(variant, 'peak_anon', gib)} | {ratio(a_ratio)} | {over / 2**20:.0f} | {groups:.1f} "
+            f"| {median(variant, 'peak_file') / gib:.2f} | {verdict} |"
+        )
     baseline = statistics.median(r["baseline_anon"] for runs in results.values() for r in runs)
-    print(f"\nbaseline RssAnon of a worker after imports, before the load: {baseline / gib:.2f} GiB; ratios of the "
-          f"_f32 variants are against diffusers_group_disk_f32, the others against diffusers_group_disk")
+    print(
+        f"\nbaseline RssAnon of a worker after imports, before the load: {baseline / gib:.2f} GiB; ratios of the "
+        f"_f32 variants are against diffusers_group_disk_f32, the others against diffusers_group_disk"
+    )
     outputs: dict[str, list[str]] = {}
     for variant, runs in results.items():
         for digest in {r["output"] for r in runs}:

@@ -31,8 +31,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _models import wan_inputs, wan_transformer  # noqa: E402
 from quant_accuracy import sqnr  # noqa: E402
 
-TARGETS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k", "attn2.to_v",
-           "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2")
+TARGETS = (
+    "attn1.to_q",
+    "attn1.to_k",
+    "attn1.to_v",
+    "attn1.to_out.0",
+    "attn2.to_q",
+    "attn2.to_k",
+    "attn2.to_v",
+    "attn2.to_out.0",
+    "ffn.net.0.proj",
+    "ffn.net.2",
+)
 
 
 def lora_state_dict(model, rank: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -42,10 +52,10 @@ def lora_state_dict(model, rank: int, seed: int = 0) -> dict[str, torch.Tensor]:
     for path, module in model.named_modules():
         if path.startswith("blocks.") and path.count(".") >= 2 and path.split(".", 2)[2] in TARGETS:
             out_features, in_features = module.weight.shape
-            a = torch.randn(rank, in_features, generator=generator) / in_features ** 0.5
-            b = torch.randn(out_features, rank, generator=generator) * 0.3 * module.weight.float().std() / rank ** 0.5
+            a = torch.randn(rank, in_features, generator=generator) / in_features**0.5
+            b = torch.randn(out_features, rank, generator=generator) * 0.3 * module.weight.float().std() / rank**0.5
             state[f"transformer.{path}.lora_A.weight"] = a.to(torch.bfloat16)
-            state[f"transformer.{path}.lora_B.weight"] = (b * rank ** 0.5).to(torch.bfloat16)
+            state[f"transformer.{path}.lora_B.weight"] = (b * rank**0.5).to(torch.bfloat16)
     return state
 
 
@@ -56,7 +66,7 @@ def fused(model, lora: dict[str, torch.Tensor]):
         for key, a in lora.items():
             if not key.endswith("lora_A.weight"):
                 continue
-            path = key[len("transformer."):-len(".lora_A.weight")]
+            path = key[len("transformer.") : -len(".lora_A.weight")]
             layer = model.get_submodule(path)
             b = lora[key.replace("lora_A", "lora_B")]
             layer.weight += (b.float() @ a.float()).to(layer.weight.dtype)
@@ -71,7 +81,7 @@ def requantized_fuse(model, lora, quantizer):
         for key, a in lora.items():
             if not key.endswith("lora_A.weight"):
                 continue
-            layer = model.get_submodule(key[len("transformer."):-len(".lora_A.weight")])
+            layer = model.get_submodule(key[len("transformer.") : -len(".lora_A.weight")])
             record = packed_record(layer)
             packed = {name: getattr(layer, name) for name in record.names}
             weight = quantizer.unpack(packed, record.shape, torch.float32)
@@ -111,11 +121,15 @@ def main() -> None:
         exact = [fused(base, lora)(**inputs)[0]]
     with torch.inference_mode():
         without_lora = sqnr(exact, [base(**inputs)[0]])
-    print(f"Wan-shaped transformer, hidden {args.heads * 128}, {args.layers} blocks, bf16; rank-{args.rank} LoRA on "
-          f"{len(lora) // 2} projections; SQNR against the LoRA fused in bf16 (the bf16 base alone: "
-          f"{without_lora:.1f} dB)")
-    print(f"{'quantizer':<10}{'unfused (memmode)':>19}{'fused, re-quantized':>21}{'fused, then quantized':>23}"
-          f"{'adapter time':>14}")
+    print(
+        f"Wan-shaped transformer, hidden {args.heads * 128}, {args.layers} blocks, bf16; rank-{args.rank} LoRA on "
+        f"{len(lora) // 2} projections; SQNR against the LoRA fused in bf16 (the bf16 base alone: "
+        f"{without_lora:.1f} dB)"
+    )
+    print(
+        f"{'quantizer':<10}{'unfused (memmode)':>19}{'fused, re-quantized':>21}{'fused, then quantized':>23}"
+        f"{'adapter time':>14}"
+    )
     for name in ("qfloat8", "qfloat4"):
         quantizer = current().get("quantizer", name).obj
         unfused, plain, requantized = make(), make(), make()
@@ -126,12 +140,16 @@ def main() -> None:
         fused_first = fused(base, lora)
         memmode.apply(fused_first, f"model_full_load_and_{name}", device="cpu")
         with torch.inference_mode():
-            results = {label: sqnr(exact, [model(**inputs)[0]]) for label, model in
-                       (("unfused", unfused), ("requantized", requantized), ("fused_first", fused_first))}
+            results = {
+                label: sqnr(exact, [model(**inputs)[0]])
+                for label, model in (("unfused", unfused), ("requantized", requantized), ("fused_first", fused_first))
+            }
         with_adapter = median_time(unfused, inputs, args.rounds)
         without = median_time(plain, inputs, args.rounds)
-        print(f"{name:<10}{results['unfused']:>16.2f} dB{results['requantized']:>18.2f} dB"
-              f"{results['fused_first']:>20.2f} dB{(with_adapter / without - 1) * 100:>12.1f} %")
+        print(
+            f"{name:<10}{results['unfused']:>16.2f} dB{results['requantized']:>18.2f} dB"
+            f"{results['fused_first']:>20.2f} dB{(with_adapter / without - 1) * 100:>12.1f} %"
+        )
 
 
 if __name__ == "__main__":

@@ -42,9 +42,9 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -75,12 +75,14 @@ def make_inputs(model: nn.Module) -> list[dict]:
     inputs = []
     for seed, timestep in ((0, 900), (1, 300)):
         generator = torch.Generator().manual_seed(seed)
-        inputs.append(dict(
-            hidden_states=torch.randn(1, config.in_channels, 3, 16, 16, generator=generator).to(torch.bfloat16),
-            timestep=torch.tensor([timestep]),
-            encoder_hidden_states=torch.randn(1, 64, config.text_dim, generator=generator).to(torch.bfloat16),
-            return_dict=False,
-        ))
+        inputs.append(
+            dict(
+                hidden_states=torch.randn(1, config.in_channels, 3, 16, 16, generator=generator).to(torch.bfloat16),
+                timestep=torch.tensor([timestep]),
+                encoder_hidden_states=torch.randn(1, 64, config.text_dim, generator=generator).to(torch.bfloat16),
+                return_dict=False,
+            )
+        )
     return inputs
 
 
@@ -130,8 +132,8 @@ class Row:
 
 def _memmode(name: str, **options) -> Callable[[nn.Module], Callable[[], None]]:
     def method(model: nn.Module):
-        from memmode_core.quantization.layers import packed_record, quantize_component
         from memmode_core.discovery.plugins import current
+        from memmode_core.quantization.layers import packed_record, quantize_component
 
         quantizer = current().get("quantizer", name)
         if quantizer is None:
@@ -142,7 +144,9 @@ def _memmode(name: str, **options) -> Callable[[nn.Module], Callable[[], None]]:
         def dequantize_all():
             for module, record in layers:
                 record.codec.unpack({n: getattr(module, n) for n in record.names}, record.shape, torch.bfloat16)
+
         return dequantize_all
+
     return method
 
 
@@ -166,16 +170,22 @@ def _plain_cast(model: nn.Module):
     def dequantize_all():
         for module, record in layers:
             record.codec.unpack({n: getattr(module, n) for n in record.names}, record.shape, torch.bfloat16)
+
     return dequantize_all
 
 
 def _subclass_dequantizer(model: nn.Module, dequantize: Callable[[torch.Tensor], torch.Tensor]):
-    weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)
-               and type(m.weight.data if isinstance(m.weight, nn.Parameter) else m.weight) is not torch.Tensor]
+    weights = [
+        m.weight
+        for m in model.modules()
+        if isinstance(m, nn.Linear)
+        and type(m.weight.data if isinstance(m.weight, nn.Parameter) else m.weight) is not torch.Tensor
+    ]
 
     def dequantize_all():
         for weight in weights:
             dequantize(weight)
+
     return dequantize_all
 
 
@@ -197,6 +207,7 @@ def _torchao(config_name: str):
             from torchao.prototype.mx_formats import NVFP4WeightOnlyConfig as config
         quantize_(model, config())
         return _subclass_dequantizer(model, lambda w: w.dequantize(torch.bfloat16))
+
     return method
 
 
@@ -212,8 +223,9 @@ METHODS: dict[str, Callable] = {
 }
 
 
-def prepare(name: str, reference_model: nn.Module, inputs: list[dict], reference: list[torch.Tensor],
-            reference_bytes: int) -> tuple[Row, nn.Module | None, Callable[[], None] | None]:
+def prepare(
+    name: str, reference_model: nn.Module, inputs: list[dict], reference: list[torch.Tensor], reference_bytes: int
+) -> tuple[Row, nn.Module | None, Callable[[], None] | None]:
     """Quantize a copy of the model with ``name``; its accuracy and size, and what to time."""
     model = copy.deepcopy(reference_model)
     try:
@@ -233,20 +245,21 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def time_all(models: dict[str, tuple[nn.Module, Callable[[], None] | None]], inputs: dict, rounds: int
-             ) -> dict[str, tuple[float, float | None]]:
+def time_all(
+    models: dict[str, tuple[nn.Module, Callable[[], None] | None]], inputs: dict, rounds: int
+) -> dict[str, tuple[float, float | None]]:
     """Median forward and dequantization times, interleaved: each round runs every method once, in an
     order rotated from the previous round's, so that machine noise hits every method alike."""
     names = list(models)
     forward: dict[str, list[float]] = {n: [] for n in names}
     dequant: dict[str, list[float]] = {n: [] for n in names}
     with torch.inference_mode():
-        for name, (model, _) in models.items():  # warm-up
+        for model, _ in models.values():  # warm-up
             model(**inputs)
         for r in range(rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 model, dequantize_all = models[name]
-                forward[name].append(timed(lambda: model(**inputs)))
+                forward[name].append(timed(lambda model=model: model(**inputs)))
                 if dequantize_all is not None:
                     dequant[name].append(timed(dequantize_all))
     return {n: (statistics.median(forward[n]), statistics.median(dequant[n]) if dequant[n] else None) for n in names}
@@ -276,8 +289,9 @@ def ablation(reference_model: nn.Module, inputs: list[dict], reference: list[tor
 
     total = state_bytes(reference_model)
     blocks = _block_paths(reference_model)
-    plan = plan_quantization(current().get("quantizer", "qfloat8").obj, reference_model,
-                             options={"default_exclude": ()})
+    plan = plan_quantization(
+        current().get("quantizer", "qfloat8").obj, reference_model, options={"default_exclude": ()}
+    )
     groups: dict[str, list[str]] = {}
     for layer in plan.to_pack:
         groups.setdefault(layer_group(layer.path, blocks), []).append(layer.path)
@@ -289,8 +303,13 @@ def ablation(reference_model: nn.Module, inputs: list[dict], reference: list[tor
         for quantizer in ("qfloat8", "qfloat4"):
             model = copy.deepcopy(reference_model)
             others = [p.path for p in plan.to_pack if p.path not in paths]
-            quantize_component(current().get("quantizer", quantizer).obj, model, weight_dtype=torch.bfloat16,
-                               exclude=others, options={"default_exclude": ()})
+            quantize_component(
+                current().get("quantizer", quantizer).obj,
+                model,
+                weight_dtype=torch.bfloat16,
+                exclude=others,
+                options={"default_exclude": ()},
+            )
             got = outputs(model, inputs)
             noise = sum((r.double() - a.double()).pow(2).sum() for r, a in zip(reference, got))
             row[f"{quantizer}_noise"] = float(noise / signal)
@@ -306,32 +325,47 @@ def predicted_at_full_size() -> dict[str, float]:
     from memmode_core.quantization.layers import plan_quantization
 
     with torch.device("meta"):
-        model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128,
-                                      in_channels=16, out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824,
-                                      num_layers=40, cross_attn_norm=True, qk_norm="rms_norm_across_heads")
+        model = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=40,
+            attention_head_dim=128,
+            in_channels=16,
+            out_channels=16,
+            text_dim=4096,
+            freq_dim=256,
+            ffn_dim=13824,
+            num_layers=40,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+        )
     keep = set(model._keep_in_fp32_modules)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if tensor.is_floating_point() and keep.isdisjoint(name.split(".")):
             tensor.data = tensor.data.to(torch.bfloat16)
     bf16 = state_bytes(model)
-    return {q: plan_quantization(current().get("quantizer", q).obj, model).total_bytes() / bf16
-            for q in ("qfloat8", "qfloat4")}
+    return {
+        q: plan_quantization(current().get("quantizer", q).obj, model).total_bytes() / bf16
+        for q in ("qfloat8", "qfloat4")
+    }
 
 
 # -- report --------------------------------------------------------------------------------------------------
 
 
 def table(rows: list[Row], reference_row: Row) -> str:
-    lines = ["| method | SQNR vs bf16 (dB) | state bytes | x bf16 | forward (s) | dequant / forward (s) |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| method | SQNR vs bf16 (dB) | state bytes | x bf16 | forward (s) | dequant / forward (s) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for row in [reference_row, *rows]:
         if row.note and row.sqnr_db is None:
             lines.append(f"| {row.method} | {row.note} | | | | |")
             continue
         db = "exact" if row.sqnr_db == float("inf") else f"{row.sqnr_db:.2f}"
         dequant = "-" if row.dequant_s is None else f"{row.dequant_s:.3f}"
-        lines.append(f"| {row.method} | {db} | {row.bytes / 2**20:.1f} MiB | {row.ratio:.3f} | "
-                     f"{row.forward_s:.2f} | {dequant} |")
+        lines.append(
+            f"| {row.method} | {db} | {row.bytes / 2**20:.1f} MiB | {row.ratio:.3f} | {row.forward_s:.2f} | {dequant} |"
+        )
     return "\n".join(lines)
 
 
@@ -341,16 +375,22 @@ def verdicts(rows: dict[str, Row], full_size: dict[str, float]) -> list[str]:
     q8, q4 = rows["memmode qfloat8"], rows["memmode qfloat4"]
     if quanto is not None and quanto.sqnr_db is not None:
         ok = q8.sqnr_db >= quanto.sqnr_db and q8.ratio <= TARGETS["qfloat8"][1]
-        lines.append(f"qfloat8: {q8.sqnr_db:.2f} dB vs quanto {quanto.sqnr_db:.2f} dB, {q8.ratio:.3f}x bf16 "
-                     f"(target >= quanto, <= 0.55x): {'met' if ok else 'MISSED'}")
+        lines.append(
+            f"qfloat8: {q8.sqnr_db:.2f} dB vs quanto {quanto.sqnr_db:.2f} dB, {q8.ratio:.3f}x bf16 "
+            f"(target >= quanto, <= 0.55x): {'met' if ok else 'MISSED'}"
+        )
     else:
-        lines.append(f"qfloat8: quanto unavailable ({quanto.note if quanto else 'not run'}); "
-                     f"{q8.sqnr_db:.2f} dB, {q8.ratio:.3f}x bf16")
+        lines.append(
+            f"qfloat8: quanto unavailable ({quanto.note if quanto else 'not run'}); "
+            f"{q8.sqnr_db:.2f} dB, {q8.ratio:.3f}x bf16"
+        )
     ok = q4.sqnr_db >= TARGETS["qfloat4"][0] and q4.ratio <= TARGETS["qfloat4"][1]
-    lines.append(f"qfloat4: {q4.sqnr_db:.2f} dB, {q4.ratio:.3f}x bf16 (target >= 18 dB, <= 0.30x): "
-                 f"{'met' if ok else 'MISSED'}")
-    lines.append(f"predicted at Wan 2.1 14B size: qfloat8 {full_size['qfloat8']:.3f}x, "
-                 f"qfloat4 {full_size['qfloat4']:.3f}x bf16")
+    lines.append(
+        f"qfloat4: {q4.sqnr_db:.2f} dB, {q4.ratio:.3f}x bf16 (target >= 18 dB, <= 0.30x): {'met' if ok else 'MISSED'}"
+    )
+    lines.append(
+        f"predicted at Wan 2.1 14B size: qfloat8 {full_size['qfloat8']:.3f}x, qfloat4 {full_size['qfloat4']:.3f}x bf16"
+    )
     return lines
 
 
@@ -368,9 +408,11 @@ def main(argv: list[str] | None = None) -> int:
     inputs = make_inputs(model)
     reference = outputs(model, inputs)
     reference_bytes = state_bytes(model)
-    print(f"Wan-shaped transformer: hidden {128 * args.heads}, {args.layers} blocks, "
-          f"{reference_bytes / 2**20:.1f} MiB in bf16; torch {torch.__version__}, {torch.get_num_threads()} threads",
-          flush=True)
+    print(
+        f"Wan-shaped transformer: hidden {128 * args.heads}, {args.layers} blocks, "
+        f"{reference_bytes / 2**20:.1f} MiB in bf16; torch {torch.__version__}, {torch.get_num_threads()} threads",
+        flush=True,
+    )
     reference_row = Row("bf16 (reference)", float("inf"), reference_bytes, 1.0)
     rows: dict[str, Row] = {}
     timing: dict[str, tuple[nn.Module, Callable[[], None] | None]] = {reference_row.method: (model, None)}
@@ -390,16 +432,21 @@ def main(argv: list[str] | None = None) -> int:
     if "memmode qfloat8" in rows and "memmode qfloat4" in rows:
         for line in verdicts(rows, full_size):
             print(line)
-    result = {"model": {"hidden": 128 * args.heads, "layers": args.layers, "bf16_bytes": reference_bytes},
-              "rows": [asdict(reference_row), *map(asdict, rows.values())], "predicted_full_size": full_size}
+    result = {
+        "model": {"hidden": 128 * args.heads, "layers": args.layers, "bf16_bytes": reference_bytes},
+        "rows": [asdict(reference_row), *map(asdict, rows.values())],
+        "predicted_full_size": full_size,
+    }
     if args.ablation:
         ablated = ablation(model, inputs, reference)
         print()
         print("| group (alone quantized) | layers | bytes share | qfloat8 noise | qfloat4 noise |")
         print("|---|---:|---:|---:|---:|")
         for row in ablated:
-            print(f"| {row['group']} | {row['layers']} | {100 * row['bytes_share']:.2f}% | "
-                  f"{row['qfloat8_noise']:.2e} | {row['qfloat4_noise']:.2e} |")
+            print(
+                f"| {row['group']} | {row['layers']} | {100 * row['bytes_share']:.2f}% | "
+                f"{row['qfloat8_noise']:.2e} | {row['qfloat4_noise']:.2e} |"
+            )
         result["ablation"] = ablated
     if args.json:
         args.json.write_text(json.dumps(result, indent=2, default=str))

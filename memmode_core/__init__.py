@@ -14,7 +14,8 @@ The modules are layered, one folder per layer, and imports only point down
 
 0. ``contracts/``: errors, options, hookspecs, devices, costs, storage, placement, targets, layout (groups
    and policies), packing;
-1. mechanics: ``engine/`` (runtime, hooks, reads outside forward, ledger, staging, pipeline hooks), ``files/`` (group files) and
+1. mechanics: ``engine/`` (runtime, hooks, reads outside forward, ledger, staging, pipeline hooks), ``files/``
+   (group files) and
    ``quantization/`` (packed layers, and the ``Quantizer`` base class whose defaults use them);
 2. ``discovery/``: plugins, grammar (built-in plugins are loaded by module name, like entry points);
 3. ``planning/``: the planner;
@@ -27,31 +28,80 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from memmode_core.api import Handle, apply, convert, remove
-from memmode_core.loading.load import load
-from memmode_core.loading.save import save_quantized
 from memmode_core.contracts.costs import StorageCost
-from memmode_core.contracts.layout import GroupSpec, Policy, block_groups, leaf_groups, whole_component
-from memmode_core.contracts.errors import (CheckpointError, DuplicatePluginError, IncompatibleModeError, InvalidOptionError, MemmodeError,
-                     OffloadedWeightReadError, PluginLoadError, PluginNotInstalledError, QuantizedWeightWriteError,
-                     RestoreError, StorageUnavailableError, UnknownModeError)
-from memmode_core.discovery.grammar import Mode, parse_mode
+from memmode_core.contracts.errors import (
+    CheckpointError,
+    DuplicatePluginError,
+    IncompatibleModeError,
+    InvalidOptionError,
+    MemmodeError,
+    OffloadedWeightReadError,
+    PluginLoadError,
+    PluginNotInstalledError,
+    QuantizedWeightWriteError,
+    RestoreError,
+    StorageUnavailableError,
+    UnknownModeError,
+)
 from memmode_core.contracts.hookspecs import hookimpl
-from memmode_core.engine.ledger import Report
-from memmode_core.engine.reads import placeholder_trap
+from memmode_core.contracts.layout import GroupSpec, Policy, block_groups, leaf_groups, whole_component
 from memmode_core.contracts.options import Option
 from memmode_core.contracts.placement import Placement
-from memmode_core.planning.planner import NoModeFitsError, PlanEntry, plan
-from memmode_core.discovery.plugins import PluginInfo, list_plugins, temporary_plugin
-from memmode_core.quantization.quantizer import Quantizer
 from memmode_core.contracts.storage import Storage, StorageSession, Tensors, is_placeholder, placeholder
 from memmode_core.contracts.targets import Target
+from memmode_core.discovery.grammar import Mode, parse_mode
+from memmode_core.discovery.plugins import PluginInfo, list_plugins, temporary_plugin
+from memmode_core.engine.ledger import Report
+from memmode_core.engine.reads import placeholder_trap
+from memmode_core.loading.load import load
+from memmode_core.loading.save import save_quantized
+from memmode_core.planning.planner import NoModeFitsError, PlanEntry, plan
+from memmode_core.quantization.quantizer import Quantizer
 
 __all__ = [
-    "apply", "remove", "convert", "load", "save_quantized", "CheckpointError", "plan", "PlanEntry", "NoModeFitsError", "Handle", "Report", "parse_mode", "Mode", "list_plugins", "PluginInfo", "hookimpl",
-    "temporary_plugin", "Placement", "Quantizer", "Storage", "StorageSession", "StorageCost", "Option",
-    "GroupSpec", "Policy", "block_groups", "leaf_groups", "whole_component", "Target", "Tensors", "placeholder", "is_placeholder",
+    "apply",
+    "remove",
+    "convert",
+    "load",
+    "save_quantized",
+    "CheckpointError",
+    "plan",
+    "PlanEntry",
+    "NoModeFitsError",
+    "Handle",
+    "Report",
+    "parse_mode",
+    "Mode",
+    "list_plugins",
+    "PluginInfo",
+    "hookimpl",
+    "temporary_plugin",
+    "Placement",
+    "Quantizer",
+    "Storage",
+    "StorageSession",
+    "StorageCost",
+    "Option",
+    "GroupSpec",
+    "Policy",
+    "block_groups",
+    "leaf_groups",
+    "whole_component",
+    "Target",
+    "Tensors",
+    "placeholder",
+    "is_placeholder",
     "placeholder_trap",
-    "MemmodeError", "UnknownModeError", "PluginNotInstalledError", "PluginLoadError", "IncompatibleModeError",
-    "StorageUnavailableError", "DuplicatePluginError", "InvalidOptionError", "OffloadedWeightReadError",
-    "RestoreError", "QuantizedWeightWriteError", "__version__",
+    "MemmodeError",
+    "UnknownModeError",
+    "PluginNotInstalledError",
+    "PluginLoadError",
+    "IncompatibleModeError",
+    "StorageUnavailableError",
+    "DuplicatePluginError",
+    "InvalidOptionError",
+    "OffloadedWeightReadError",
+    "RestoreError",
+    "QuantizedWeightWriteError",
+    "__version__",
 ]

@@ -10,23 +10,24 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
-from memmode_core.engine import pipeline_hooks
 from memmode_core.contracts.devices import resolve_device
-from memmode_core.engine.runtime import Runtime
 from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError
-from memmode_core.quantization import layers as quantization
-from memmode_core.discovery.grammar import Resolved, lookup, resolve
-from memmode_core.engine.ledger import Ledger, Report, clock
 from memmode_core.contracts.options import resolve_options
-from memmode_core.discovery.plugins import current
 from memmode_core.contracts.placement import lay_out
 from memmode_core.contracts.targets import Target, refuse_compiled, refuse_scripted
+from memmode_core.discovery.grammar import Resolved, lookup, resolve
+from memmode_core.discovery.plugins import current
+from memmode_core.engine import pipeline_hooks
+from memmode_core.engine.ledger import Ledger, Report, clock
+from memmode_core.engine.runtime import Runtime
+from memmode_core.quantization import layers as quantization
 
 logger = logging.getLogger("memmode")
 
@@ -37,8 +38,16 @@ HANDLE_ATTRIBUTE = "_memmode_handle"
 class Handle:
     """What ``apply`` returns: the applied mode, its ledger, and the way back."""
 
-    def __init__(self, target: Target, resolved: Resolved, device: torch.device, runtime: Runtime,
-                 ledger: Ledger, quantized: dict[str, Any], notes: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        target: Target,
+        resolved: Resolved,
+        device: torch.device,
+        runtime: Runtime,
+        ledger: Ledger,
+        quantized: dict[str, Any],
+        notes: Mapping[str, str] | None = None,
+    ) -> None:
         self._target = weakref.ref(target.obj) if _weakrefable(target.obj) else (lambda obj=target.obj: obj)
         self._components = target.components
         self._is_pipeline = target.is_pipeline
@@ -128,8 +137,9 @@ class Handle:
         """Mark the target and its placed components as placed by this handle."""
         if self._is_pipeline:
             pipeline_hooks.install(self._components, self.device, self.remove)
-        self._guards = pipeline_hooks.install_guards(self.target if self._is_pipeline else None, self._components,
-                                                     self.mode, self._runtime.end_call)
+        self._guards = pipeline_hooks.install_guards(
+            self.target if self._is_pipeline else None, self._components, self.mode, self._runtime.end_call
+        )
         for obj in [self.target, *self._components.values()]:
             setattr(obj, HANDLE_ATTRIBUTE, self)
 
@@ -153,8 +163,12 @@ class Handle:
                 if obj is not None and getattr(obj, HANDLE_ATTRIBUTE, None) is self:
                     delattr(obj, HANDLE_ATTRIBUTE)
         if self.quantized:
-            logger.warning("memmode: removed %s; quantization of %s (%s) is not undone, the weights stay quantized",
-                           self.mode, ", ".join(self.quantized), self.quantizer)
+            logger.warning(
+                "memmode: removed %s; quantization of %s (%s) is not undone, the weights stay quantized",
+                self.mode,
+                ", ".join(self.quantized),
+                self.quantizer,
+            )
 
     def __repr__(self) -> str:
         state = "active" if self.active else "removed"
@@ -202,10 +216,20 @@ def handle_of(target: Any) -> Handle | None:
     return None
 
 
-def apply(target: Any, mode: str, *, device: Any = None, weight_dtype: torch.dtype | None = None,
-          storage: str | None = None, offload_dir: str | None = None, components: Iterable[str] | None = None,
-          exclude: Iterable[str] | None = None, exclude_components: Iterable[str] | None = None,
-          strict: bool = False, **options: Any) -> Handle:
+def apply(
+    target: Any,
+    mode: str,
+    *,
+    device: Any = None,
+    weight_dtype: torch.dtype | None = None,
+    storage: str | None = None,
+    offload_dir: str | None = None,
+    components: Iterable[str] | None = None,
+    exclude: Iterable[str] | None = None,
+    exclude_components: Iterable[str] | None = None,
+    strict: bool = False,
+    **options: Any,
+) -> Handle:
     """Put ``target`` (a diffusers pipeline or an ``nn.Module``) into ``mode``; see the user guide.
 
     ``exclude_components`` names pipeline components the placement leaves exactly where they are
@@ -250,10 +274,23 @@ def apply(target: Any, mode: str, *, device: Any = None, weight_dtype: torch.dty
     quantizer_options = routed.get(f"quantizer {quantizer.name}", {}) if quantizer is not None else {}
 
     if getattr(placement, "delegates", False):
-        return _apply_choice(target, tgt, mode, placement, placement_options, resolved, dev,
-                             storage=storage, weight_dtype=weight_dtype, offload_dir=offload_dir,
-                             components=component_names, exclude=excluded, exclude_components=left_alone,
-                             strict=strict, extra={k: v for k, v in options.items() if k not in placement_options})
+        return _apply_choice(
+            target,
+            tgt,
+            mode,
+            placement,
+            placement_options,
+            resolved,
+            dev,
+            storage=storage,
+            weight_dtype=weight_dtype,
+            offload_dir=offload_dir,
+            components=component_names,
+            exclude=excluded,
+            exclude_components=left_alone,
+            strict=strict,
+            extra={k: v for k, v in options.items() if k not in placement_options},
+        )
     if quantizer is None and (component_names is not None or excluded):
         raise InvalidOptionError(
             f"components= and exclude= choose what a quantizer touches, and mode {mode!r} has no quantizer"
@@ -298,8 +335,9 @@ def apply(target: Any, mode: str, *, device: Any = None, weight_dtype: torch.dty
             previous.remove()
         if quantizer is not None:
             for name, module in quantize_targets.items():
-                quantized[name] = quantizer.quantize(module, weight_dtype=weight_dtype, exclude=excluded,
-                                                     options=quantizer_options)
+                quantized[name] = quantizer.quantize(
+                    module, weight_dtype=weight_dtype, exclude=excluded, options=quantizer_options
+                )
         runtime, ledger = placing.install(specs, session, reserved)
     except BaseException as exc:
         if session is not None:
@@ -339,11 +377,18 @@ class Placing:
     def install(self, specs, session, reserved=None) -> tuple[Runtime, Ledger]:
         tgt, placement, options = self.target, self.placement, self.options
         ledger = Ledger()
-        runtime = Runtime(tgt.components, specs, device=self.device, session=session, ledger=ledger,
-                          prefetch=placement.prefetch(options, self.device),
-                          offload_after_call=placement.offloads_after_call(options),
-                          relayout=lambda name: [spec for spec in self.lay_out().specs if spec.component == name],
-                          pipeline=tgt.obj if tgt.is_pipeline else None, refuse_edit=_refuse_fusing_packed)
+        runtime = Runtime(
+            tgt.components,
+            specs,
+            device=self.device,
+            session=session,
+            ledger=ledger,
+            prefetch=placement.prefetch(options, self.device),
+            offload_after_call=placement.offloads_after_call(options),
+            relayout=lambda name: [spec for spec in self.lay_out().specs if spec.component == name],
+            pipeline=tgt.obj if tgt.is_pipeline else None,
+            refuse_edit=_refuse_fusing_packed,
+        )
         runtime.install(reserved)
         return runtime, ledger
 
@@ -364,33 +409,80 @@ def _revive(previous: Handle, failure: BaseException, quantized: dict) -> None:
                 session.close()
             raise
     except BaseException as again:
-        logger.error("memmode: the new mode failed (%s) and the previous mode %s could not be put back (%s); "
-                     "the weights are in ordinary memory", failure, previous.mode, again)
+        logger.error(
+            "memmode: the new mode failed (%s) and the previous mode %s could not be put back (%s); "
+            "the weights are in ordinary memory",
+            failure,
+            previous.mode,
+            again,
+        )
         return
     previous._runtime, previous._ledger, previous._removed = runtime, ledger, False
     previous._attach()
     if quantized:
-        logger.warning("memmode: the new mode failed after quantizing %s; the previous mode %s is back, on the "
-                       "quantized weights", ", ".join(quantized), previous.mode)
+        logger.warning(
+            "memmode: the new mode failed after quantizing %s; the previous mode %s is back, on the quantized weights",
+            ", ".join(quantized),
+            previous.mode,
+        )
 
 
-def _apply_choice(target, tgt: Target, mode: str, placement, placement_options, resolved: Resolved,
-                  device: torch.device, *, storage, weight_dtype, offload_dir, components, exclude, exclude_components,
-                  strict, extra) -> Handle:
+def _apply_choice(
+    target,
+    tgt: Target,
+    mode: str,
+    placement,
+    placement_options,
+    resolved: Resolved,
+    device: torch.device,
+    *,
+    storage,
+    weight_dtype,
+    offload_dir,
+    components,
+    exclude,
+    exclude_components,
+    strict,
+    extra,
+) -> Handle:
     """``auto``: let the placement choose a mode with the planner, then apply that."""
     if offload_dir is not None and storage is None:
-        raise InvalidOptionError("with auto and offload_dir=, name the storage that writes there: storage='disk' or "
-                                 "storage='mmap'")
-    choice = placement.choose(tgt, placement_options, device=device,
-                              quantizer=resolved.quantizer.name if resolved.quantizer else None, storage=storage,
-                              weight_dtype=weight_dtype, components=components, exclude=exclude)
-    handle = apply(target, choice.mode, device=device, weight_dtype=weight_dtype, storage=choice.storage,
-                   offload_dir=offload_dir, components=components, exclude=exclude or None,
-                   exclude_components=exclude_components or None, strict=strict, **choice.options, **extra)
+        raise InvalidOptionError(
+            "with auto and offload_dir=, name the storage that writes there: storage='disk' or storage='mmap'"
+        )
+    choice = placement.choose(
+        tgt,
+        placement_options,
+        device=device,
+        quantizer=resolved.quantizer.name if resolved.quantizer else None,
+        storage=storage,
+        weight_dtype=weight_dtype,
+        components=components,
+        exclude=exclude,
+    )
+    handle = apply(
+        target,
+        choice.mode,
+        device=device,
+        weight_dtype=weight_dtype,
+        storage=choice.storage,
+        offload_dir=offload_dir,
+        components=components,
+        exclude=exclude or None,
+        exclude_components=exclude_components or None,
+        strict=strict,
+        **choice.options,
+        **extra,
+    )
     handle.requested_mode = mode
     handle.choice = choice
-    logger.info("memmode: %s chose %s with storage %s (peak %d bytes on the device)", mode, choice.label(),
-                choice.storage, choice.peak_device_bytes)
+    logger.info(
+        "memmode: %s chose %s with storage %s (peak %d bytes on the device)",
+        mode,
+        choice.label(),
+        choice.storage,
+        choice.peak_device_bytes,
+    )
     return handle
 
 

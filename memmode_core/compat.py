@@ -27,7 +27,8 @@ to a full load (pass ``strict=True`` to raise instead), and an unknown *quantize
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,26 +36,43 @@ from torch import nn
 from memmode_core.api import Handle, apply
 from memmode_core.builtin.placements import SMALL_TABLES
 from memmode_core.contracts.errors import InvalidOptionError
+from memmode_core.contracts.targets import Target
 from memmode_core.discovery.grammar import SEPARATOR, lookup
 from memmode_core.discovery.plugins import current
-from memmode_core.contracts.targets import Target
 
 logger = logging.getLogger("memmode.compat")
 
 
 #: VideoX-Fun's ``safe_enable_group_offload`` arguments the drop-in takes (see :func:`apply_gpu_memory_mode`)
-GROUP_OFFLOAD_ARGUMENTS = ("onload_device", "offload_device", "use_stream", "offload_type", "num_blocks_per_group",
-                           "low_cpu_mem_usage")
+GROUP_OFFLOAD_ARGUMENTS = (
+    "onload_device",
+    "offload_device",
+    "use_stream",
+    "offload_type",
+    "num_blocks_per_group",
+    "low_cpu_mem_usage",
+)
 
 
-def apply_gpu_memory_mode(pipeline: Any, GPU_memory_mode: str | None = None, device: Any = None,
-                          weight_dtype: torch.dtype | None = None, *, mode: str | None = None,
-                          transformers: Iterable[nn.Module] | None = None,
-                          exclude_module_name: Iterable[str] = ("modulation",), quant_tag: str | None = None,
-                          strict: bool = False, storage: str | None = None,
-                          onload_device: Any = None, offload_device: Any = None, use_stream: bool | None = None,
-                          offload_type: str | None = None, num_blocks_per_group: int | None = None,
-                          low_cpu_mem_usage: bool | None = None) -> Handle:
+def apply_gpu_memory_mode(
+    pipeline: Any,
+    GPU_memory_mode: str | None = None,
+    device: Any = None,
+    weight_dtype: torch.dtype | None = None,
+    *,
+    mode: str | None = None,
+    transformers: Iterable[nn.Module] | None = None,
+    exclude_module_name: Iterable[str] = ("modulation",),
+    quant_tag: str | None = None,
+    strict: bool = False,
+    storage: str | None = None,
+    onload_device: Any = None,
+    offload_device: Any = None,
+    use_stream: bool | None = None,
+    offload_type: str | None = None,
+    num_blocks_per_group: int | None = None,
+    low_cpu_mem_usage: bool | None = None,
+) -> Handle:
     """Quantize (if the mode asks for it) and place ``pipeline`` on ``device``; see the module docstring.
 
     The mode is the second positional argument, or the keyword ``GPU_memory_mode=`` (VideoX-Fun's scripts'
@@ -94,19 +112,31 @@ def apply_gpu_memory_mode(pipeline: Any, GPU_memory_mode: str | None = None, dev
         logger.warning(
             "Unknown GPU_memory_mode placement %r (from %r); falling back to model_full_load with NO offloading. "
             "Installed placements: %s. Pass strict=True to turn this into an error.",
-            placement, requested, ", ".join(plugins.names("placement")))
+            placement,
+            requested,
+            ", ".join(plugins.names("placement")),
+        )
         placement = "model_full_load"
     if isinstance(exclude_module_name, str):
         exclude_module_name = (exclude_module_name,)
     exclude = tuple(exclude_module_name or ())
     if quantizer is not None and "" in exclude:
-        logger.info("exclude_module_name contains '', which (as in VideoX-Fun) matches every layer name: nothing "
-                    "is quantized, %r runs as %r", requested, placement)
+        logger.info(
+            "exclude_module_name contains '', which (as in VideoX-Fun) matches every layer name: nothing "
+            "is quantized, %r runs as %r",
+            requested,
+            placement,
+        )
         quantizer = None
         exclude = tuple(f for f in exclude if f)
     device = _onload_device(device, onload_device)
-    group_arguments = {"offload_device": offload_device, "use_stream": use_stream, "offload_type": offload_type,
-                       "num_blocks_per_group": num_blocks_per_group, "low_cpu_mem_usage": low_cpu_mem_usage}
+    group_arguments = {
+        "offload_device": offload_device,
+        "use_stream": use_stream,
+        "offload_type": offload_type,
+        "num_blocks_per_group": num_blocks_per_group,
+        "low_cpu_mem_usage": low_cpu_mem_usage,
+    }
     options: dict[str, Any] = {}
     if placement == "model_group_offload":
         options, storage = _group_offload_options(device, storage, **group_arguments)
@@ -117,9 +147,16 @@ def apply_gpu_memory_mode(pipeline: Any, GPU_memory_mode: str | None = None, dev
         if placement == "sequential_cpu_offload":
             options["keep_resident"] = tuple(dict.fromkeys(SMALL_TABLES + exclude))
     full_mode = placement if quantizer is None else f"{placement}{SEPARATOR}{quantizer}"
-    handle = apply(pipeline, full_mode, device=device, weight_dtype=weight_dtype, storage=storage,
-                   components=_component_names(pipeline, transformers) if quantizer is not None else None,
-                   exclude=exclude if quantizer is not None else None, **options)
+    handle = apply(
+        pipeline,
+        full_mode,
+        device=device,
+        weight_dtype=weight_dtype,
+        storage=storage,
+        components=_component_names(pipeline, transformers) if quantizer is not None else None,
+        exclude=exclude if quantizer is not None else None,
+        **options,
+    )
     handle.requested_mode = requested
     return handle
 
@@ -128,32 +165,46 @@ def _onload_device(device: Any, onload_device: Any) -> Any:
     if onload_device is None:
         return device
     if device is not None and torch.device(device) != torch.device(onload_device):
-        raise InvalidOptionError(f"device={device!r} and onload_device={onload_device!r} differ; they are the same "
-                                 f"thing (the compute device): pass one")
+        raise InvalidOptionError(
+            f"device={device!r} and onload_device={onload_device!r} differ; they are the same "
+            f"thing (the compute device): pass one"
+        )
     return onload_device
 
 
-def _group_offload_options(device: Any, storage: str | None, *, offload_device: Any, use_stream: bool | None,
-                           offload_type: str | None, num_blocks_per_group: int | None,
-                           low_cpu_mem_usage: bool | None) -> tuple[dict[str, Any], str | None]:
+def _group_offload_options(
+    device: Any,
+    storage: str | None,
+    *,
+    offload_device: Any,
+    use_stream: bool | None,
+    offload_type: str | None,
+    num_blocks_per_group: int | None,
+    low_cpu_mem_usage: bool | None,
+) -> tuple[dict[str, Any], str | None]:
     """VideoX-Fun's ``safe_enable_group_offload`` arguments as memmode placement options and storage."""
     if offload_device is not None and torch.device(offload_device).type != "cpu":
         raise InvalidOptionError(
             f"offload_device={offload_device!r}: memmode offloads to CPU memory, in the storage you choose "
-            f"(storage='ram' / 'pinned' / 'disk' / 'mmap'); pass offload_device='cpu' or leave it out")
+            f"(storage='ram' / 'pinned' / 'disk' / 'mmap'); pass offload_device='cpu' or leave it out"
+        )
     options: dict[str, Any] = {"offload_type": offload_type or "leaf_level"}
     if num_blocks_per_group is not None:
         options["num_blocks_per_group"] = num_blocks_per_group
     if use_stream is not None:
         compute = torch.device(device) if device is not None else None
-        if use_stream and (compute is None or compute.type != "cuda") and not (
-                compute is None and torch.cuda.is_available()):
+        if (
+            use_stream
+            and (compute is None or compute.type != "cuda")
+            and not (compute is None and torch.cuda.is_available())
+        ):
             logger.info("use_stream=True ignored: CUDA streams need a CUDA compute device (device=%r)", device)
         else:
             options["use_stream"] = use_stream
     if low_cpu_mem_usage and storage is None:
         storage = "ram"  # diffusers' low_cpu_mem_usage: no pinned copy of the whole model up front
     return options, storage
+
 
 def _component_names(pipeline: Any, transformers: Iterable[nn.Module] | None) -> list[str] | None:
     """The original takes modules; memmode names components. Map one to the other by identity."""
@@ -168,7 +219,8 @@ def _component_names(pipeline: Any, transformers: Iterable[nn.Module] | None) ->
         if name is None:
             raise InvalidOptionError(
                 f"transformers=: a {type(module).__name__} that is not one of the pipeline's components "
-                f"({', '.join(components)}) nor the module one of them wraps; memmode quantizes whole components")
+                f"({', '.join(components)}) nor the module one of them wraps; memmode quantizes whole components"
+            )
         if name not in names:
             names.append(name)
     return names
@@ -183,8 +235,9 @@ def _unwrapped(module: Any) -> list[Any]:
     """``module`` and the modules it wraps, outermost first."""
     chain = [module]
     while True:
-        inner = next((getattr(chain[-1], a, None) for a in _WRAPPED
-                      if isinstance(getattr(chain[-1], a, None), nn.Module)), None)
+        inner = next(
+            (getattr(chain[-1], a, None) for a in _WRAPPED if isinstance(getattr(chain[-1], a, None), nn.Module)), None
+        )
         if inner is None or any(inner is seen for seen in chain):
             return chain
         chain.append(inner)

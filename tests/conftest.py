@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import torch
+from tiny_pipelines import FAMILIES, make_pipeline, run
 
 from memmode_core.discovery import plugins
-from tiny_pipelines import FAMILIES, make_pipeline, run
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -37,10 +37,11 @@ def placement_id(placement) -> str:
 # Discovery reads the metadata of every installed distribution (``importlib.metadata``: dozens of files
 # parsed as e-mail headers, 35 ms on a quiet core, 0.1 s on a busy one), and every test starts a fresh
 # discovery (``isolated_plugins``, and each ``temporary_plugin`` changes the cache key): over a thousand
-# tests, that was between half a minute and a minute and a half of the suite on two cores.  The installed distributions do not change during a session, so their entry
-# points are read once per ``sys.path``; each discovery still loads every entry point and registers every
-# plugin anew, and a test that fakes the installed distributions (``monkeypatch.setattr(importlib.metadata,
-# "distributions", ...)``, as ``test_core_plugins`` does) gets the real, uncached scan of its fakes.
+# tests, that was between half a minute and a minute and a half of the suite on two cores. The installed
+# distributions do not change during a session, so their entry points are read once per ``sys.path``; each
+# discovery still loads every entry point and registers every plugin anew, and a test that fakes the
+# installed distributions (``monkeypatch.setattr(importlib.metadata, "distributions", ...)``, as
+# ``test_core_plugins`` does) gets the real, uncached scan of its fakes.
 _REAL_DISTRIBUTIONS = importlib.metadata.distributions
 _real_entry_points = getattr(plugins, "_entry_points", None)
 _ENTRY_POINTS: dict[tuple[str, ...], list] = {}
@@ -83,8 +84,9 @@ def isolated_plugins(monkeypatch):
 @pytest.fixture
 def poison_storage():
     """The test storage ``poison`` (NaN placeholders at rest; ``fakes.PoisonStorage``), registered for one test."""
-    import memmode_core as memmode
     from fakes import PoisonPlugin
+
+    import memmode_core as memmode
 
     with memmode.temporary_plugin(PoisonPlugin(), name="poison", distribution="tests"):
         yield
@@ -123,4 +125,4 @@ def two_calls(pipe, family: str) -> tuple[torch.Tensor, torch.Tensor]:
 def assert_same_outputs(got: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...], atol: float = 1e-5) -> None:
     for index, (g, e) in enumerate(zip(got, expected), start=1):
         assert torch.isfinite(g).all(), f"call {index} produced non-finite values"
-        torch.testing.assert_close(g, e, atol=atol, rtol=0, msg=lambda m: f"call {index}: {m}")
+        torch.testing.assert_close(g, e, atol=atol, rtol=0, msg=lambda m, index=index: f"call {index}: {m}")

@@ -17,7 +17,7 @@ Sizes are chosen so that every forward runs in about a millisecond on one CPU th
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from diffusers import AutoencoderKL, DiffusionPipeline, FluxTransformer2DModel, WanTransformer3DModel
@@ -147,24 +147,46 @@ def seeded(factory: Callable[[], nn.Module], seed: int = 0) -> nn.Module:
 
 def tiny_autoencoder(use_quant_conv: bool = True) -> AutoencoderKL:
     return AutoencoderKL(
-        block_out_channels=(4, 8), in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=2,
-        layers_per_block=1, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        use_quant_conv=use_quant_conv, use_post_quant_conv=use_quant_conv,
+        block_out_channels=(4, 8),
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        norm_num_groups=2,
+        layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        use_quant_conv=use_quant_conv,
+        use_post_quant_conv=use_quant_conv,
     )
 
 
 def tiny_flux_transformer() -> FluxTransformer2DModel:
     return FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=8, num_attention_heads=2,
-        joint_attention_dim=16, pooled_projection_dim=16, axes_dims_rope=(2, 2, 4),
+        patch_size=1,
+        in_channels=4,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        pooled_projection_dim=16,
+        axes_dims_rope=(2, 2, 4),
     )
 
 
 def tiny_wan_transformer() -> WanTransformer3DModel:
     """Wan keeps RoPE tables in buffers and modulation tables in loose parameters."""
     return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
-        text_dim=16, freq_dim=16, ffn_dim=16, num_layers=2, rope_max_seq_len=32,
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=16,
+        ffn_dim=16,
+        num_layers=2,
+        rope_max_seq_len=32,
     )
 
 
@@ -179,13 +201,22 @@ def model_inputs(model: nn.Module, seed: int = 1) -> dict:
         return {"sample": randn(1, 3, 16, 16)}
     if isinstance(model, FluxTransformer2DModel):
         image_tokens, text_tokens = 16, 4
-        return {"hidden_states": randn(1, image_tokens, 4), "encoder_hidden_states": randn(1, text_tokens, 16),
-                "pooled_projections": randn(1, 16), "timestep": torch.tensor([0.5]),
-                "img_ids": torch.zeros(image_tokens, 3), "txt_ids": torch.zeros(text_tokens, 3),
-                "return_dict": False}
+        return {
+            "hidden_states": randn(1, image_tokens, 4),
+            "encoder_hidden_states": randn(1, text_tokens, 16),
+            "pooled_projections": randn(1, 16),
+            "timestep": torch.tensor([0.5]),
+            "img_ids": torch.zeros(image_tokens, 3),
+            "txt_ids": torch.zeros(text_tokens, 3),
+            "return_dict": False,
+        }
     if isinstance(model, WanTransformer3DModel):
-        return {"hidden_states": randn(1, 4, 2, 8, 8), "encoder_hidden_states": randn(1, 4, 16),
-                "timestep": torch.tensor([500]), "return_dict": False}
+        return {
+            "hidden_states": randn(1, 4, 2, 8, 8),
+            "encoder_hidden_states": randn(1, 4, 16),
+            "timestep": torch.tensor([500]),
+            "return_dict": False,
+        }
     return {"x": randn(3, FEATURES)}
 
 

@@ -59,8 +59,10 @@ class Int8Rows(Quantizer):
 
     def pack(self, weight):
         scale = weight.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
-        return {"weight_packed": (weight.float() / scale).round().clamp(-127, 127).to(torch.int8),
-                "weight_scale": scale}
+        return {
+            "weight_packed": (weight.float() / scale).round().clamp(-127, 127).to(torch.int8),
+            "weight_scale": scale,
+        }
 
     def unpack(self, packed, shape, dtype):
         return packed["weight_packed"].to(dtype) * packed["weight_scale"].to(dtype)

@@ -15,9 +15,10 @@ import signal
 import subprocess
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -114,8 +115,7 @@ def differing(groups: dict[str, list[tuple[str, torch.Tensor]]], snap: dict[int,
     """Group key -> names of its tensors that no longer equal the snapshot bit for bit (NaN never equals)."""
     out = {}
     for key, tensors in groups.items():
-        bad = [name for name, t in tensors
-               if t.data.device.type != "cpu" or not _bit_equal(t.data, snap[id(t)])]
+        bad = [name for name, t in tensors if t.data.device.type != "cpu" or not _bit_equal(t.data, snap[id(t)])]
         if bad:
             out[key] = bad
     return out
@@ -250,13 +250,14 @@ def read_line(proc: subprocess.Popen, timeout: float) -> str:
             if left <= 0 or not sel.select(left):
                 proc.kill()
                 proc.wait()
-                raise AssertionError(f"child {proc.pid} printed no line for {timeout:.0f} s; "
-                                     f"stderr:\n{_stderr(proc)}")
+                raise AssertionError(f"child {proc.pid} printed no line for {timeout:.0f} s; stderr:\n{_stderr(proc)}")
             chunk = os.read(fd, 1 << 16)
             if not chunk:
                 proc.wait()
-                raise AssertionError(f"child {proc.pid} ended ({describe_status_code(proc.returncode)}) "
-                                     f"before printing a line; stderr:\n{_stderr(proc)}")
+                raise AssertionError(
+                    f"child {proc.pid} ended ({describe_status_code(proc.returncode)}) "
+                    f"before printing a line; stderr:\n{_stderr(proc)}"
+                )
             buffer += chunk
     line, _, rest = bytes(buffer).partition(b"\n")
     buffer[:] = rest

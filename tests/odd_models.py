@@ -43,13 +43,15 @@ class TiedAcrossBlocks(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         shared = nn.Linear(WIDTH, WIDTH)
-        self.blocks = nn.ModuleList([
-            nn.Sequential(nn.Embedding(VOCAB, WIDTH)),
-            nn.Sequential(shared, nn.ReLU()),
-            nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()),
-            nn.Sequential(shared),
-            nn.Linear(WIDTH, VOCAB),
-        ])
+        self.blocks = nn.ModuleList(
+            [
+                nn.Sequential(nn.Embedding(VOCAB, WIDTH)),
+                nn.Sequential(shared, nn.ReLU()),
+                nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()),
+                nn.Sequential(shared),
+                nn.Linear(WIDTH, VOCAB),
+            ]
+        )
         self.blocks[4].weight = self.blocks[0][0].weight
 
     def forward(self, ids):

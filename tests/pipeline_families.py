@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
-
-import torch
 
 import tiny_pipelines
 import tiny_pipelines_dit_pixel
 import tiny_pipelines_more
 import tiny_pipelines_prior_cascade
 import tiny_pipelines_video_audio
+import torch
 
 
 @dataclass(frozen=True)
@@ -45,9 +44,20 @@ class Family:
 
 
 _FIRST_KINDS = {"wan22": "video", "flux": "dit", "sd3": "dit", "qwenimage": "dit", "ltx": "video"}
-_MORE_KINDS = {"sd15": "unet", "sdxl": "unet", "controlnet": "unet", "hunyuanvideo": "video", "cogvideox": "video",
-               "mochi": "video", "sana": "dit", "pixart_sigma": "dit", "auraflow": "dit", "lumina2": "dit",
-               "chroma": "dit", "stable_audio": "audio"}
+_MORE_KINDS = {
+    "sd15": "unet",
+    "sdxl": "unet",
+    "controlnet": "unet",
+    "hunyuanvideo": "video",
+    "cogvideox": "video",
+    "mochi": "video",
+    "sana": "dit",
+    "pixart_sigma": "dit",
+    "auraflow": "dit",
+    "lumina2": "dit",
+    "chroma": "dit",
+    "stable_audio": "audio",
+}
 _REWRITTEN = {"shap_e": ("shap_e_renderer.mlp.",)}
 _CHAOTIC = {
     # measured: e4m3 rounding of any single one of its 18 linear layers (weight error ~3% of the row maximum)
@@ -59,16 +69,29 @@ _CHAOTIC = {
 def _families() -> dict[str, Family]:
     families: dict[str, Family] = {}
     for name, kind in _FIRST_KINDS.items():
-        families[name] = Family(name, kind, lambda seed, n=name: tiny_pipelines.make_pipeline(n, seed),
-                                lambda pipe, seed, n=name: tiny_pipelines.run(pipe, n, seed))
+        families[name] = Family(
+            name,
+            kind,
+            lambda seed, n=name: tiny_pipelines.make_pipeline(n, seed),
+            lambda pipe, seed, n=name: tiny_pipelines.run(pipe, n, seed),
+        )
     for name, kind in _MORE_KINDS.items():
-        families[name] = Family(name, kind, lambda seed, n=name: tiny_pipelines_more.make_more(n, seed),
-                                lambda pipe, seed, n=name: tiny_pipelines_more.run_more(pipe, n, seed))
+        families[name] = Family(
+            name,
+            kind,
+            lambda seed, n=name: tiny_pipelines_more.make_more(n, seed),
+            lambda pipe, seed, n=name: tiny_pipelines_more.run_more(pipe, n, seed),
+        )
     for module in (tiny_pipelines_prior_cascade, tiny_pipelines_video_audio, tiny_pipelines_dit_pixel):
         for name in module.FAMILIES:
-            families[name] = Family(name, module.KINDS[name], lambda seed, n=name, m=module: m.make(n, seed),
-                                    lambda pipe, seed, n=name, m=module: m.run(pipe, n, seed),
-                                    _REWRITTEN.get(name, ()), _CHAOTIC.get(name))
+            families[name] = Family(
+                name,
+                module.KINDS[name],
+                lambda seed, n=name, m=module: m.make(n, seed),
+                lambda pipe, seed, n=name, m=module: m.run(pipe, n, seed),
+                _REWRITTEN.get(name, ()),
+                _CHAOTIC.get(name),
+            )
     return families
 
 

@@ -36,7 +36,7 @@ def test_list_is_an_aligned_table(capsys):
     starts = [header.index(column) for column in ("name", "distribution", "version", "available")]
     for line in lines[2:]:
         for start in starts:  # every column starts where its header starts
-            assert line[start - 2:start] == "  " and line[start] != " ", line
+            assert line[start - 2 : start] == "  " and line[start] != " ", line
     assert set(rule.replace(" ", "")) == {"-"}
     for line in lines[2:]:
         if " no (" in line:
@@ -78,8 +78,25 @@ def test_run_with_no_mode_runs_the_builtin_pipeline_and_prints_its_table(capsys)
 
 def test_run_compare_json_and_plot(tmp_path, capsys):
     plot = tmp_path / "memory.png"
-    assert main(["run", "--size", "tiny", "--steps", "2", "--json", "--plot", str(plot),
-                 "--compare", "model_full_load", "model_cpu_offload", "auto"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--size",
+                "tiny",
+                "--steps",
+                "2",
+                "--json",
+                "--plot",
+                str(plot),
+                "--compare",
+                "model_full_load",
+                "model_cpu_offload",
+                "auto",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     results = data["results"]
     assert [r["requested"] for r in results] == ["model_full_load", "model_cpu_offload", "auto"]
@@ -108,13 +125,25 @@ def test_run_model_loads_straight_into_the_mode_and_plan_reads_only_headers(tmp_
     """``run --model`` goes through memmode.load (never from_pretrained); ``plan --model`` predicts from config
     files and checkpoint headers, without mapping a weight, exactly what planning the loaded pipeline gives."""
     from diffusers import DiffusionPipeline
-
-    from memmode_core.files import checkpoint
     from tiny_pipelines import make_pipeline
 
+    from memmode_core.files import checkpoint
+
     make_pipeline("wan22").save_pretrained(tmp_path / "wan")
-    common = ["--model", str(tmp_path / "wan"), "--steps", "2", "--height", "16", "--width", "16",
-              "--num-frames", "5", "--device", "cpu"]
+    common = [
+        "--model",
+        str(tmp_path / "wan"),
+        "--steps",
+        "2",
+        "--height",
+        "16",
+        "--width",
+        "16",
+        "--num-frames",
+        "5",
+        "--device",
+        "cpu",
+    ]
     calls, original = [], memmode_core.load
     monkeypatch.setattr(memmode_core, "load", lambda *a, **k: calls.append(a) or original(*a, **k))
     assert main(["run", *common, "--json", "--mode", "model_group_offload", "--storage", "mmap"]) == 0
@@ -126,12 +155,16 @@ def test_run_model_loads_straight_into_the_mode_and_plan_reads_only_headers(tmp_
 
     monkeypatch.setattr(checkpoint.CheckpointFile, "view", no_mapping)
     assert main(["plan", *common, "--quantizer", "qfloat8", "--json"]) == 0
-    from_headers = {(e["mode"], e["storage"], str(e["options"])): e for e in json.loads(capsys.readouterr().out)["entries"]}
+    from_headers = {
+        (e["mode"], e["storage"], str(e["options"])): e for e in json.loads(capsys.readouterr().out)["entries"]
+    }
     loaded = DiffusionPipeline.from_pretrained(tmp_path / "wan")
     for entry in memmode_core.plan(loaded, device="cpu", quantizer="qfloat8", steps=2):
         got = from_headers[(entry.mode, entry.storage, str(entry.options))]
-        assert (got["peak_device_bytes"], got["transfer_bytes_per_call"]) == \
-            (entry.peak_device_bytes, entry.transfer_bytes_per_call), entry.mode
+        assert (got["peak_device_bytes"], got["transfer_bytes_per_call"]) == (
+            entry.peak_device_bytes,
+            entry.transfer_bytes_per_call,
+        ), entry.mode
 
 
 def test_plan_table_marks_the_auto_choice(capsys):
@@ -156,24 +189,52 @@ def test_bad_mode_is_a_clean_error(capsys):
 
 
 def test_option_values_are_python_literals_else_strings():
-    args = build_parser().parse_args([
-        "run", "--option", "offload_type=leaf_level", "--option", "num_blocks_per_group=2",
-        "--option", "keep_files=True", "--option", "use_stream=None", "--option", "ratio=0.5",
-        "--option", "block_modules=['blocks', 'layers']", "--option", "pinned_limit=8GiB",
-        "--option", "path=/tmp/a=b", "--option", "empty=",
-    ])
-    assert args.option == [("offload_type", "leaf_level"), ("num_blocks_per_group", 2), ("keep_files", True),
-                           ("use_stream", None), ("ratio", 0.5), ("block_modules", ["blocks", "layers"]),
-                           ("pinned_limit", "8GiB"), ("path", "/tmp/a=b"), ("empty", "")]
+    args = build_parser().parse_args(
+        [
+            "run",
+            "--option",
+            "offload_type=leaf_level",
+            "--option",
+            "num_blocks_per_group=2",
+            "--option",
+            "keep_files=True",
+            "--option",
+            "use_stream=None",
+            "--option",
+            "ratio=0.5",
+            "--option",
+            "block_modules=['blocks', 'layers']",
+            "--option",
+            "pinned_limit=8GiB",
+            "--option",
+            "path=/tmp/a=b",
+            "--option",
+            "empty=",
+        ]
+    )
+    assert args.option == [
+        ("offload_type", "leaf_level"),
+        ("num_blocks_per_group", 2),
+        ("keep_files", True),
+        ("use_stream", None),
+        ("ratio", 0.5),
+        ("block_modules", ["blocks", "layers"]),
+        ("pinned_limit", "8GiB"),
+        ("path", "/tmp/a=b"),
+        ("empty", ""),
+    ]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["run", "--option", "offload_type"], "expected NAME=VALUE"),
-    (["plan", "--option", "=2"], "expected NAME=VALUE"),
-    (["run", "--option", "use_stream=True", "--option", "use_stream=False"], "--option use_stream given twice"),
-    (["run", "--option", "device=cpu"], "use --device"),
-    (["plan", "--option", "vram_budget=8GiB"], "use --vram"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["run", "--option", "offload_type"], "expected NAME=VALUE"),
+        (["plan", "--option", "=2"], "expected NAME=VALUE"),
+        (["run", "--option", "use_stream=True", "--option", "use_stream=False"], "--option use_stream given twice"),
+        (["run", "--option", "device=cpu"], "use --device"),
+        (["plan", "--option", "vram_budget=8GiB"], "use --vram"),
+    ],
+)
 def test_a_malformed_option_is_a_usage_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exited:
         main(argv)
@@ -192,8 +253,25 @@ def test_run_passes_options_to_apply(monkeypatch, capsys):
         return real_apply(pipe, mode, **kwargs)
 
     monkeypatch.setattr(memmode_core, "apply", spy)
-    assert main(["run", "--size", "tiny", "--steps", "1", "--json", "--mode", "model_group_offload",
-                 "--option", "offload_type=leaf_level", "--option", "use_stream=False"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--size",
+                "tiny",
+                "--steps",
+                "1",
+                "--json",
+                "--mode",
+                "model_group_offload",
+                "--option",
+                "offload_type=leaf_level",
+                "--option",
+                "use_stream=False",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert seen[0]["offload_type"] == "leaf_level" and seen[0]["use_stream"] is False
     assert data["options"] == {"offload_type": "leaf_level", "use_stream": False}
@@ -217,8 +295,21 @@ def test_plan_passes_placement_options_to_every_candidate_that_declares_them(cap
 
 @pytest.mark.parametrize("command", ["run", "plan"])
 def test_an_option_no_plugin_declares_is_the_invalid_option_message(command, capsys):
-    assert main([command, "--size", "tiny", "--steps", "1", "--no-progress" if command == "run" else "--json",
-                 "--option", "num_block_per_group=2"]) == 2
+    assert (
+        main(
+            [
+                command,
+                "--size",
+                "tiny",
+                "--steps",
+                "1",
+                "--no-progress" if command == "run" else "--json",
+                "--option",
+                "num_block_per_group=2",
+            ]
+        )
+        == 2
+    )
     captured = capsys.readouterr()
     assert captured.err.startswith("memmode: error: unexpected option num_block_per_group")
     assert "num_blocks_per_group" in captured.err  # what is accepted
@@ -230,13 +321,30 @@ def test_an_option_no_plugin_declares_is_the_invalid_option_message(command, cap
 
 def test_compare_marks_a_refused_mode_in_its_row_and_goes_on(capsys):
     # model_full_load with a storage is incompatible; model_cpu_ofload is unknown; model_cpu_offload runs
-    assert main(["run", "--size", "tiny", "--steps", "1", "--no-progress", "--storage", "ram",
-                 "--compare", "model_full_load", "model_cpu_ofload", "model_cpu_offload"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--size",
+                "tiny",
+                "--steps",
+                "1",
+                "--no-progress",
+                "--storage",
+                "ram",
+                "--compare",
+                "model_full_load",
+                "model_cpu_ofload",
+                "model_cpu_offload",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     lines = captured.out.splitlines()
     header = next(line for line in lines if line.startswith("mode"))
     assert header.split()[-1] == "note"
-    rows = {line.split()[0]: line for line in lines[lines.index(header) + 2:]}
+    rows = {line.split()[0]: line for line in lines[lines.index(header) + 2 :]}
     assert list(rows) == ["model_full_load", "model_cpu_ofload", "model_cpu_offload"]
     assert "refused: " in rows["model_full_load"] and "storage='ram'" in rows["model_full_load"]
     assert "refused: " in rows["model_cpu_ofload"] and "'model_cpu_offload'" in rows["model_cpu_ofload"]  # did you mean
@@ -245,15 +353,16 @@ def test_compare_marks_a_refused_mode_in_its_row_and_goes_on(capsys):
 
 
 def test_compare_json_has_the_refusal_and_exits_non_zero_when_nothing_ran(capsys):
-    assert main(["run", "--size", "tiny", "--steps", "1", "--json", "--compare", "model_full_load",
-                 "model_cpu_ofload"]) == 0
+    assert (
+        main(["run", "--size", "tiny", "--steps", "1", "--json", "--compare", "model_full_load", "model_cpu_ofload"])
+        == 0
+    )
     full, typo = json.loads(capsys.readouterr().out)["results"]
     assert full["refused"] is None and full["output_shape"]
     assert typo["requested"] == "model_cpu_ofload" and typo["mode"] is None
     assert "'model_cpu_ofload'" in typo["refused"] and "\n" not in typo["refused"]
 
-    assert main(["run", "--size", "tiny", "--steps", "1", "--no-progress", "--compare", "nothing_a",
-                 "nothing_b"]) == 2
+    assert main(["run", "--size", "tiny", "--steps", "1", "--no-progress", "--compare", "nothing_a", "nothing_b"]) == 2
     captured = capsys.readouterr()
     assert captured.out.count("refused: ") == 2
     assert captured.err == "memmode: error: every mode was refused\n"

@@ -5,16 +5,17 @@ from __future__ import annotations
 import logging
 
 import pytest
+from conftest import assert_same_outputs, full_load_outputs, two_calls
+from tiny_pipelines import make_pipeline
 
 from memmode_core.compat import apply_gpu_memory_mode
 from memmode_core.contracts.errors import InvalidOptionError, UnknownModeError
 
-from conftest import assert_same_outputs, full_load_outputs, two_calls
-from tiny_pipelines import make_pipeline
 
-
-@pytest.mark.parametrize("mode", ["model_full_load", "model_cpu_offload", "model_group_offload",
-                                  "sequential_cpu_offload", "text_encoder_offload"])
+@pytest.mark.parametrize(
+    "mode",
+    ["model_full_load", "model_cpu_offload", "model_group_offload", "sequential_cpu_offload", "text_encoder_offload"],
+)
 def test_reference_modes_equal_full_load(mode):
     pipe = make_pipeline("wan22")
     handle = apply_gpu_memory_mode(pipe, mode, "cpu")

@@ -7,17 +7,16 @@ from itertools import chain
 
 import pytest
 import torch
-
-import memmode_core as memmode
-from memmode_core import hookimpl
-from memmode_core.engine.hooks import is_wrapped
-from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError, MemmodeError, UnknownModeError
-from memmode_core.engine.pipeline_hooks import ExecutionDeviceHook
-from memmode_core.contracts.targets import Target
-
 from conftest import assert_same_outputs, full_load_outputs, two_calls
 from fakes import Int8Rows, PoisonPlugin
 from tiny_pipelines import make_pipeline, run
+
+import memmode_core as memmode
+from memmode_core import hookimpl
+from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError, MemmodeError, UnknownModeError
+from memmode_core.contracts.targets import Target
+from memmode_core.engine.hooks import is_wrapped
+from memmode_core.engine.pipeline_hooks import ExecutionDeviceHook
 
 
 def snapshot(target, data: bool = True) -> dict:
@@ -27,16 +26,23 @@ def snapshot(target, data: bool = True) -> dict:
         for name, t in chain(comp.named_parameters(), comp.named_buffers()):
             state[(cname, name)] = (id(t), t.data_ptr() if data else None, t.device, t.dtype, tuple(t.shape))
         state[(cname, "<hooks>")] = hook_count(comp)
-        state[(cname, "<attrs>")] = (getattr(comp, "_hf_hook", None), getattr(comp, "_memmode_handle", None),
-                                     type(comp))
+        state[(cname, "<attrs>")] = (
+            getattr(comp, "_hf_hook", None),
+            getattr(comp, "_memmode_handle", None),
+            type(comp),
+        )
     return state
 
 
 def hook_count(target) -> int:
     """Modules whose forward memmode wraps, plus any torch forward hook memmode registered."""
     modules = [m for comp in Target.of(target).components.values() for m in comp.modules()]
-    torch_hooks = sum(1 for m in modules for hook in chain(m._forward_pre_hooks.values(), m._forward_hooks.values())
-                      if getattr(hook, "__module__", "").startswith("memmode_core."))
+    torch_hooks = sum(
+        1
+        for m in modules
+        for hook in chain(m._forward_pre_hooks.values(), m._forward_hooks.values())
+        if getattr(hook, "__module__", "").startswith("memmode_core.")
+    )
     return torch_hooks + sum(1 for m in modules for method in ("forward", "encode", "decode") if is_wrapped(m, method))
 
 
@@ -84,8 +90,10 @@ def test_model_cpu_offload_equals_full_load_call_after_call(family, storage, poi
     handle = memmode.apply(pipe, "model_cpu_offload", device="cpu", storage=storage)
     assert_same_outputs(two_calls(pipe, family), full_load_outputs(family))
     report = handle.report()
-    sizes = [sum(t.numel() * t.element_size() for t in chain(m.parameters(), m.buffers()))
-             for m in Target.of(pipe).components.values()]
+    sizes = [
+        sum(t.numel() * t.element_size() for t in chain(m.parameters(), m.buffers()))
+        for m in Target.of(pipe).components.values()
+    ]
     assert report.peak_device_bytes == max(sizes)  # one component resident at a time
     assert report.bytes_transferred >= sum(sizes)
     handle.remove()
@@ -199,8 +207,9 @@ def test_quantizer_runs_before_placement_on_the_default_components(recorder):
 
 def test_components_and_exclude_reach_the_quantizer(recorder, caplog):
     pipe = make_pipeline("flux")
-    handle = memmode.apply(pipe, "model_full_load_and_recorder", device="cpu", components=["text_encoder_2"],
-                           exclude=["norm"])
+    handle = memmode.apply(
+        pipe, "model_full_load_and_recorder", device="cpu", components=["text_encoder_2"], exclude=["norm"]
+    )
     assert [(c, e) for c, _, _, e in recorder.calls] == [(pipe.text_encoder_2, ("norm",))]
     with caplog.at_level(logging.WARNING, logger="memmode"):
         handle.remove()
@@ -256,8 +265,18 @@ def test_report_fields():
     run(pipe, "ltx")
     report = handle.report()
     data = report.as_dict()
-    assert {"mode", "storage", "device", "peak_device_bytes", "bytes_transferred", "transfer_seconds",
-            "resident_device_bytes", "onloads", "offloads", "storage_bytes"} <= data.keys()
+    assert {
+        "mode",
+        "storage",
+        "device",
+        "peak_device_bytes",
+        "bytes_transferred",
+        "transfer_seconds",
+        "resident_device_bytes",
+        "onloads",
+        "offloads",
+        "storage_bytes",
+    } <= data.keys()
     assert data["mode"] == "model_group_offload" and data["storage"] == "ram" and data["device"] == "cpu"
     assert 0 < report.peak_device_bytes < report.bytes_transferred
     assert report.onloads >= report.offloads > 0

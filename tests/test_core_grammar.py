@@ -8,9 +8,17 @@ import pytest
 import torch
 
 import memmode_core as memmode
+from memmode_core.contracts.errors import (
+    DuplicatePluginError,
+    IncompatibleModeError,
+    InvalidOptionError,
+    MemmodeError,
+    PluginLoadError,
+    PluginNotInstalledError,
+    StorageUnavailableError,
+    UnknownModeError,
+)
 from memmode_core.discovery import plugins
-from memmode_core.contracts.errors import (DuplicatePluginError, IncompatibleModeError, InvalidOptionError, MemmodeError,
-                                 PluginLoadError, PluginNotInstalledError, StorageUnavailableError, UnknownModeError)
 
 
 @pytest.fixture
@@ -20,12 +28,15 @@ def nothing_installed(monkeypatch):
     plugins.reset()
 
 
-@pytest.mark.parametrize("mode, placement, quantizer", [
-    ("model_cpu_offload", "model_cpu_offload", None),
-    ("model_cpu_offload_and_qfloat8", "model_cpu_offload", "qfloat8"),
-    ("model_group_offload_and_qfloat8_preconverted", "model_group_offload", "qfloat8_preconverted"),
-    ("a_and_b_and_c", "a_and_b", "c"),  # split on the last separator
-])
+@pytest.mark.parametrize(
+    "mode, placement, quantizer",
+    [
+        ("model_cpu_offload", "model_cpu_offload", None),
+        ("model_cpu_offload_and_qfloat8", "model_cpu_offload", "qfloat8"),
+        ("model_group_offload_and_qfloat8_preconverted", "model_group_offload", "qfloat8_preconverted"),
+        ("a_and_b_and_c", "a_and_b", "c"),  # split on the last separator
+    ],
+)
 def test_parse_mode_splits_on_the_last_separator(mode, placement, quantizer):
     parsed = memmode.parse_mode(mode)
     assert (parsed.placement, parsed.quantizer) == (placement, quantizer)
@@ -47,8 +58,15 @@ def test_malformed_modes_are_unknown(mode):
 
 
 def test_every_error_is_a_memmode_value_error():
-    for error in (UnknownModeError, PluginNotInstalledError, PluginLoadError, IncompatibleModeError,
-                  StorageUnavailableError, DuplicatePluginError, InvalidOptionError):
+    for error in (
+        UnknownModeError,
+        PluginNotInstalledError,
+        PluginLoadError,
+        IncompatibleModeError,
+        StorageUnavailableError,
+        DuplicatePluginError,
+        InvalidOptionError,
+    ):
         assert issubclass(error, MemmodeError) and issubclass(error, ValueError)
     assert issubclass(InvalidOptionError, TypeError)
 
@@ -66,28 +84,39 @@ def test_closest_spelling_of_a_whole_mode(nothing_installed):
         memmode.apply(torch.nn.Linear(2, 2), "model_group_offload_qfloat8", device="cpu")
 
 
-@pytest.mark.parametrize("mode, suggestion", [
-    ("model_grup_offload_and_mystery", "model_group_offload_and_mystery"),  # the quantizer half is kept as written
-    ("model_cpu_offload_and_qflot8", "model_cpu_offload_and_qfloat8"),  # the placement half is kept
-])
+@pytest.mark.parametrize(
+    "mode, suggestion",
+    [
+        ("model_grup_offload_and_mystery", "model_group_offload_and_mystery"),  # the quantizer half is kept as written
+        ("model_cpu_offload_and_qflot8", "model_cpu_offload_and_qfloat8"),  # the placement half is kept
+    ],
+)
 def test_did_you_mean_changes_only_the_half_that_is_wrong(nothing_installed, mode, suggestion):
     with pytest.raises(UnknownModeError, match=f"Did you mean '{suggestion}'"):
         memmode.apply(torch.nn.Linear(2, 2), mode, device="cpu")
 
 
-@pytest.mark.parametrize("mode, package", [
-    ("model_cpu_offload_and_qfloat8", "memmode-qfloat8"),
-    ("model_group_offload_and_qfloat8_preconverted", "memmode-qfloat8"),
-    ("sequential_cpu_offload_and_qfloat4", "memmode-qfloat4"),
-])
+@pytest.mark.parametrize(
+    "mode, package",
+    [
+        ("model_cpu_offload_and_qfloat8", "memmode-qfloat8"),
+        ("model_group_offload_and_qfloat8_preconverted", "memmode-qfloat8"),
+        ("sequential_cpu_offload_and_qfloat4", "memmode-qfloat4"),
+    ],
+)
 def test_first_party_quantizer_not_installed(nothing_installed, mode, package):
     with pytest.raises(PluginNotInstalledError, match=f"pip install {package}"):
         memmode.apply(torch.nn.Linear(2, 2), mode, device="cpu")
 
 
-@pytest.mark.parametrize("storage, package", [
-    ("pinned", "memmode-storage-pinned"), ("disk", "memmode-storage-disk"), ("mmap", "memmode-storage-mmap"),
-])
+@pytest.mark.parametrize(
+    "storage, package",
+    [
+        ("pinned", "memmode-storage-pinned"),
+        ("disk", "memmode-storage-disk"),
+        ("mmap", "memmode-storage-mmap"),
+    ],
+)
 def test_first_party_storage_not_installed(nothing_installed, storage, package):
     with pytest.raises(PluginNotInstalledError, match=f"pip install {package}"):
         memmode.apply(torch.nn.Linear(2, 2), "model_cpu_offload", device="cpu", storage=storage)

@@ -10,15 +10,13 @@ import types
 
 import pytest
 import torch
+from fakes import PoisonPlugin
 
 import memmode_core as memmode
 from memmode_core import hookimpl
-from memmode_core.discovery import plugins
 from memmode_core.contracts.errors import DuplicatePluginError, InvalidOptionError, PluginLoadError, UnknownModeError
 from memmode_core.contracts.storage import Storage
-
-from fakes import PoisonPlugin
-
+from memmode_core.discovery import plugins
 
 # -- fake distributions, as pytest's own tests fake them ------------------------------------------
 
@@ -96,8 +94,16 @@ def row(name):
 def test_builtins_register_through_the_hooks_with_the_core_distribution(installed):
     installed()
     names = {(r.kind, r.name) for r in rows()}
-    assert {("placement", n) for n in ("model_full_load", "model_cpu_offload", "model_group_offload",
-                                        "sequential_cpu_offload", "text_encoder_offload")} <= names
+    assert {
+        ("placement", n)
+        for n in (
+            "model_full_load",
+            "model_cpu_offload",
+            "model_group_offload",
+            "sequential_cpu_offload",
+            "text_encoder_offload",
+        )
+    } <= names
     assert ("storage", "ram") in names
     for r in rows():
         assert r.distribution == "memmode-core"
@@ -144,8 +150,10 @@ def test_entry_point_plugin_is_found_with_its_distribution_and_version(installed
 
 def test_a_distribution_found_twice_on_the_path_counts_once(installed):
     module = storage_plugin("fakestore")
-    installed(FakeDistribution("memmode-fakestore", "1.0", [FakeEntryPoint("fakestore", module)]),
-              FakeDistribution("memmode_FakeStore", "1.0", [FakeEntryPoint("fakestore", module)]))
+    installed(
+        FakeDistribution("memmode-fakestore", "1.0", [FakeEntryPoint("fakestore", module)]),
+        FakeDistribution("memmode_FakeStore", "1.0", [FakeEntryPoint("fakestore", module)]),
+    )
     assert len([r for r in rows() if r.name == "fakestore"]) == 1
 
 
@@ -188,10 +196,13 @@ def test_a_hook_that_raises_isolates_its_plugin_and_keeps_nothing_of_it(installe
     assert row("ram").available
 
 
-@pytest.mark.parametrize("registered, message", [
-    (object(), "takes a memmode_core.Storage"),
-    ("bad name", "must be lowercase"),
-])
+@pytest.mark.parametrize(
+    "registered, message",
+    [
+        (object(), "takes a memmode_core.Storage"),
+        ("bad name", "must be lowercase"),
+    ],
+)
 def test_invalid_registrations_are_plugin_failures(installed, registered, message):
     module = types.ModuleType("invalid")
 
@@ -222,8 +233,10 @@ def test_a_misspelt_hook_makes_the_plugin_invalid(installed):
 def test_a_clash_makes_only_that_name_an_error(installed):
     """Two packages registering one name: that name is an error naming both; every other mode, and the
     listing (both rows, the clash as the reason), keep working."""
-    installed(FakeDistribution("memmode-first", "1.0", [FakeEntryPoint("first", storage_plugin("twin", "solo"))]),
-              FakeDistribution("memmode-second", "2.0", [FakeEntryPoint("second", storage_plugin("twin"))]))
+    installed(
+        FakeDistribution("memmode-first", "1.0", [FakeEntryPoint("first", storage_plugin("twin", "solo"))]),
+        FakeDistribution("memmode-second", "2.0", [FakeEntryPoint("second", storage_plugin("twin"))]),
+    )
     twins = [r for r in memmode.list_plugins() if r.name == "twin"]
     assert {r.distribution for r in twins} == {"memmode-first", "memmode-second"}
     assert all(not r.available and "clash" in r.reason for r in twins)
@@ -239,8 +252,10 @@ def test_a_clash_makes_only_that_name_an_error(installed):
 
 def test_the_suggested_fix_for_a_clash_picks_one_provider(installed, monkeypatch):
     first, second = storage_plugin("twin", "solo"), storage_plugin("twin")
-    installed(FakeDistribution("memmode-first", "1.0", [FakeEntryPoint("twin", first)]),
-              FakeDistribution("memmode-second", "2.0", [FakeEntryPoint("second", second)]))
+    installed(
+        FakeDistribution("memmode-first", "1.0", [FakeEntryPoint("twin", first)]),
+        FakeDistribution("memmode-second", "2.0", [FakeEntryPoint("second", second)]),
+    )
     with pytest.raises(DuplicatePluginError) as raised:
         memmode.apply(torch.nn.Linear(2, 2), "model_group_offload", device="cpu", storage="twin")
     suggestion = re.search(r"MEMMODE_DISABLE_PLUGINS=(\S+)", str(raised.value)).group(1)
@@ -366,20 +381,29 @@ class _Layout(memmode.Placement):
         return self.make(target.components["module"])
 
 
-@pytest.mark.parametrize("bug, match", [
-    ("same key", "several groups under the key 'module/x'"),
-    ("module left out", r"left module\.1 \(Linear\).*out of every group"),
-])
+@pytest.mark.parametrize(
+    "bug, match",
+    [
+        ("same key", "several groups under the key 'module/x'"),
+        ("module left out", r"left module\.1 \(Linear\).*out of every group"),
+    ],
+)
 def test_a_malformed_layout_is_refused_before_anything_changes(installed, bug, match):
     from memmode_core import GroupSpec
 
     target = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     before = {k: v.clone() for k, v in target.state_dict().items()}
     if bug == "same key":
-        make = lambda m: [GroupSpec("module/x", "module", [m[0]], [m[0]], [m[0]]),  # noqa: E731
-                          GroupSpec("module/x", "module", [m[1]], [m[1]], [m[1]])]
+
+        def make(m):
+            return [
+                GroupSpec("module/x", "module", [m[0]], [m[0]], [m[0]]),
+                GroupSpec("module/x", "module", [m[1]], [m[1]], [m[1]]),
+            ]
     else:
-        make = lambda m: [GroupSpec("module/0", "module", [m[0]], [m[0]], [m[0]])]  # noqa: E731
+
+        def make(m):
+            return [GroupSpec("module/0", "module", [m[0]], [m[0]], [m[0]])]
 
     class Plugin:
         @hookimpl
@@ -387,8 +411,10 @@ def test_a_malformed_layout_is_refused_before_anything_changes(installed, bug, m
             register(_Layout(make))
 
     installed()
-    with memmode.temporary_plugin(Plugin(), name="given", distribution="memmode-given"), \
-            memmode.temporary_plugin(PoisonPlugin(), name="poison", distribution="tests"):
+    with (
+        memmode.temporary_plugin(Plugin(), name="given", distribution="memmode-given"),
+        memmode.temporary_plugin(PoisonPlugin(), name="poison", distribution="tests"),
+    ):
         for storage in ("ram", "poison"):
             with pytest.raises(memmode.IncompatibleModeError, match=match):
                 memmode.apply(target, "given_layout", device="cpu", storage=storage)

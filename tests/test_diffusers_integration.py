@@ -7,14 +7,13 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline, ModelMixin
 from diffusers.configuration_utils import ConfigMixin, register_to_config
+from fakes import Int8Plugin
+from pipeline_families import FAMILIES
 from torch import nn
 
 import memmode_core as memmode
 from memmode_core import IncompatibleModeError, InvalidOptionError
 from memmode_core.contracts.layout import Policy
-
-from fakes import Int8Plugin
-from pipeline_families import FAMILIES
 
 
 @pytest.fixture(autouse=True)
@@ -24,22 +23,29 @@ def qint8():
 
 
 def _state(pipe) -> dict[str, torch.Tensor]:
-    return {f"{c}.{n}": t.detach().clone() for c, m in pipe.components.items() if isinstance(m, nn.Module)
-            for n, t in m.state_dict().items()}
+    return {
+        f"{c}.{n}": t.detach().clone()
+        for c, m in pipe.components.items()
+        if isinstance(m, nn.Module)
+        for n, t in m.state_dict().items()
+    }
 
 
 # -- which components a quantizer takes ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family, denoisers", [
-    ("wan22", ["transformer", "transformer_2"]),
-    ("sd15", ["unet"]),
-    ("controlnet", ["controlnet", "unet"]),
-    ("kandinsky22_prior", ["prior"]),
-    ("wuerstchen_decoder", ["decoder"]),
-    ("stable_cascade_prior", ["prior"]),
-    ("dance_diffusion", ["unet"]),
-])
+@pytest.mark.parametrize(
+    "family, denoisers",
+    [
+        ("wan22", ["transformer", "transformer_2"]),
+        ("sd15", ["unet"]),
+        ("controlnet", ["controlnet", "unet"]),
+        ("kandinsky22_prior", ["prior"]),
+        ("wuerstchen_decoder", ["decoder"]),
+        ("stable_cascade_prior", ["prior"]),
+        ("dance_diffusion", ["unet"]),
+    ],
+)
 def test_a_quantizer_takes_the_pipelines_denoisers_whatever_they_are_called(family, denoisers):
     pipe = FAMILIES[family].make(0)
     handle = memmode.apply(pipe, "model_full_load_and_qint8", device="cpu")
@@ -101,8 +107,9 @@ def test_a_denoiser_under_another_name_is_found_and_a_pipeline_without_one_is_re
 
 
 @pytest.mark.parametrize("family", ["sd15", "wan22", "kandinsky22"])
-@pytest.mark.parametrize("mode, options", [("model_cpu_offload", {}), ("model_group_offload", {}),
-                                           ("sequential_cpu_offload", {})])
+@pytest.mark.parametrize(
+    "mode, options", [("model_cpu_offload", {}), ("model_group_offload", {}), ("sequential_cpu_offload", {})]
+)
 def test_nothing_streamed_stays_on_the_device_after_a_pipeline_call(family, mode, options):
     spec = FAMILIES[family]
     pipe = spec.make(0)
@@ -131,13 +138,21 @@ def test_keep_last_on_device_leaves_the_last_component_for_the_next_call():
 # -- diffusers' own offloading after apply ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("call", [
-    lambda pipe: pipe.enable_model_cpu_offload(device="cpu"),
-    lambda pipe: pipe.enable_sequential_cpu_offload(device="cpu"),
-    lambda pipe: pipe.enable_group_offload(torch.device("cpu"), offload_type="leaf_level"),
-    lambda pipe: pipe.transformer.enable_group_offload(torch.device("cpu"), offload_type="leaf_level"),
-], ids=["pipe.enable_model_cpu_offload", "pipe.enable_sequential_cpu_offload", "pipe.enable_group_offload",
-        "transformer.enable_group_offload"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda pipe: pipe.enable_model_cpu_offload(device="cpu"),
+        lambda pipe: pipe.enable_sequential_cpu_offload(device="cpu"),
+        lambda pipe: pipe.enable_group_offload(torch.device("cpu"), offload_type="leaf_level"),
+        lambda pipe: pipe.transformer.enable_group_offload(torch.device("cpu"), offload_type="leaf_level"),
+    ],
+    ids=[
+        "pipe.enable_model_cpu_offload",
+        "pipe.enable_sequential_cpu_offload",
+        "pipe.enable_group_offload",
+        "transformer.enable_group_offload",
+    ],
+)
 def test_diffusers_offloading_after_apply_is_refused_at_that_call_with_nothing_changed(call):
     spec = FAMILIES["flux"]
     pipe = spec.make(0)

@@ -62,25 +62,35 @@ Not ported, because memmode differs by design:
 from __future__ import annotations
 
 import tempfile
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
-from torch import nn
-
-import memmode_core as memmode
-from memmode_core.engine.hooks import MARKER
-from memmode_core.contracts.layout import Policy, block_groups
-from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError, MemmodeError
-from memmode_core.contracts.storage import is_placeholder
-
 from conftest import full_load_outputs, requires_cuda
-from diffusers_port_models import (BlockModel, NestedContainerModel, NormTailModel, ReorderedBlockModel,
-                                   SinglePipeline, StandaloneLayersModel, forward, model_inputs, seeded,
-                                   tiny_autoencoder, tiny_flux_transformer, tiny_wan_transformer)
+from diffusers_port_models import (
+    BlockModel,
+    NestedContainerModel,
+    NormTailModel,
+    ReorderedBlockModel,
+    SinglePipeline,
+    StandaloneLayersModel,
+    forward,
+    model_inputs,
+    seeded,
+    tiny_autoencoder,
+    tiny_flux_transformer,
+    tiny_wan_transformer,
+)
 from fakes import PoisonPlugin
 from test_core_apply import hook_count, snapshot
 from tiny_pipelines import make_pipeline, run
+from torch import nn
+
+import memmode_core as memmode
+from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError, MemmodeError
+from memmode_core.contracts.layout import Policy, block_groups
+from memmode_core.contracts.storage import is_placeholder
+from memmode_core.engine.hooks import MARKER
 
 STORAGES = ["ram", "poison", "disk", "mmap"]
 FILE_STORAGES = {"disk", "mmap"}
@@ -95,7 +105,8 @@ CUDA_STORAGES = ["ram", "pinned", "disk"]
 def places(cpu=STORAGES, cuda=CUDA_STORAGES) -> list:
     """``(device, storage)`` parameters: ``cpu`` storages on the CPU, ``cuda`` ones where CUDA is."""
     return [pytest.param("cpu", s, id=f"cpu-{s}") for s in cpu] + [
-        pytest.param("cuda", s, id=f"cuda-{s}", marks=requires_cuda) for s in cuda]
+        pytest.param("cuda", s, id=f"cuda-{s}", marks=requires_cuda) for s in cuda
+    ]
 
 
 PLACES = places()
@@ -143,11 +154,16 @@ def resting_weights(module: nn.Module, handle: memmode.Handle) -> list[str]:
     on purpose (sequential offload's small RoPE / modulation tables) and those every storage keeps readable
     at rest (a model's own loose parameters, which pipelines read outside any forward). Under a placeholder
     storage an offloaded component has none; it must have placeholders, or there is nothing to check."""
-    kept = {id(slot.tensor) for g in handle._runtime.groups for slot in g.slots
-            if g.policy is Policy.RESIDENT or slot.name in g.readable}
+    kept = {
+        id(slot.tensor)
+        for g in handle._runtime.groups
+        for slot in g.slots
+        if g.policy is Policy.RESIDENT or slot.name in g.readable
+    }
     assert any(is_placeholder(p) for p in module.parameters()), f"{type(module).__name__} holds no placeholder"
-    return [name for name, p in module.named_parameters()
-            if p.numel() > 1 and not is_placeholder(p) and id(p) not in kept]
+    return [
+        name for name, p in module.named_parameters() if p.numel() > 1 and not is_placeholder(p) and id(p) not in kept
+    ]
 
 
 def assert_untouched(target, before: dict, weights: dict[str, torch.Tensor]) -> None:
@@ -194,11 +210,22 @@ FORWARD_PASS_OPTIONS = {
 
 def _forward_pass_cases() -> list:
     """Every group size on every place; on CUDA also without streams (upstream's default there)."""
-    cases = [pytest.param(*where.values, options, id=f"{where.id}-{label}", marks=where.marks)
-             for where in PLACES for label, options in FORWARD_PASS_OPTIONS.items()]
-    cases += [pytest.param("cuda", storage, {**FORWARD_PASS_OPTIONS[label], "use_stream": False},
-                           id=f"cuda-{storage}-{label}-nostream", marks=requires_cuda)
-              for storage in CUDA_STORAGES for label in ("block1", "leaf")]
+    cases = [
+        pytest.param(*where.values, options, id=f"{where.id}-{label}", marks=where.marks)
+        for where in PLACES
+        for label, options in FORWARD_PASS_OPTIONS.items()
+    ]
+    cases += [
+        pytest.param(
+            "cuda",
+            storage,
+            {**FORWARD_PASS_OPTIONS[label], "use_stream": False},
+            id=f"cuda-{storage}-{label}-nostream",
+            marks=requires_cuda,
+        )
+        for storage in CUDA_STORAGES
+        for label in ("block1", "leaf")
+    ]
     return cases
 
 
@@ -237,8 +264,7 @@ def test_offloading_reduces_peak_device_memory(device):
     on a CPU too. A prefetched group is on the device early, so streams may only add to a peak."""
     leaf = _peak("model_group_offload", device, use_stream=False, **LEAF)
     block1 = _peak("model_group_offload", device, use_stream=False, **BLOCK)
-    block3 = _peak("model_group_offload", device, offload_type="block_level", num_blocks_per_group=3,
-                   use_stream=False)
+    block3 = _peak("model_group_offload", device, offload_type="block_level", num_blocks_per_group=3, use_stream=False)
     full = _peak("model_full_load", device)
     assert leaf < block1 < block3 < full
     if device == "cuda":
@@ -253,8 +279,9 @@ def test_offloading_reduces_accelerator_memory():
 
     def measured(mode: str, **options) -> int:
         model = seeded(lambda: BlockModel(features=256, num_blocks=4))
-        handle = memmode.apply(model, mode, device="cuda", storage=None if mode == "model_full_load" else "ram",
-                               **options)
+        handle = memmode.apply(
+            model, mode, device="cuda", storage=None if mode == "model_full_load" else "ram", **options
+        )
         forward(model, device="cuda")  # allocates cuBLAS' workspace, which then weighs the same in every peak
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -379,14 +406,22 @@ def test_error_raised_if_group_offloading_applied_on_offloaded_module(scheme, ta
 
 @pytest.mark.parametrize("num_blocks_per_group", [1, 2])
 @pytest.mark.parametrize("device, storage", PLACES)
-def test_block_level_stream_with_invocation_order_different_from_initialization_order(device, storage,
-                                                                                      num_blocks_per_group, tmp_path):
+def test_block_level_stream_with_invocation_order_different_from_initialization_order(
+    device, storage, num_blocks_per_group, tmp_path
+):
     """Blocks created in one order and called in another (upstream: a device mismatch with streams
     before diffusers 0.34; it only checks that the call runs). Here three calls, the first of which
     records the prefetch order on CUDA, equal full load at one and two blocks per group."""
     model = seeded(ReorderedBlockModel)
-    place(model, "model_group_offload", device, storage, tmp_path, offload_type="block_level",
-          num_blocks_per_group=num_blocks_per_group)
+    place(
+        model,
+        "model_group_offload",
+        device,
+        storage,
+        tmp_path,
+        offload_type="block_level",
+        num_blocks_per_group=num_blocks_per_group,
+    )
     for call in range(3):
         assert_equal(forward(model, device=device), reference(ReorderedBlockModel, device), f"call {call + 1}")
 
@@ -420,12 +455,15 @@ def test_block_level_offloading_with_parameter_only_module_group(device, storage
             assert_equal(got, expected, f"module {name or '<root>'} at call {call}")
 
 
-@pytest.mark.parametrize("options", [
-    pytest.param({"pin_groups": "invalid value"}, id="pin_groups-invalid"),
-    pytest.param({"pin_groups": "first_last"}, id="pin_groups-unsupported"),
-    pytest.param({"offload_type": "block"}, id="offload_type"),
-    pytest.param({"num_blocks_per_group": 0}, id="num_blocks_per_group"),
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({"pin_groups": "invalid value"}, id="pin_groups-invalid"),
+        pytest.param({"pin_groups": "first_last"}, id="pin_groups-unsupported"),
+        pytest.param({"offload_type": "block"}, id="offload_type"),
+        pytest.param({"num_blocks_per_group": 0}, id="num_blocks_per_group"),
+    ],
+)
 def test_error_raised_if_options_are_invalid(options):
     """``test_error_raised_if_pin_groups_received_invalid_value``: an option memmode does not know, or
     a value it cannot honour, is refused at ``apply`` — before anything is changed, not at the first
@@ -457,8 +495,9 @@ def _autoencoder_without_quant_conv():
     return tiny_autoencoder(use_quant_conv=False)
 
 
-@pytest.mark.parametrize("factory", [StandaloneLayersModel, NestedContainerModel],
-                         ids=["standalone_layers", "nested_containers"])
+@pytest.mark.parametrize(
+    "factory", [StandaloneLayersModel, NestedContainerModel], ids=["standalone_layers", "nested_containers"]
+)
 @pytest.mark.parametrize("device, storage", PLACES)
 def test_models_without_top_level_blocks(device, storage, factory, tmp_path):
     """``test_model_with_only_standalone_layers`` (no block list at all: everything is the rest group)
@@ -526,8 +565,9 @@ def test_group_offloading_with_disk(device, storage, options, tmp_path):
     the output equals full load, and ``remove()`` takes the files away."""
     folder = tmp_path / "offload"
     model = seeded(tiny_flux_transformer)
-    handle = memmode.apply(model, "model_group_offload", device=device, storage=storage, offload_dir=str(folder),
-                           **options)
+    handle = memmode.apply(
+        model, "model_group_offload", device=device, storage=storage, offload_dir=str(folder), **options
+    )
     files = sorted(folder.glob("*.safetensors"))
     stored = [g.key for g in handle._runtime.groups if g.policy is not Policy.RESIDENT]
     assert files and len(files) == len(stored), f"{len(files)} files for {len(stored)} offloaded groups"
@@ -569,14 +609,25 @@ def _pipeline_cases() -> list:
     cases = []
     for family in ("flux", "wan22"):
         for label, (mode, options) in PIPELINE_MODES.items():
-            cases += [pytest.param(device, storage, family, mode, options, id=f"{device}-{storage}-{family}-{label}",
-                                   marks=[requires_cuda] if device == "cuda" else [])
-                      for device, storages in (("cpu", ("ram", "poison")), ("cuda", ("ram", "pinned")))
-                      for storage in storages]
+            cases += [
+                pytest.param(
+                    device,
+                    storage,
+                    family,
+                    mode,
+                    options,
+                    id=f"{device}-{storage}-{family}-{label}",
+                    marks=[requires_cuda] if device == "cuda" else [],
+                )
+                for device, storages in (("cpu", ("ram", "poison")), ("cuda", ("ram", "pinned")))
+                for storage in storages
+            ]
     for label in ("model_cpu_offload", "group-block"):
         mode, options = PIPELINE_MODES[label]
-        cases += [pytest.param("cpu", storage, "flux", mode, options, id=f"cpu-{storage}-flux-{label}")
-                  for storage in sorted(FILE_STORAGES)]
+        cases += [
+            pytest.param("cpu", storage, "flux", mode, options, id=f"cpu-{storage}-flux-{label}")
+            for storage in sorted(FILE_STORAGES)
+        ]
     return cases
 
 
@@ -615,8 +666,13 @@ def test_pipeline_offload_forward_pass(device, storage, family, mode, options, t
 
 
 @pytest.mark.parametrize("mode", ["model_cpu_offload", "sequential_cpu_offload"])
-@pytest.mark.parametrize("device, storage", [pytest.param("cpu", "poison", id="cpu-poison"),
-                                             pytest.param("cuda", "pinned", id="cuda-pinned", marks=requires_cuda)])
+@pytest.mark.parametrize(
+    "device, storage",
+    [
+        pytest.param("cpu", "poison", id="cpu-poison"),
+        pytest.param("cuda", "pinned", id="cuda-pinned", marks=requires_cuda),
+    ],
+)
 def test_offload_forward_pass_twice(device, storage, mode, tmp_path):
     """``test_cpu_offload_forward_pass_twice`` / ``test_sequential_offload_forward_pass_twice``:
     applying the mode a second time replaces the first placement cleanly (one set of wrappers, the
@@ -646,8 +702,7 @@ def test_component_level_group_offload_inside_a_pipeline(device, storage, option
     pipe = make_pipeline(family)
     pipe.vae.to(device)
     names = [n for n in ("text_encoder", "text_encoder_2", "transformer") if isinstance(getattr(pipe, n), nn.Module)]
-    handles = [place(getattr(pipe, n), "model_group_offload", device, storage, tmp_path / n, **options)
-               for n in names]
+    handles = [place(getattr(pipe, n), "model_group_offload", device, storage, tmp_path / n, **options) for n in names]
     expected = pipeline_reference(family, device)
     for call in range(2):
         assert_equal(run(pipe, family, call), expected[call], f"call {call + 1}")

@@ -33,22 +33,21 @@ import re
 import shlex
 import shutil
 import sys
-import tomllib
 import traceback
 from pathlib import Path
 
 import pytest
 import tiny_loras
 import tiny_pipelines
+import tomllib
 import torch
+from conftest import requires_cuda
 from diffusers import DiffusionPipeline
 from plugin_guide import PACKAGES as GUIDE_DISTRIBUTIONS
 from plugin_guide import files_from_the_guide
 
 import memmode_core
 from memmode_core.cli import main as memmode_main
-
-from conftest import requires_cuda
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -97,7 +96,7 @@ def blocks_of(page: Path) -> list[Block]:
         while end < len(lines) and lines[end].rstrip() != fence.group(1):
             end += 1
         assert end < len(lines), f"{page.name}:{index + 1}: a code block that is never closed"
-        block = Block(page, index + 1, fence.group(2).strip().split(" ")[0], "\n".join(lines[index + 1:end]) + "\n")
+        block = Block(page, index + 1, fence.group(2).strip().split(" ")[0], "\n".join(lines[index + 1 : end]) + "\n")
         mark = MARK.match(lines[index - 1]) if index else None
         if mark:
             block.mark, block.reason = mark["mark"], mark["reason"]
@@ -123,8 +122,10 @@ def test_every_block_is_run_or_marked():
             marks.add((str(block.page.relative_to(ROOT)), block.mark, block.reason))
         elif block.language not in RUN_LANGUAGES | NOT_CODE_LANGUAGES:
             unrunnable.append(f"{block.name} (```{block.language})")
-    assert not unrunnable, ("blocks that are neither run nor marked (give them a language, ```text for what is "
-                            "not code, or a <!-- not-run: why --> line before the fence): " + ", ".join(unrunnable))
+    assert not unrunnable, (
+        "blocks that are neither run nor marked (give them a language, ```text for what is "
+        "not code, or a <!-- not-run: why --> line before the fence): " + ", ".join(unrunnable)
+    )
     assert marks == MARKED, "the marked blocks changed; update MARKED after checking each mark is honest"
 
 
@@ -142,8 +143,7 @@ def test_signature_blocks_are_the_real_signatures():
         shown = [a.arg for a in documented.posonlyargs + documented.args]
         shown += [a.arg for a in documented.kwonlyargs] + ([documented.kwarg.arg] if documented.kwarg else [])
         assert shown == [p.name for p in real], f"{block.name}: the signature of {block.reason} is not the real one"
-        defaults = [ast.literal_eval(d) if d is not None else inspect.Parameter.empty
-                    for d in documented.kw_defaults]
+        defaults = [ast.literal_eval(d) if d is not None else inspect.Parameter.empty for d in documented.kw_defaults]
         assert defaults == [p.default for p in real if p.kind is p.KEYWORD_ONLY], block.name
 
 
@@ -228,26 +228,35 @@ class Substitution:
             names["pipeline"] = names["pipe"]  # the VideoX-Fun scripts' name for it
             names["transformer"] = tiny_pipelines.make_pipeline("wan22", seed=1).transformer
         names["prompt"] = tiny_pipelines.PROMPT
-        names.update({name: tiny_loras.make_lora("wan22", seed=seed)
-                      for seed, name in enumerate(("lora_a", "lora_b"), start=1) if name in uses})
+        names.update(
+            {
+                name: tiny_loras.make_lora("wan22", seed=seed)
+                for seed, name in enumerate(("lora_a", "lora_b"), start=1)
+                if name in uses
+            }
+        )
         # the VideoX-Fun predict scripts' variables, and its merge_lora, which reads a LoRA file
         if "GPU_memory_mode" in uses:
-            names.update(GPU_memory_mode="model_cpu_offload_and_qfloat8", device="cuda" if CUDA else "cpu",
-                         weight_dtype=torch.bfloat16)
+            names.update(
+                GPU_memory_mode="model_cpu_offload_and_qfloat8",
+                device="cuda" if CUDA else "cpu",
+                weight_dtype=torch.bfloat16,
+            )
         if "lora_path" in uses:
-            from safetensors.torch import save_file
-
             import videox_fun_models
+            from safetensors.torch import save_file
 
             names["lora_path"] = str(self.tmp / "lora.safetensors")
             save_file(videox_fun_models.make_lora(names["pipe"].transformer, seed=3), names["lora_path"])
 
-            def merge_lora(pipeline, lora_path, multiplier, device="cpu", dtype=torch.float32,
-                           sub_transformer_name="transformer"):
+            def merge_lora(
+                pipeline, lora_path, multiplier, device="cpu", dtype=torch.float32, sub_transformer_name="transformer"
+            ):
                 from safetensors.torch import load_file
 
-                return videox_fun_models.merge_lora(pipeline, load_file(lora_path), multiplier, device, dtype,
-                                                    sub_transformer_name)
+                return videox_fun_models.merge_lora(
+                    pipeline, load_file(lora_path), multiplier, device, dtype, sub_transformer_name
+                )
 
             names.update(merge_lora=merge_lora, lora_weight=0.55)
         return names
@@ -295,8 +304,9 @@ def guide_site(tmp_path_factory) -> Path:
             project = tomllib.loads(body)["project"]
             info = site / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
             info.mkdir()
-            (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\n"
-                                           f"Version: {project['version']}\n")
+            (info / "METADATA").write_text(
+                f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n"
+            )
             points = "".join(f"{name} = {value}\n" for name, value in project["entry-points"]["memmode"].items())
             (info / "entry_points.txt").write_text(f"[memmode]\n{points}")
         else:
@@ -320,7 +330,7 @@ def commands_of(block: Block, substitute=lambda line: line) -> list[list[str]]:
         while words:
             cut = words.index("&&") if "&&" in words else len(words)
             commands.append(words[:cut])
-            words = words[cut + 1:]
+            words = words[cut + 1 :]
     return commands
 
 
@@ -377,8 +387,9 @@ def test_page_runs(page, tmp_path, monkeypatch, tiny_models, request):
 
 
 @requires_cuda
-@pytest.mark.parametrize("page", [p for p in pages_to_run() if any(b.mark == "needs-cuda" for b in blocks_of(p))],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "page", [p for p in pages_to_run() if any(b.mark == "needs-cuda" for b in blocks_of(p))], ids=lambda p: p.name
+)
 def test_cuda_blocks_run(page, tmp_path, monkeypatch, tiny_models, request):
     _run_page(page, tmp_path, monkeypatch, tiny_models, request, cuda_blocks=True)
 
@@ -501,7 +512,7 @@ def test_install_commands_install_what_exists(page):
         for command in commands_of(block):
             where = f"{block.name}: {shlex.join(command)}"
             if kind_of(command) == "install":
-                words = iter(command[command.index("install") + 1:])
+                words = iter(command[command.index("install") + 1 :])
                 for word in words:
                     if word == "-r":
                         file = next(words)
@@ -542,7 +553,8 @@ def test_the_stated_demo_sizes_are_measured():
             value, unit = float(match[1]) * scale[match[2]], scale[match[2]]
             half_a_digit = 0.5 * 10 ** -len(match[1].partition(".")[2]) * unit
             assert any(abs(value - n) <= half_a_digit for n in measured.values()), (
-                f"{file.relative_to(ROOT)}: {match[0]!r}, but the demo's transformers have {measured} parameters")
+                f"{file.relative_to(ROOT)}: {match[0]!r}, but the demo's transformers have {measured} parameters"
+            )
             stated.add(file.name)
     assert {"README.md", "getting-started.md", "demo.py", "__init__.py"} <= stated
 
@@ -579,7 +591,9 @@ def test_the_stated_quantized_bytes_are_measured():
     for quantizer in layer_bytes:
         row = next(line for line in quantizers.splitlines() if line.startswith(f"| `{quantizer}` |"))
         assert f"| {per_layer[quantizer]} per layer |" in row, row
-    assert (f"{benchmark[q8]} (qfloat8) and {benchmark[q4]} (qfloat4) for the Wan-shaped transformer above, "
-            f"{demo[q8]} and\n{demo[q4]} for the small demo pipeline's") in quantizers
+    assert (
+        f"{benchmark[q8]} (qfloat8) and {benchmark[q4]} (qfloat4) for the Wan-shaped transformer above, "
+        f"{demo[q8]} and\n{demo[q4]} for the small demo pipeline's"
+    ) in quantizers
     assert f"{per_layer[q8]} (qfloat8) or {per_layer[q4]} (qfloat4) of its bf16 bytes" in modes
     assert f"{benchmark[q8]} or {benchmark[q4]} for a Wan transformer\n({demo[q8]} / {demo[q4]}" in modes

@@ -17,8 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                                reason="needs torch.distributed with gloo")
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
+)
 
 WORLD = 2
 #: modes applied after convert -> fully_shard
@@ -32,9 +33,18 @@ def build_transformer():
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
-                                      in_channels=16, out_channels=16, text_dim=32, freq_dim=32, ffn_dim=64,
-                                      num_layers=2, rope_max_seq_len=32)
+        model = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=16,
+            in_channels=16,
+            out_channels=16,
+            text_dim=32,
+            freq_dim=32,
+            ffn_dim=64,
+            num_layers=2,
+            rope_max_seq_len=32,
+        )
     keep = set(model._keep_in_fp32_modules)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if tensor.is_floating_point() and keep.isdisjoint(name.split(".")):
@@ -44,10 +54,12 @@ def build_transformer():
 
 def transformer_inputs() -> dict:
     generator = torch.Generator().manual_seed(1)
-    return dict(hidden_states=torch.randn(1, 16, 2, 8, 8, generator=generator).to(torch.bfloat16),
-                timestep=torch.tensor([500]),
-                encoder_hidden_states=torch.randn(1, 8, 32, generator=generator).to(torch.bfloat16),
-                return_dict=False)
+    return dict(
+        hidden_states=torch.randn(1, 16, 2, 8, 8, generator=generator).to(torch.bfloat16),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, 8, 32, generator=generator).to(torch.bfloat16),
+        return_dict=False,
+    )
 
 
 def forward(model) -> torch.Tensor:
@@ -109,9 +121,12 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
         model = build_transformer()
         shard(model, mesh)
         before = forward(model)
-        for mode in ("model_full_load_and_qfloat8", "model_cpu_offload_and_qfloat4",
-                     "model_full_load_and_qfloat8_preconverted"):
-            results[f"refused {mode}"] = refusal(lambda: memmode.apply(model, mode))
+        for mode in (
+            "model_full_load_and_qfloat8",
+            "model_cpu_offload_and_qfloat4",
+            "model_full_load_and_qfloat8_preconverted",
+        ):
+            results[f"refused {mode}"] = refusal(lambda mode=mode: memmode.apply(model, mode))
         results["refused convert"] = refusal(lambda: convert(model))
         results["untouched"] = not quantization.is_quantized(model)
         results["still runs"] = torch.equal(forward(model), before)
@@ -119,8 +134,9 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
         # refused: FSDP1, whose flat parameters cannot hold packed tensors
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        wrapped = FullyShardedDataParallel(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)),
-                                           device_id=torch.device("cpu"))
+        wrapped = FullyShardedDataParallel(
+            torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)), device_id=torch.device("cpu")
+        )
         results["refused fsdp1"] = refusal(lambda: memmode.apply(wrapped, "model_full_load_and_qfloat8"))
     except Exception:
         results["error"] = traceback.format_exc()
@@ -144,8 +160,9 @@ def test_qfloat8_on_an_fsdp2_sharded_transformer(tmp_path):
         expected[quantizer] = forward(unsharded)
 
     context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=worker, args=(rank, str(tmp_path / "store"), str(tmp_path)))
-                 for rank in range(WORLD)]
+    processes = [
+        context.Process(target=worker, args=(rank, str(tmp_path / "store"), str(tmp_path))) for rank in range(WORLD)
+    ]
     for process in processes:
         process.start()
     for process in processes:
@@ -165,8 +182,7 @@ def test_qfloat8_on_an_fsdp2_sharded_transformer(tmp_path):
             assert sqnr(reference, results[mode]) >= 40, (rank, mode)
             summary = results[f"{mode} summary"]
             assert summary["packed_layers"] == 0 and summary["already_packed_layers"] == 20
-        for key in ("refused model_full_load_and_qfloat8", "refused model_cpu_offload_and_qfloat4",
-                    "refused convert"):
+        for key in ("refused model_full_load_and_qfloat8", "refused model_cpu_offload_and_qfloat4", "refused convert"):
             assert results[key].startswith("IncompatibleModeError"), (rank, key, results[key])
             assert "already sharded" in results[key] and "convert" in results[key]
         preconverted = results["refused model_full_load_and_qfloat8_preconverted"]

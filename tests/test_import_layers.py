@@ -73,10 +73,10 @@ def import_graph() -> dict[str, set[str]]:
             if isinstance(node, ast.ImportFrom):
                 if node.level:
                     base = package.split(".") if package else []
-                    base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+                    base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
                     origin = ".".join([*base, *([node.module] if node.module else [])])
                 elif (node.module or "").startswith("memmode_core"):
-                    origin = node.module[len("memmode_core"):].lstrip(".")
+                    origin = node.module[len("memmode_core") :].lstrip(".")
                 else:
                     continue
                 for alias in node.names:
@@ -87,7 +87,7 @@ def import_graph() -> dict[str, set[str]]:
             else:
                 for alias in node.names:
                     if alias.name.startswith("memmode_core."):
-                        target = alias.name[len("memmode_core."):]
+                        target = alias.name[len("memmode_core.") :]
                         if target in modules and target != name:
                             graph[name].add(target)
     return graph
@@ -102,7 +102,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         stack.pop()
@@ -121,8 +121,12 @@ def test_the_import_graph_of_memmode_core_has_no_cycle():
 
 
 def test_imports_only_point_down_the_layers():
-    upward = [(module, target) for module, targets in import_graph().items() for target in targets
-              if layer_of(target) > layer_of(module)]
+    upward = [
+        (module, target)
+        for module, targets in import_graph().items()
+        for target in targets
+        if layer_of(target) > layer_of(module)
+    ]
     assert upward == [], "imports from a lower layer to a higher one: " + ", ".join(f"{a} -> {b}" for a, b in upward)
 
 
@@ -137,7 +141,9 @@ def test_the_folders_are_the_layers():
     """Every module below the top layer lives in its layer's folder: the tree shows the layering."""
     for name, path in module_names().items():
         if path.parent == PACKAGE and path.stem not in ("__init__", "__main__"):
-            assert layer_of(name) == len(LAYERS) - 1, f"memmode_core/{path.name} is a top-level file outside the top layer"
+            assert layer_of(name) == len(LAYERS) - 1, (
+                f"memmode_core/{path.name} is a top-level file outside the top layer"
+            )
         else:
             top = name.split(".")[0]
             assert layer_of(name) == layer_of(top), f"memmode_core.{name} is not in its folder's layer"

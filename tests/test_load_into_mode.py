@@ -19,18 +19,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import placement_id
 from diffusers import DiffusionPipeline
+from tiny_pipelines import FAMILIES, make_pipeline, run
 
 import memmode_core as memmode
 from memmode_core import CheckpointError, IncompatibleModeError
 from memmode_core.quantization.layers import packed_record
 
-from conftest import placement_id
-from tiny_pipelines import FAMILIES, make_pipeline, run
-
-PLACEMENTS = [("model_full_load", {}), ("model_cpu_offload", {}), ("model_group_offload", {"offload_type": "block_level"}),
-              ("model_group_offload", {"offload_type": "leaf_level"}), ("sequential_cpu_offload", {}),
-              ("text_encoder_offload", {})]
+PLACEMENTS = [
+    ("model_full_load", {}),
+    ("model_cpu_offload", {}),
+    ("model_group_offload", {"offload_type": "block_level"}),
+    ("model_group_offload", {"offload_type": "leaf_level"}),
+    ("sequential_cpu_offload", {}),
+    ("text_encoder_offload", {}),
+]
 STORAGES = ["ram", "disk", "mmap"]
 
 _SAVED: dict = {}
@@ -71,12 +75,22 @@ def loaded_output(handle, family: str) -> torch.Tensor:
 
 
 def _cases() -> list:
-    combos = [(mode, options, storage) for mode, options in PLACEMENTS
-              for storage in (STORAGES if mode != "model_full_load" else [None])]
+    combos = [
+        (mode, options, storage)
+        for mode, options in PLACEMENTS
+        for storage in (STORAGES if mode != "model_full_load" else [None])
+    ]
     families = sorted(FAMILIES)
-    return [pytest.param(families[j % len(families)], mode, options, storage,
-                         id=f"{families[j % len(families)]}-{placement_id((mode, options))}-{storage}")
-            for j, (mode, options, storage) in enumerate(combos)]
+    return [
+        pytest.param(
+            families[j % len(families)],
+            mode,
+            options,
+            storage,
+            id=f"{families[j % len(families)]}-{placement_id((mode, options))}-{storage}",
+        )
+        for j, (mode, options, storage) in enumerate(combos)
+    ]
 
 
 @pytest.mark.parametrize("family, mode, options, storage", _cases())
@@ -123,13 +137,17 @@ def test_the_report_is_the_one_apply_gives(storage, tmp_path):
         assert 0.9 * stored["disk_bytes"] <= kept["disk_bytes"] + kept["borrowed_bytes"] <= stored["disk_bytes"]
 
 
-@pytest.mark.parametrize("saved_dtype, torch_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)],
-                         ids=["bf16-saved-as-fp32", "fp32-saved-as-bf16"])
+@pytest.mark.parametrize(
+    "saved_dtype, torch_dtype",
+    [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)],
+    ids=["bf16-saved-as-fp32", "fp32-saved-as-bf16"],
+)
 def test_a_dtype_conversion_streams_and_equals_from_pretrained(saved_dtype, torch_dtype, tmp_path):
     family = "wan22"
     folder = saved_folder(family, saved_dtype)
-    handle = memmode.load(folder, "model_group_offload", device="cpu", storage="mmap", torch_dtype=torch_dtype,
-                          staging_dir=tmp_path)
+    handle = memmode.load(
+        folder, "model_group_offload", device="cpu", storage="mmap", torch_dtype=torch_dtype, staging_dir=tmp_path
+    )
     assert {p.dtype for p in handle.target.transformer.parameters()} >= {torch_dtype}
     expected = reference(family, folder, torch_dtype, "model_group_offload", storage="mmap")
     assert torch.equal(loaded_output(handle, family), expected)
@@ -210,12 +228,12 @@ def test_a_format_no_installed_quantizer_reads_is_refused_by_name(tmp_path):
     weights = tmp_path / "transformer" / "diffusion_pytorch_model.safetensors"
     raw = weights.read_bytes()
     length = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + length])
+    header = json.loads(raw[8 : 8 + length])
     header["__metadata__"]["memmode.format"] = "qint3"
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (length - len(text))
     assert len(text) == length
-    weights.write_bytes(raw[:8] + text + raw[8 + length:])
+    weights.write_bytes(raw[:8] + text + raw[8 + length :])
     with pytest.raises(CheckpointError, match="'qint3', which no installed quantizer reads"):
         memmode.load(tmp_path, "model_cpu_offload", device="cpu")
 
@@ -238,8 +256,15 @@ def test_a_truncated_shard_is_refused_naming_it_with_nothing_left_behind(tmp_pat
     staging = tmp_path / "staging"
     staging.mkdir()
     with pytest.raises(CheckpointError, match=f"{shard.name} is truncated"):
-        memmode.load(folder, "model_group_offload", device="cpu", storage="disk", offload_dir=tmp_path / "offload",
-                     staging_dir=staging, torch_dtype=torch.bfloat16)
+        memmode.load(
+            folder,
+            "model_group_offload",
+            device="cpu",
+            storage="disk",
+            offload_dir=tmp_path / "offload",
+            staging_dir=staging,
+            torch_dtype=torch.bfloat16,
+        )
     assert list(staging.iterdir()) == [] and not (tmp_path / "offload").exists()
 
 
@@ -288,7 +313,7 @@ def test_bad_arguments_are_refused_before_reading_anything(tmp_path):
 # -- memory ------------------------------------------------------------------------------------------
 
 
-_PEAK_SCRIPT = textwrap.dedent('''
+_PEAK_SCRIPT = textwrap.dedent("""
     import gc, sys, threading, time, torch, memmode_core as memmode
     def anon():
         for line in open("/proc/self/status"):
@@ -307,7 +332,7 @@ _PEAK_SCRIPT = textwrap.dedent('''
         print(storage, peak[0] - base)
         handle.remove(); del handle
     done.set()
-''')
+""")
 
 
 def test_peak_memory_while_loading_is_a_few_groups_not_the_model(tmp_path):
@@ -317,9 +342,18 @@ def test_peak_memory_while_loading_is_a_few_groups_not_the_model(tmp_path):
     from diffusers import WanTransformer3DModel
 
     folder = tmp_path / "model"
-    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=8, attention_head_dim=64,
-                                  in_channels=4, out_channels=4, text_dim=64, freq_dim=64, ffn_dim=4096,
-                                  num_layers=12, rope_max_seq_len=32)
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=8,
+        attention_head_dim=64,
+        in_channels=4,
+        out_channels=4,
+        text_dim=64,
+        freq_dim=64,
+        ffn_dim=4096,
+        num_layers=12,
+        rope_max_seq_len=32,
+    )
     model.save_pretrained(folder)
     block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
     total = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -327,8 +361,15 @@ def test_peak_memory_while_loading_is_a_few_groups_not_the_model(tmp_path):
     assert total > 12 * block
     # one child per storage, started together: in one child the second load's baseline depended on when the
     # C heap gave back the first model's restored weights (measured 8 KiB to 300 MiB for the same load)
-    children = [subprocess.Popen([sys.executable, "-c", _PEAK_SCRIPT, str(folder), storage], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True) for storage in ("disk", "mmap")]
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PEAK_SCRIPT, str(folder), storage],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for storage in ("disk", "mmap")
+    ]
     peaks = {}
     for child in children:
         stdout, stderr = child.communicate(timeout=300)
@@ -336,8 +377,10 @@ def test_peak_memory_while_loading_is_a_few_groups_not_the_model(tmp_path):
         peaks.update(line.split() for line in stdout.strip().splitlines())
     assert set(peaks) == {"disk", "mmap"}
     for storage, peak in peaks.items():
-        assert int(peak) <= 3 * block + (48 << 20), f"{storage}: peak {int(peak) / 2**20:.0f} MiB; a group is " \
-                                                   f"{block / 2**20:.0f} MiB, the model {total / 2**20:.0f} MiB"
+        assert int(peak) <= 3 * block + (48 << 20), (
+            f"{storage}: peak {int(peak) / 2**20:.0f} MiB; a group is "
+            f"{block / 2**20:.0f} MiB, the model {total / 2**20:.0f} MiB"
+        )
 
 
 # -- groups stored in place: the checkpoint is the offloaded copy ------------------------------------
@@ -361,8 +404,9 @@ def test_a_checkpoint_memmode_wrote_is_stored_in_place_with_nothing_written(stor
     assert torch.equal(loaded_output(loaded, family), expected)
     stats = loaded.report().storage_bytes
     assert stats["borrowed_bytes"] >= 0.9 * _weights_bytes(tmp_path / "saved"), stats
-    assert stats["disk_bytes"] < _weights_bytes(tmp_path / "saved", ("text_encoder", "vae")) * 1.1, \
+    assert stats["disk_bytes"] < _weights_bytes(tmp_path / "saved", ("text_encoder", "vae")) * 1.1, (
         "only the components saved by save_pretrained (not 64-byte aligned) are written"
+    )
 
 
 def test_a_streamed_conversion_is_stored_in_place(tmp_path):
@@ -372,10 +416,18 @@ def test_a_streamed_conversion_is_stored_in_place(tmp_path):
     8-byte aligned in a file from save_pretrained: those groups are written, as on any CPU load."""
     family = "wan22"
     folder = saved_folder(family, torch.bfloat16)
-    handle = memmode.load(folder, "model_group_offload", device="cpu", storage="mmap", torch_dtype=torch.float32,
-                          offload_dir=tmp_path / "offload")
+    handle = memmode.load(
+        folder,
+        "model_group_offload",
+        device="cpu",
+        storage="mmap",
+        torch_dtype=torch.float32,
+        offload_dir=tmp_path / "offload",
+    )
     stats = handle.report().storage_bytes
-    converted = sum(p.numel() * 4 for name in ("vae", "text_encoder") for p in getattr(handle.target, name).parameters())
+    converted = sum(
+        p.numel() * 4 for name in ("vae", "text_encoder") for p in getattr(handle.target, name).parameters()
+    )
     assert stats["borrowed_bytes"] >= converted and stats["disk_bytes"] > 0, stats
     expected = reference(family, folder, torch.float32, "model_group_offload", storage="mmap")
     assert torch.equal(loaded_output(handle, family), expected)
@@ -459,7 +511,7 @@ def test_one_model_folder_loads_into_a_mode_and_joins_from_pretrained():
     assert torch.equal(run(pipe, family), run(reference_pipe, family))
 
 
-_KILLED_SCRIPT = textwrap.dedent('''
+_KILLED_SCRIPT = textwrap.dedent("""
     import os, signal, sys, torch
     import memmode_core as memmode
     from memmode_core.files import streamed
@@ -472,7 +524,7 @@ _KILLED_SCRIPT = textwrap.dedent('''
     streamed.StreamedFile.write = write
     memmode.load(sys.argv[1], "model_group_offload", device="cpu", storage="disk", offload_dir=sys.argv[2],
                  torch_dtype=torch.float32)
-''')
+""")
 
 
 def test_a_load_killed_while_streaming_leaves_nothing_behind(tmp_path):
@@ -480,8 +532,9 @@ def test_a_load_killed_while_streaming_leaves_nothing_behind(tmp_path):
     folder it was written in holds nothing afterwards."""
     folder = saved_folder("wan22", torch.bfloat16)
     offload = tmp_path / "offload"
-    out = subprocess.run([sys.executable, "-c", _KILLED_SCRIPT, str(folder), str(offload)], capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _KILLED_SCRIPT, str(folder), str(offload)], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == -9, out.stderr[-2000:]
     assert list(offload.iterdir()) == []
 
@@ -493,8 +546,9 @@ def test_in_place_can_be_forced_or_refused(in_place, tmp_path):
     group, memmode's own checkpoints included."""
     family = "flux"
     folder = saved_folder(family)
-    handle = memmode.load(folder, "model_group_offload", device="cpu", storage="mmap", in_place=in_place,
-                          offload_dir=tmp_path / "offload")
+    handle = memmode.load(
+        folder, "model_group_offload", device="cpu", storage="mmap", in_place=in_place, offload_dir=tmp_path / "offload"
+    )
     stats = handle.report().storage_bytes
     if in_place:
         assert stats["borrowed_bytes"] > 0.9 * _weights_bytes(folder, ("transformer", "vae", "text_encoder"))
@@ -515,19 +569,26 @@ def test_groups_kept_in_place_need_no_room_in_the_offload_folder(tmp_path, monke
     usage = namedtuple("usage", "total used free")
     real = shutil.disk_usage
     offload = tmp_path / "offload"
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, (1 << 30) - (64 << 10), 64 << 10)
-                        if str(path).startswith(str(tmp_path)) else real(path))
+    monkeypatch.setattr(
+        shutil,
+        "disk_usage",
+        lambda path: (
+            usage(1 << 30, (1 << 30) - (64 << 10), 64 << 10) if str(path).startswith(str(tmp_path)) else real(path)
+        ),
+    )
     family = "flux"
     folder = saved_folder(family)
-    handle = memmode.load(folder, "model_group_offload", device="cpu", storage="disk", offload_dir=offload,
-                          in_place=True)
+    handle = memmode.load(
+        folder, "model_group_offload", device="cpu", storage="disk", offload_dir=offload, in_place=True
+    )
     stats = handle.report().storage_bytes
     assert stats["disk_bytes"] == 0 and stats["borrowed_bytes"] > 0, stats
     expected = reference(family, folder, None, "model_group_offload", storage="disk")
     torch.testing.assert_close(loaded_output(handle, family), expected, rtol=0, atol=1e-5)
     with pytest.raises(memmode.StorageUnavailableError, match="free"):
-        memmode.load(folder, "model_group_offload", device="cpu", storage="disk", offload_dir=tmp_path / "o2",
-                     in_place=False)
+        memmode.load(
+            folder, "model_group_offload", device="cpu", storage="disk", offload_dir=tmp_path / "o2", in_place=False
+        )
     assert not list((tmp_path / "o2").glob("memmode-*"))
     # the default keeps only what cannot change a bit in place (on the CPU: not this 8-byte aligned
     # checkpoint), so a group has to be written and its own room check refuses it; nothing is left behind

@@ -25,15 +25,14 @@ import os
 
 import pytest
 import torch
-
-import memmode_core as memmode
-from memmode_core.contracts.errors import IncompatibleModeError
-
 from conftest import OFFLOADING_PLACEMENTS, assert_same_outputs, full_load_outputs, placement_id
 from fakes import PoisonPlugin
 from test_core_apply import hook_count
 from tiny_loras import LORA_FAMILIES, TEXT_ENCODER_LORA_COMPONENTS, load_lora, lora_components
 from tiny_pipelines import make_pipeline, run
+
+import memmode_core as memmode
+from memmode_core.contracts.errors import IncompatibleModeError
 
 #: every storage that runs without CUDA (pinned needs it); the plugins are test requirements, not optional
 STORAGES = ["ram", "poison", "disk", "mmap"]
@@ -66,7 +65,7 @@ def lora_sequence(pipe, family: str) -> list[torch.Tensor]:
     return outputs
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def full_load_sequence(family: str) -> tuple[torch.Tensor, ...]:
     return tuple(lora_sequence(make_pipeline(family), family))
 
@@ -93,8 +92,13 @@ def _sweep() -> list:
     one-module files at every LoRA step) run on ``ROTATION``'s family; ``MEMMODE_TEST_FULL_MATRIX=1`` runs
     them on both ``SWEPT_FAMILIES`` too."""
     full = os.environ.get("MEMMODE_TEST_FULL_MATRIX") == "1"
-    cases = [(family, mode, options, storage) for family in SWEPT_FAMILIES for mode, options in OFFLOADING_PLACEMENTS
-             for storage in STORAGES if full or (placement_id((mode, options)), storage) not in ROTATION]
+    cases = [
+        (family, mode, options, storage)
+        for family in SWEPT_FAMILIES
+        for mode, options in OFFLOADING_PLACEMENTS
+        for storage in STORAGES
+        if full or (placement_id((mode, options)), storage) not in ROTATION
+    ]
     placements = {placement_id(p): p for p in OFFLOADING_PLACEMENTS}
     for (placement, storage), family in ROTATION.items():
         mode, options = placements[placement]
@@ -105,8 +109,10 @@ def _sweep() -> list:
 
 def test_the_sweep_runs_every_combination_somewhere():
     """Each placement x storage runs on at least one family; ``ram`` and ``poison`` on both swept ones."""
-    swept = {(family, placement_id((mode, options)), storage) for family, mode, options, storage in
-             (case.values for case in _sweep())}
+    swept = {
+        (family, placement_id((mode, options)), storage)
+        for family, mode, options, storage in (case.values for case in _sweep())
+    }
     for placement in map(placement_id, OFFLOADING_PLACEMENTS):
         for storage in STORAGES:
             families = {family for family, p, s in swept if (p, s) == (placement, storage)}

@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import requires_cuda
 from safetensors import safe_open
 
 from memmode_core import StorageUnavailableError
 from memmode_core.contracts import packing
-from memmode_core.files import folder as offload_folder, format as group_format
-from memmode_core.files.store import FILE_PREFIX, FILE_SUFFIX, GroupFileStore
 from memmode_core.engine.staging import StagingRing, chunk_plan
-
-from conftest import requires_cuda
+from memmode_core.files import folder as offload_folder
+from memmode_core.files import format as group_format
+from memmode_core.files.store import FILE_PREFIX, FILE_SUFFIX, GroupFileStore
 
 
 def group(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -257,8 +257,13 @@ _AT_EXIT = textwrap.dedent("""
 
 
 def test_the_private_folder_is_removed_at_interpreter_exit(tmp_path):
-    done = subprocess.run([sys.executable, "-c", _AT_EXIT], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    done = subprocess.run(
+        [sys.executable, "-c", _AT_EXIT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
     assert done.returncode == 0, done.stderr
     folder = Path(done.stdout.strip())
     assert folder.parent == tmp_path
@@ -321,14 +326,14 @@ def test_the_staging_chunks_carry_every_byte_once_in_place(chunk_bytes):
     layout = group_format.Layout.of(host)
     data = torch.zeros(layout.data_bytes, dtype=torch.uint8)  # the data section, alignment gaps included
     for e in layout.entries:
-        data[e.start:e.end] = host[e.name].reshape(-1).view(torch.uint8)
+        data[e.start : e.end] = host[e.name].reshape(-1).view(torch.uint8)
     out = {name: torch.full_like(t.reshape(-1).view(torch.uint8), 0xAB) for name, t in host.items()}
     copied = 0
     for begin, end, pieces in chunk_plan(layout, chunk_bytes):
         assert 0 < end - begin <= chunk_bytes
         chunk = data[begin:end]  # what fill() puts in the staging chunk
         for name, lo, hi, at in pieces:
-            out[name][lo:hi] = chunk[at:at + hi - lo]
+            out[name][lo:hi] = chunk[at : at + hi - lo]
             copied += hi - lo
     assert copied == sum(e.end - e.start for e in layout.entries)
     for name, tensor in host.items():
@@ -375,8 +380,12 @@ def test_cuda_staging_ring_uploads_across_chunk_boundaries(chunk_bytes):
     ring = StagingRing(chunk_bytes=chunk_bytes)
     stream = torch.cuda.Stream()
     for _ in range(3):  # reused chunks: each refill waits for the copies that read it
-        out = ring.upload(layout, lambda chunk, offset: chunk.copy_(data[offset:offset + chunk.numel()]),
-                          torch.device("cuda"), stream)
+        out = ring.upload(
+            layout,
+            lambda chunk, offset: chunk.copy_(data[offset : offset + chunk.numel()]),
+            torch.device("cuda"),
+            stream,
+        )
         stream.synchronize()
         for name, tensor in tensors.items():
             assert out[name].device.type == "cuda" and torch.equal(out[name].cpu(), tensor), name

@@ -29,14 +29,13 @@ from itertools import chain
 
 import pytest
 import torch
+from conftest import OFFLOADING_PLACEMENTS, placement_id
+from pipeline_families import FAMILIES, SLICES, full_matrix, rotation
 
 import memmode_core as memmode
 from memmode_core.contracts.layout import Policy
 from memmode_core.contracts.targets import takes_timestep
 from memmode_core.engine.reads import PlaceholderTrap
-
-from conftest import OFFLOADING_PLACEMENTS, placement_id
-from pipeline_families import FAMILIES, SLICES, full_matrix, rotation
 
 NAMES = sorted(FAMILIES)
 STORAGES = ["ram", "poison", "disk", "mmap"]
@@ -69,15 +68,21 @@ def _lossless_cases() -> list:
         combinations = [(mode, options, storage) for mode, options in OFFLOADING_PLACEMENTS for storage in STORAGES]
         for position, (mode, options, storage) in enumerate(combinations):
             if _takes(index, position):
-                cases.append(pytest.param(family, mode, options, storage,
-                                          id=f"{family}-{placement_id((mode, options))}-{storage}"))
+                cases.append(
+                    pytest.param(
+                        family, mode, options, storage, id=f"{family}-{placement_id((mode, options))}-{storage}"
+                    )
+                )
     return cases
 
 
 def _quantized_cases() -> list:
-    return [pytest.param(family, mode, storage, id=f"{family}-{mode}-{storage}")
-            for index, family in enumerate(NAMES) for position, (mode, storage) in enumerate(QUANTIZED)
-            if _takes(index, 2 * position)]
+    return [
+        pytest.param(family, mode, storage, id=f"{family}-{mode}-{storage}")
+        for index, family in enumerate(NAMES)
+        for position, (mode, storage) in enumerate(QUANTIZED)
+        if _takes(index, 2 * position)
+    ]
 
 
 pytestmark = pytest.mark.usefixtures("poison_storage")
@@ -211,7 +216,7 @@ def test_the_sweep_covers_every_kind_and_every_family_runs_in_every_slice(monkey
     monkeypatch.delenv("MEMMODE_TEST_FULL_MATRIX", raising=False)
     taken: dict[str, set[int]] = {}
     for slice_ in range(SLICES):
-        monkeypatch.setattr(sys.modules[__name__], "rotation", lambda: slice_)
+        monkeypatch.setattr(sys.modules[__name__], "rotation", lambda slice_=slice_: slice_)
         families = {param.values[0] for param in _lossless_cases()}
         assert families == set(NAMES), f"slice {slice_} leaves out {sorted(set(NAMES) - families)}"
         for param in _lossless_cases():
@@ -226,8 +231,9 @@ def test_the_sweep_covers_every_kind_and_every_family_runs_in_every_slice(monkey
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family, mode, options, storage", _lossless_cases())
-def test_lossless_mode_is_bit_exact_frees_the_device_and_restores_the_weights(family, mode, options, storage,
-                                                                              private_tmp):
+def test_lossless_mode_is_bit_exact_frees_the_device_and_restores_the_weights(
+    family, mode, options, storage, private_tmp
+):
     expected = _reference(family)
     pipe = FAMILIES[family].make(0)
     if mode == "text_encoder_offload" and not _has_text_encoder(family):

@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
-import memmode_core as memmode
-from memmode_core.contracts.layout import Policy, block_groups
-from memmode_core.engine.runtime import Runtime
-from memmode_core.contracts.errors import IncompatibleModeError
-from memmode_core.engine.ledger import Ledger
-
-from conftest import (OFFLOADING_PLACEMENTS, assert_same_outputs, full_load_outputs, placement_id, requires_cuda,
-                      two_calls)
+from conftest import (
+    OFFLOADING_PLACEMENTS,
+    assert_same_outputs,
+    full_load_outputs,
+    placement_id,
+    requires_cuda,
+    two_calls,
+)
 from fakes import PoisonPlugin, PoisonSession
 from test_core_apply import hook_count
 from tiny_pipelines import make_pipeline, run
+from torch import nn
+
+import memmode_core as memmode
+from memmode_core.contracts.errors import IncompatibleModeError
+from memmode_core.contracts.layout import Policy, block_groups
+from memmode_core.engine.ledger import Ledger
+from memmode_core.engine.runtime import Runtime
 
 PLACEMENTS = [*OFFLOADING_PLACEMENTS, ("model_group_offload", {"num_blocks_per_group": 2})]
 
@@ -131,8 +136,14 @@ class Conditional(nn.Module):
 
 def _prefetching_runtime(model: nn.Module) -> tuple[Runtime, PoisonSession]:
     session = PoisonSession()
-    runtime = Runtime({"model": model}, block_groups("model", model), device=torch.device("cpu"),
-                      session=session, ledger=Ledger(), prefetch=True)
+    runtime = Runtime(
+        {"model": model},
+        block_groups("model", model),
+        device=torch.device("cpu"),
+        session=session,
+        ledger=Ledger(),
+        prefetch=True,
+    )
     runtime.install()
     return runtime, session
 
@@ -186,8 +197,9 @@ def test_a_skipped_or_reordered_layer_never_uses_stale_or_missing_weights():
 def test_cuda_stream_prefetch_equals_full_load(num_blocks_per_group):
     family = "wan22"
     pipe = make_pipeline(family)
-    handle = memmode.apply(pipe, "model_group_offload", device="cuda", use_stream=True,
-                           num_blocks_per_group=num_blocks_per_group)
+    handle = memmode.apply(
+        pipe, "model_group_offload", device="cuda", use_stream=True, num_blocks_per_group=num_blocks_per_group
+    )
     assert handle._runtime._copy_stream is not None
     reference = make_pipeline(family)
     memmode.apply(reference, "model_full_load", device="cuda")
@@ -215,9 +227,12 @@ def test_cuda_prefetch_survives_skipped_and_reordered_blocks():
 @requires_cuda
 def test_cuda_peak_memory_ordering():
     results = {}
-    for name, mode, options in [("leaf", "model_group_offload", {"offload_type": "leaf_level"}),
-                                ("block", "model_group_offload", {}), ("component", "model_cpu_offload", {}),
-                                ("full", "model_full_load", {})]:
+    for name, mode, options in [
+        ("leaf", "model_group_offload", {"offload_type": "leaf_level"}),
+        ("block", "model_group_offload", {}),
+        ("component", "model_cpu_offload", {}),
+        ("full", "model_full_load", {}),
+    ]:
         pipe = make_pipeline("flux")
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_pipelines import make_pipeline, run
 
 import memmode_core as memmode
 from memmode_core.contracts.errors import InvalidOptionError
 from memmode_core.contracts.options import parse_byte_size
-from memmode_core.planning.planner import NoModeFitsError, default_calls
 from memmode_core.contracts.targets import Target
-
-from tiny_pipelines import make_pipeline, run
+from memmode_core.planning.planner import NoModeFitsError, default_calls
 
 
 def _measured_sequence(family: str) -> list[str]:
@@ -28,8 +27,13 @@ def test_predictions_match_the_ledger_of_a_real_call(family):
     sequence = _measured_sequence(family)
     pipe = make_pipeline(family)
     entries = memmode.plan(pipe, device="cpu", calls=sequence, storage="ram")
-    assert {e.placement for e in entries} >= {"model_full_load", "model_cpu_offload", "model_group_offload",
-                                              "sequential_cpu_offload", "text_encoder_offload"}
+    assert {e.placement for e in entries} >= {
+        "model_full_load",
+        "model_cpu_offload",
+        "model_group_offload",
+        "sequential_cpu_offload",
+        "text_encoder_offload",
+    }
     for entry in entries:
         handle = memmode.apply(pipe, entry.placement, device="cpu", storage=entry.storage, **entry.options)
         run(pipe, family)
@@ -54,8 +58,10 @@ def test_the_report_counts_component_calls_including_vae_decodes():
 def test_quantized_predictions_match_the_ledger():
     sequence = _measured_sequence("flux")
     entries = memmode.plan(make_pipeline("flux"), device="cpu", calls=sequence, storage="ram", quantizer="qfloat8")
-    plain = {(e.placement, tuple(e.options.items())): e for e in
-             memmode.plan(make_pipeline("flux"), device="cpu", calls=sequence, storage="ram")}
+    plain = {
+        (e.placement, tuple(e.options.items())): e
+        for e in memmode.plan(make_pipeline("flux"), device="cpu", calls=sequence, storage="ram")
+    }
     for entry in entries:
         assert entry.mode.endswith("_and_qfloat8")
         pipe = make_pipeline("flux")
@@ -87,12 +93,15 @@ def test_plan_refuses_unknown_components_in_calls():
 # -- auto ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("budget, expected", [
-    (None, "model_full_load"),
-    ("450KB", "model_cpu_offload"),
-    ("130KB", "model_group_offload"),
-    ("30KB", "model_group_offload"),
-])
+@pytest.mark.parametrize(
+    "budget, expected",
+    [
+        (None, "model_full_load"),
+        ("450KB", "model_cpu_offload"),
+        ("130KB", "model_group_offload"),
+        ("30KB", "model_group_offload"),
+    ],
+)
 def test_auto_picks_the_fastest_mode_that_fits(budget, expected):
     pipe = make_pipeline("wan22")
     reference = run(make_pipeline("wan22"), "wan22")

@@ -19,11 +19,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from plugin_guide import GUIDE, PACKAGES, files_from_the_guide
 
 import memmode_core
 from memmode_core.discovery import plugins
-
-from plugin_guide import GUIDE, PACKAGES, files_from_the_guide
 
 
 def test_the_guide_holds_three_complete_packages():
@@ -33,9 +32,25 @@ def test_the_guide_holds_three_complete_packages():
 
 
 #: what a plugin author needs, each documented on the page and importable from ``memmode_core``
-PUBLIC_NAMES = ("hookimpl", "Option", "Quantizer", "Placement", "Target", "GroupSpec", "Policy", "Storage",
-                "StorageSession", "Tensors", "placeholder", "is_placeholder", "StorageCost",
-                "IncompatibleModeError", "InvalidOptionError", "StorageUnavailableError", "temporary_plugin")
+PUBLIC_NAMES = (
+    "hookimpl",
+    "Option",
+    "Quantizer",
+    "Placement",
+    "Target",
+    "GroupSpec",
+    "Policy",
+    "Storage",
+    "StorageSession",
+    "Tensors",
+    "placeholder",
+    "is_placeholder",
+    "StorageCost",
+    "IncompatibleModeError",
+    "InvalidOptionError",
+    "StorageUnavailableError",
+    "temporary_plugin",
+)
 DOCUMENTED_MEMBERS = {
     "Placement": ("name", "description", "options", "offloads", "unavailable_reason", "check", "prefetch", "layout"),
     "Storage": ("name", "description", "options", "uses_offload_dir", "unavailable_reason", "cost", "open"),
@@ -45,8 +60,15 @@ DOCUMENTED_MEMBERS = {
 DOCUMENTED_FIELDS = {
     "GroupSpec": ("key", "component", "owners", "entries", "exits", "policy", "prefetchable"),
     "Target": ("obj", "is_pipeline", "components"),
-    "StorageCost": ("kind", "pageable_per_byte", "pinned_per_byte", "disk_per_byte", "fetch_bytes_per_second",
-                    "fetch_latency", "measured"),
+    "StorageCost": (
+        "kind",
+        "pageable_per_byte",
+        "pinned_per_byte",
+        "disk_per_byte",
+        "fetch_bytes_per_second",
+        "fetch_latency",
+        "measured",
+    ),
     "Option": ("name", "default", "doc", "check"),
 }
 
@@ -93,8 +115,21 @@ def installed_guide_plugins(tmp_path_factory) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(body)
     site = root / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *_build_isolation_flags(),
-                    "--target", str(site), *(str(root / dist) for dist in PACKAGES)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            *_build_isolation_flags(),
+            "--target",
+            str(site),
+            *(str(root / dist) for dist in PACKAGES),
+        ],
+        check=True,
+    )
     return site
 
 
@@ -299,8 +334,9 @@ def guide_checks(installed_guide_plugins) -> dict:
     """Run ``CHECKS`` once with the guide's packages on the path and plugin discovery left on."""
     env = {k: v for k, v in os.environ.items() if k not in (plugins.AUTOLOAD_ENV, plugins.DISABLE_ENV)}
     env["PYTHONPATH"] = os.pathsep.join([str(installed_guide_plugins), os.environ.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", CHECKS], env=env, capture_output=True, text=True,
-                          cwd=Path(__file__).parent)
+    done = subprocess.run(
+        [sys.executable, "-c", CHECKS], env=env, capture_output=True, text=True, cwd=Path(__file__).parent
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -316,12 +352,19 @@ def test_the_guide_plugins_are_listed_with_their_distributions(guide_checks):
     listed = part(guide_checks, "listed")
     assert listed["status"] == 0
     rows = {r["name"]: r for r in listed["rows"]}
-    for kind, name, distribution in [("quantizer", "qint8", "memmode-qint8"),
-                                     ("placement", "keep_first_offload", "memmode-keepfirst"),
-                                     ("storage", "zram", "memmode-zram")]:
+    for kind, name, distribution in [
+        ("quantizer", "qint8", "memmode-qint8"),
+        ("placement", "keep_first_offload", "memmode-keepfirst"),
+        ("storage", "zram", "memmode-zram"),
+    ]:
         row = rows[name]
         assert (row["kind"], row["distribution"], row["version"], row["available"], row["reason"]) == (
-            kind, distribution, "1.0.0", True, None)
+            kind,
+            distribution,
+            "1.0.0",
+            True,
+            None,
+        )
 
 
 def test_the_guide_quantizer_quantizes_under_group_offload(guide_checks):
@@ -372,12 +415,18 @@ def test_the_guide_placement_is_exact_on_a_pipeline(guide_checks, storage):
     assert result["storage"] == storage
     assert result["equal"] and result["restored"]
     # keep_blocks=2: the first two blocks of every component's first block list
-    assert result["resident"] == sorted([
-        "text_encoder/encoder.layers.0", "text_encoder/encoder.layers.1",
-        "text_encoder_2/encoder.block.0", "text_encoder_2/encoder.block.1",
-        "transformer/transformer_blocks.0", "transformer/transformer_blocks.1",
-        "vae/encoder.down_blocks.0", "vae/encoder.down_blocks.1",
-    ])
+    assert result["resident"] == sorted(
+        [
+            "text_encoder/encoder.layers.0",
+            "text_encoder/encoder.layers.1",
+            "text_encoder_2/encoder.block.0",
+            "text_encoder_2/encoder.block.1",
+            "transformer/transformer_blocks.0",
+            "transformer/transformer_blocks.1",
+            "vae/encoder.down_blocks.0",
+            "vae/encoder.down_blocks.1",
+        ]
+    )
 
 
 def test_the_guide_placement_refuses_a_target_without_blocks(guide_checks):

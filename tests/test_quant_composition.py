@@ -26,12 +26,12 @@ import os
 
 import pytest
 import torch
-
-import memmode_core as memmode
 from conftest import OFFLOADING_PLACEMENTS, assert_same_outputs, placement_id, requires_cuda, two_calls
 from fakes import PoisonPlugin
-from memmode_core.discovery import plugins
 from tiny_pipelines import make_pipeline
+
+import memmode_core as memmode
+from memmode_core.discovery import plugins
 
 QUANTIZERS = ["qfloat8", "qfloat4"]
 PLACEMENTS = OFFLOADING_PLACEMENTS
@@ -86,9 +86,12 @@ def savings(report) -> int:
 #: The file storages with these placements run with one quantizer each: ``qfloat8`` with the first of each
 #: pair, ``qfloat4`` with the second (see ``cases``).
 _ROTATION = [
-    ("model_group_offload-offload_type=leaf_level", "disk"), ("model_group_offload-offload_type=leaf_level", "mmap"),
-    ("sequential_cpu_offload", "mmap"), ("sequential_cpu_offload", "disk"),
-    ("text_encoder_offload", "disk"), ("text_encoder_offload", "mmap"),
+    ("model_group_offload-offload_type=leaf_level", "disk"),
+    ("model_group_offload-offload_type=leaf_level", "mmap"),
+    ("sequential_cpu_offload", "mmap"),
+    ("sequential_cpu_offload", "disk"),
+    ("text_encoder_offload", "disk"),
+    ("text_encoder_offload", "mmap"),
 ]
 
 
@@ -102,15 +105,22 @@ def cases() -> list:
     """Every installed storage on Wan 2.2, the file storages' slow placements on a rotation over the
     quantizers; the strictest storage, poison, on Flux (see the module docstring)."""
     families = [("wan22", storage) for storage in installed_storages()] + [("flux", "poison")]
-    return [pytest.param(quantizer, placement, family, storage,
-                         id=f"{quantizer}-{placement_id(placement)}-{family}-{storage}")
-            for quantizer in QUANTIZERS for placement in PLACEMENTS for family, storage in families
-            if _covered(quantizer, placement_id(placement), storage)]
+    return [
+        pytest.param(
+            quantizer, placement, family, storage, id=f"{quantizer}-{placement_id(placement)}-{family}-{storage}"
+        )
+        for quantizer in QUANTIZERS
+        for placement in PLACEMENTS
+        for family, storage in families
+        if _covered(quantizer, placement_id(placement), storage)
+    ]
 
 
 def test_the_rotation_runs_every_combination_somewhere():
-    swept = {(placement_id(placement), storage, quantizer) for quantizer, placement, _, storage in
-             (case.values for case in cases())}
+    swept = {
+        (placement_id(placement), storage, quantizer)
+        for quantizer, placement, _, storage in (case.values for case in cases())
+    }
     for placement in map(placement_id, PLACEMENTS):
         for storage in installed_storages():
             quantizers = {q for p, s, q in swept if (p, s) == (placement, storage)}
@@ -178,7 +188,8 @@ def test_prefetched_group_offload_on_cuda_gives_the_full_load_output(quantizer):
     memmode.apply(reference, f"model_full_load_and_{quantizer}", device="cuda")
     expected = two_calls(reference, "wan22")
     pipe = make_pipeline("wan22", dtype=torch.bfloat16)
-    handle = memmode.apply(pipe, f"model_group_offload_and_{quantizer}", device="cuda", storage=storage,
-                           use_stream=True)
+    handle = memmode.apply(
+        pipe, f"model_group_offload_and_{quantizer}", device="cuda", storage=storage, use_stream=True
+    )
     assert_same_outputs(two_calls(pipe, "wan22"), expected)
     handle.remove()

@@ -72,8 +72,9 @@ def test_qfloat8_layout_and_exact_values(weight):
 def test_qfloat8_cpu_table_decodes_every_e4m3_pattern_like_the_native_cast():
     bits = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16)
     for dtype in (torch.float32, torch.bfloat16):
-        torch.testing.assert_close(e4m3_values(bits, dtype), bits.view(torch.float8_e4m3fn).to(dtype),
-                                   rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(
+            e4m3_values(bits, dtype), bits.view(torch.float8_e4m3fn).to(dtype), rtol=0, atol=0, equal_nan=True
+        )
 
 
 def test_qfloat8_zero_rows_and_dtypes():
@@ -124,7 +125,7 @@ def test_qfloat4_rounds_to_nearest_with_ties_to_even():
     # so every value reaches the rounding exactly where it is written (ties included)
     weight = values.reshape(1, 16) * 0.21875
     packed = QFloat4().pack(weight)
-    assert packed["weight_global_scale"].item() == 2.0 ** -11
+    assert packed["weight_global_scale"].item() == 2.0**-11
     assert packed["weight_scale"].view(torch.float8_e4m3fn).float().item() == 448.0
     assert torch.equal(roundtrip(QFloat4(), weight), expected.reshape(1, 16) * 0.21875)
 
@@ -144,8 +145,12 @@ def test_qfloat4_zero_blocks_and_compute_dtypes(weight):
         assert torch.equal(out[:, :BLOCK], torch.zeros(96, BLOCK, dtype=dtype))
     # unpacking straight to bfloat16 rounds no more than bfloat16 itself does
     packed = QFloat4().pack(weight)
-    torch.testing.assert_close(QFloat4().unpack(packed, weight.shape, torch.bfloat16).float(),
-                               QFloat4().unpack(packed, weight.shape, torch.float32), rtol=2 ** -7, atol=0)
+    torch.testing.assert_close(
+        QFloat4().unpack(packed, weight.shape, torch.bfloat16).float(),
+        QFloat4().unpack(packed, weight.shape, torch.float32),
+        rtol=2**-7,
+        atol=0,
+    )
 
 
 def test_float16_unpacking_survives_subnormal_scales():

@@ -6,16 +6,21 @@ import logging
 
 import pytest
 import torch
+from fakes import Int8Plugin
+from tiny_pipelines import make_pipeline, run
 from torch import nn
 
 import memmode_core as memmode
 from memmode_core import IncompatibleModeError, InvalidOptionError, QuantizedWeightWriteError, Quantizer
-from memmode_core.quantization.layers import (QuantizedLinear, packed_record, plan_quantization, quantize_component,
-                                       quantized_direct_bytes)
+from memmode_core.quantization.layers import (
+    QuantizedLinear,
+    packed_record,
+    plan_quantization,
+    quantize_component,
+    quantized_direct_bytes,
+)
 from memmode_qfloat4 import QFloat4
 from memmode_qfloat8 import QFloat8, convert
-from fakes import Int8Plugin
-from tiny_pipelines import make_pipeline, run
 
 QUANTIZERS = {"qfloat8": QFloat8, "qfloat4": QFloat4}
 
@@ -179,6 +184,7 @@ def test_torch_compile_after_apply_traces_the_dequantizing_forward():
 
 def test_a_lora_adapter_wraps_a_quantized_layer():
     import peft
+
     model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
     quantize_component(QFloat8(), model, weight_dtype=None)
     config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["0"], init_lora_weights=False)
@@ -255,11 +261,17 @@ def test_predicted_sizes_equal_the_quantized_sizes(family, quantizer):
     last = plan.to_pack[-1]
     one = quantized_direct_bytes(q, last.module, component=transformer)
     summary = quantize_component(q, transformer, weight_dtype=None)
-    actual = {name: sum(t.numel() * t.element_size() for t in [*m._parameters.values(), *m._buffers.values()]
-                        if t is not None) for name, m in transformer.named_modules()}
+    actual = {
+        name: sum(
+            t.numel() * t.element_size() for t in [*m._parameters.values(), *m._buffers.values()] if t is not None
+        )
+        for name, m in transformer.named_modules()
+    }
     assert predicted == actual
     assert predicted_total == summary.bytes_after < summary.bytes_before
-    assert one == actual[last.path] < 2 * (last.module.bias.numel() + last.module.in_features * last.module.out_features)
+    assert (
+        one == actual[last.path] < 2 * (last.module.bias.numel() + last.module.in_features * last.module.out_features)
+    )
 
 
 def test_pack_results_that_break_the_contract_are_plugin_bugs():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import OFFLOADING_PLACEMENTS, placement_id
 from diffusers import DiffusionPipeline, ModelMixin
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from torch import nn
@@ -29,8 +30,6 @@ import memmode_core as memmode
 from memmode_core import OffloadedWeightReadError
 from memmode_core.engine import runtime as engine_runtime
 from memmode_core.engine.reads import PlaceholderTrap
-
-from conftest import OFFLOADING_PLACEMENTS, placement_id
 
 WIDTH = 8
 STORAGES = ["ram", "poison", "disk", "mmap"]
@@ -188,8 +187,11 @@ def test_without_the_rule_a_read_is_a_typed_error_and_no_weight_is_lost(placemen
     again under the trap, which names the tensor), the NaN parameters are refused before they are registered,
     and ``remove()`` gives every weight back."""
     mode, options = placement
-    monkeypatch.setattr(engine_runtime, "entry_methods", lambda module: [
-        m for m in engine_runtime.COMPONENT_METHODS if callable(getattr(type(module), m, None))])
+    monkeypatch.setattr(
+        engine_runtime,
+        "entry_methods",
+        lambda module: [m for m in engine_runtime.COMPONENT_METHODS if callable(getattr(type(module), m, None))],
+    )
     pipe = build()
     before = state(pipe)
     handle = memmode.apply(pipe, mode, device="cpu", storage=storage, **options)
@@ -202,7 +204,9 @@ def test_without_the_rule_a_read_is_a_typed_error_and_no_weight_is_lost(placemen
                 with PlaceholderTrap():
                     pipe.prior.post_process_latents(x)
             assert torch.isnan(pipe.prior.post_process_latents(x)).all(), "what the rule is for"
-        with pytest.raises(OffloadedWeightReadError, match=r"normalizer\.mean.*computed from its offloaded placeholder"):
+        with pytest.raises(
+            OffloadedWeightReadError, match=r"normalizer\.mean.*computed from its offloaded placeholder"
+        ):
             pipe.normalizer.to("cpu", torch.float32)
     handle.remove()
     assert_same_state(state(pipe), before)
@@ -269,10 +273,14 @@ def test_a_cast_that_makes_new_parameters_from_placeholders_keeps_the_weights(st
     placeholders), and with its swap or overwrite conversion registers new tensors. Neither the next call nor
     ``remove()`` lets those NaN values stand in for the weights."""
     future = torch.__future__
-    setter = {"swap": future.set_swap_module_params_on_conversion,
-              "overwrite": future.set_overwrite_module_params_on_conversion}[conversion]
-    getter = {"swap": future.get_swap_module_params_on_conversion,
-              "overwrite": future.get_overwrite_module_params_on_conversion}[conversion]
+    setter = {
+        "swap": future.set_swap_module_params_on_conversion,
+        "overwrite": future.set_overwrite_module_params_on_conversion,
+    }[conversion]
+    getter = {
+        "swap": future.get_swap_module_params_on_conversion,
+        "overwrite": future.get_overwrite_module_params_on_conversion,
+    }[conversion]
     was = getter()
     setter(True)
     try:
@@ -282,8 +290,9 @@ def test_a_cast_that_makes_new_parameters_from_placeholders_keeps_the_weights(st
             expected = expected_pipe.prior(latents().double(), 1)
         for call_first in (True, False):
             pipe = build()
-            handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage=storage,
-                                   offload_type="leaf_level")
+            handle = memmode.apply(
+                pipe, "model_group_offload", device="cpu", storage=storage, offload_type="leaf_level"
+            )
             pipe.prior.to(torch.float64)
             if call_first:
                 with torch.no_grad():

@@ -24,19 +24,23 @@ from itertools import chain
 
 import pytest
 import torch
-from diffusers import AutoencoderKL, DiTTransformer2DModel, FluxPipeline, FluxTransformer2DModel, VQModel
-from torch import nn
-
-import memmode_core as memmode
-from memmode_core import (IncompatibleModeError, InvalidOptionError, OffloadedWeightReadError, Storage,
-                          StorageUnavailableError, hookimpl)
-from memmode_core.contracts.storage import placeholder
-
 from conftest import requires_cuda
+from diffusers import AutoencoderKL, DiTTransformer2DModel, FluxPipeline, FluxTransformer2DModel, VQModel
 from fakes import Int8Plugin, PoisonPlugin, PoisonSession
 from odd_models import TIED_MODELS, ReadsOutsideForward, make_tied, token_ids
 from test_core_apply import hook_count, snapshot
 from tiny_pipelines import make_pipeline, run
+from torch import nn
+
+import memmode_core as memmode
+from memmode_core import (
+    IncompatibleModeError,
+    InvalidOptionError,
+    OffloadedWeightReadError,
+    Storage,
+    StorageUnavailableError,
+    hookimpl,
+)
 
 STORAGES = ["ram", "poison", "disk", "mmap"]
 SPLITTING = [
@@ -62,8 +66,12 @@ def test_plugins(monkeypatch, tmp_path):
 
 
 def state_of(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: t.detach().clone() for name, t in chain(module.named_parameters(remove_duplicate=False),
-                                                           module.named_buffers(remove_duplicate=False))}
+    return {
+        name: t.detach().clone()
+        for name, t in chain(
+            module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)
+        )
+    }
 
 
 def assert_same_state(module: nn.Module, expected: dict[str, torch.Tensor]) -> None:
@@ -86,10 +94,21 @@ def flux_with_real_vae(seed: int = 0) -> FluxPipeline:
     """The suite's tiny Flux pipeline with its VAE built as the real FLUX.1 VAE is: no quant convs."""
     pipe = make_pipeline("flux", seed)
     torch.manual_seed(seed + 7)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
-                        latent_channels=4, norm_num_groups=4, sample_size=16, shift_factor=0.0609,
-                        scaling_factor=1.5035, use_quant_conv=False, use_post_quant_conv=False).eval()
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=16,
+        shift_factor=0.0609,
+        scaling_factor=1.5035,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    ).eval()
     assert vae.quant_conv is None and vae.post_quant_conv is None
     return FluxPipeline(**{**pipe.components, "vae": vae})
 
@@ -143,8 +162,7 @@ def test_blocks_nested_two_containers_deep_are_the_called_modules():
     target = make_tied("nested_tied")
     handle = memmode.apply(target, "model_group_offload", device="cpu", storage="poison")
     keys = [g.key for g in handle._runtime.groups]
-    assert keys == ["module/<rest>", "module/stages.0.0", "module/stages.0.1", "module/stages.1.0",
-                    "module/stages.1.1"]
+    assert keys == ["module/<rest>", "module/stages.0.0", "module/stages.0.1", "module/stages.1.0", "module/stages.1.1"]
     handle.remove()
 
 
@@ -153,22 +171,42 @@ def test_blocks_nested_two_containers_deep_are_the_called_modules():
 
 def tiny_dit() -> DiTTransformer2DModel:
     torch.manual_seed(0)
-    return DiTTransformer2DModel(sample_size=8, patch_size=2, in_channels=4, out_channels=8, num_layers=2,
-                                 attention_head_dim=8, num_attention_heads=2, norm_num_groups=4,
-                                 num_embeds_ada_norm=10).eval()
+    return DiTTransformer2DModel(
+        sample_size=8,
+        patch_size=2,
+        in_channels=4,
+        out_channels=8,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        norm_num_groups=4,
+        num_embeds_ada_norm=10,
+    ).eval()
 
 
 def dit_inputs():
     g = torch.Generator().manual_seed(0)
-    return dict(hidden_states=torch.randn(1, 4, 8, 8, generator=g), timestep=torch.tensor([3]),
-                class_labels=torch.tensor([1]), return_dict=False)
+    return dict(
+        hidden_states=torch.randn(1, 4, 8, 8, generator=g),
+        timestep=torch.tensor([3]),
+        class_labels=torch.tensor([1]),
+        return_dict=False,
+    )
 
 
 def tiny_vq() -> VQModel:
     torch.manual_seed(0)
-    return VQModel(block_out_channels=(8, 16), norm_num_groups=4, in_channels=3, out_channels=3,
-                   down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                   latent_channels=3, num_vq_embeddings=16, vq_embed_dim=3).eval()
+    return VQModel(
+        block_out_channels=(8, 16),
+        norm_num_groups=4,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=3,
+        num_vq_embeddings=16,
+        vq_embed_dim=3,
+    ).eval()
 
 
 def vq_inputs():
@@ -244,8 +282,9 @@ class MismatchOnRead(nn.Module):
 
     def forward(self, x):
         x = self.blocks[0](x)
-        raise RuntimeError("Expected all tensors to be on the same device, but found at least two devices, "
-                           "cuda:0 and cpu!")
+        raise RuntimeError(
+            "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!"
+        )
 
 
 def test_a_device_mismatch_inside_a_placed_forward_is_a_clear_error():
@@ -289,16 +328,30 @@ def test_an_undeclared_read_outside_forward_is_a_typed_error_on_cpu(storage):
 
 def tiny_flux_transformer() -> FluxTransformer2DModel:
     torch.manual_seed(0)
-    return FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
-                                  attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                                  pooled_projection_dim=32, axes_dims_rope=[4, 4, 8]).eval()
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=[4, 4, 8],
+    ).eval()
 
 
 def flux_inputs():
     g = torch.Generator().manual_seed(0)
-    return dict(hidden_states=torch.randn(1, 16, 4, generator=g), encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
-                pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([1.0]),
-                img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3), return_dict=False)
+    return dict(
+        hidden_states=torch.randn(1, 16, 4, generator=g),
+        encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
+        pooled_projections=torch.randn(1, 32, generator=g),
+        timestep=torch.tensor([1.0]),
+        img_ids=torch.zeros(16, 3),
+        txt_ids=torch.zeros(8, 3),
+        return_dict=False,
+    )
 
 
 def layerwise_cast(model: nn.Module) -> None:
@@ -334,6 +387,7 @@ def test_another_offloading_scheme_installed_after_apply_is_refused_at_the_next_
     before = state_of(target)
     handle = memmode.apply(target, "model_group_offload", device="cpu", storage="disk")
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_module
+
     add_hook_to_module(target, AlignDevicesHook(execution_device="cpu"))
     with pytest.raises(IncompatibleModeError, match="accelerate"):
         target(**flux_inputs())
@@ -437,8 +491,9 @@ def test_excluded_components_are_left_where_they_are(storage):
     expected = run(make_pipeline("flux"), "flux", 0)
     pipe = make_pipeline("flux")
     vae_before = snapshot(pipe)
-    handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage=storage,
-                           exclude_components=["vae", "text_encoder"])
+    handle = memmode.apply(
+        pipe, "model_group_offload", device="cpu", storage=storage, exclude_components=["vae", "text_encoder"]
+    )
     assert {g.component for g in handle._runtime.groups} == {"transformer", "text_encoder_2"}
     after = snapshot(pipe)
     for key, value in vae_before.items():
@@ -453,8 +508,13 @@ def test_excluded_components_with_a_quantizer_and_with_auto():
         pipe = make_pipeline("flux")
         with pytest.raises(InvalidOptionError, match="no denoiser"):  # left out: not a default target either
             memmode.apply(pipe, "model_cpu_offload_and_qint8", device="cpu", exclude_components=["transformer"])
-        handle = memmode.apply(pipe, "model_cpu_offload_and_qint8", device="cpu", exclude_components=["transformer"],
-                               components=["transformer"])
+        handle = memmode.apply(
+            pipe,
+            "model_cpu_offload_and_qint8",
+            device="cpu",
+            exclude_components=["transformer"],
+            components=["transformer"],
+        )
         assert set(handle.quantized) == {"transformer"}  # named explicitly: quantized, but not placed
         assert "transformer" not in {g.component for g in handle._runtime.groups}
         handle.remove()
@@ -465,11 +525,14 @@ def test_excluded_components_with_a_quantizer_and_with_auto():
     assert all(e.peak_device_bytes > 0 for e in memmode.plan(pipe, device="cpu", exclude_components=["vae"]))
 
 
-@pytest.mark.parametrize("names, match", [
-    (["nope"], "no module component named 'nope'"),
-    (["vae", "transformer", "text_encoder", "text_encoder_2"], "leaves no component"),
-    ([3], "string"),
-])
+@pytest.mark.parametrize(
+    "names, match",
+    [
+        (["nope"], "no module component named 'nope'"),
+        (["vae", "transformer", "text_encoder", "text_encoder_2"], "leaves no component"),
+        ([3], "string"),
+    ],
+)
 def test_exclude_components_refusals_are_typed_and_touch_nothing(names, match):
     pipe = make_pipeline("flux")
     before = snapshot(pipe)

@@ -4,12 +4,11 @@ file is the only copy; buffers stay readable; what it reports."""
 from __future__ import annotations
 
 import torch
+from conftest import assert_same_outputs, full_load_outputs, two_calls
+from tiny_pipelines import make_pipeline
 
 import memmode_core as memmode
 from memmode_core.files import format as group_format
-
-from conftest import assert_same_outputs, full_load_outputs, two_calls
-from tiny_pipelines import make_pipeline
 
 
 def test_at_rest_parameters_hold_no_memory_and_buffers_keep_their_values(tmp_path):
@@ -17,10 +16,18 @@ def test_at_rest_parameters_hold_no_memory_and_buffers_keep_their_values(tmp_pat
     tables, a VAE's latent statistics) and a model's own loose parameters (Wan's ``scale_shift_table``, a
     prior's statistics, ACE-Step's null embedding, which its pipeline reads itself)."""
     pipe = make_pipeline("wan22")  # its transformers have buffers (RoPE tables)
-    buffers = {(c, n): b.clone() for c, m in pipe.components.items() if isinstance(m, torch.nn.Module)
-               for n, b in m.named_buffers()}
-    own = {(c, n): p.detach().clone() for c, m in pipe.components.items() if isinstance(m, torch.nn.Module)
-           for n, p in m.named_parameters(recurse=False)}
+    buffers = {
+        (c, n): b.clone()
+        for c, m in pipe.components.items()
+        if isinstance(m, torch.nn.Module)
+        for n, b in m.named_buffers()
+    }
+    own = {
+        (c, n): p.detach().clone()
+        for c, m in pipe.components.items()
+        if isinstance(m, torch.nn.Module)
+        for n, p in m.named_parameters(recurse=False)
+    }
     weights = {n: p.detach().clone() for n, p in pipe.transformer.named_parameters()}
     assert buffers and own
     handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage="disk", offload_dir=tmp_path)

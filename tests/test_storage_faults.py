@@ -34,16 +34,27 @@ from pathlib import Path
 
 import pytest
 import torch
+from fakes import PoisonPlugin
+from fault_helpers import (
+    BLOCK_KEY,
+    BLOCKS,
+    all_groups,
+    data_offset,
+    describe_status_code,
+    differing,
+    in_forked_child,
+    make_blocks,
+    make_inputs,
+    modify_in_place,
+    read_line,
+    snapshot,
+    stored_groups,
+)
+from test_core_apply import hook_count
+from tiny_pipelines import make_pipeline, run
 
 import memmode_core as memmode
 from memmode_core import InvalidOptionError, MemmodeError, StorageUnavailableError
-
-from fakes import PoisonPlugin
-from fault_helpers import (BLOCK_KEY, BLOCKS, all_groups, data_offset, describe_status_code, differing,
-                           in_forked_child, make_blocks, make_inputs, modify_in_place, read_line, snapshot,
-                           stored_groups)
-from test_core_apply import hook_count
-from tiny_pipelines import make_pipeline, run
 
 TESTS_DIR = Path(__file__).resolve().parent
 FILE_STORAGES = ["disk", "mmap"]
@@ -62,8 +73,9 @@ def restore_error() -> type:
 
 def apply_blocks(model, storage: str, folder: Path | None, **options):
     kwargs = {"offload_dir": folder} if folder is not None else {}
-    return memmode.apply(model, "model_group_offload", device="cpu", storage=storage,
-                         offload_type="block_level", **kwargs, **options)
+    return memmode.apply(
+        model, "model_group_offload", device="cpu", storage=storage, offload_type="block_level", **kwargs, **options
+    )
 
 
 def names_in(folder: Path, pattern: str = "*") -> set[str]:
@@ -82,7 +94,8 @@ def assert_removed_after_failures(handle, target, groups, snap, *, must: set[str
     failed = err.failed
     assert isinstance(failed, dict), f".failed is {type(failed).__name__}, not a dict"
     assert must <= set(failed) <= must | maybe, f"failed groups {sorted(failed)}, expected {sorted(must)}" + (
-        f" (and perhaps {sorted(maybe)})" if maybe else "")
+        f" (and perhaps {sorted(maybe)})" if maybe else ""
+    )
     for key, why in failed.items():
         assert isinstance(why, str) and why.strip(), f"no reason given for {key}: {why!r}"
         assert key in str(err), f"the message does not name {key}: {err}"
@@ -208,8 +221,12 @@ _TRUNCATED_CALL = textwrap.dedent("""
 def truncated_calls(tmp_path_factory):
     """One child process runs the truncation scenario under disk, then mmap, and reports each."""
     root = tmp_path_factory.mktemp("truncated")
-    done = subprocess.run([sys.executable, "-c", _TRUNCATED_CALL, str(TESTS_DIR), str(root), *FILE_STORAGES],
-                          capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [sys.executable, "-c", _TRUNCATED_CALL, str(TESTS_DIR), str(root), *FILE_STORAGES],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     results = {}
     for line in done.stdout.splitlines():
         with contextlib.suppress(ValueError):
@@ -226,14 +243,17 @@ def test_a_file_truncated_after_apply_is_a_clear_error_not_a_signal(storage, tru
     done, results = truncated_calls
     result = results.get(storage, {})
     if "outcome" not in result:
-        pytest.fail(f"the child process never finished the {storage} scenario "
-                    f"({'it had started the call' if result.get('calling') else 'before the call'}): "
-                    f"{describe_status_code(done.returncode)}\n{done.stderr[-3000:]}")
+        pytest.fail(
+            f"the child process never finished the {storage} scenario "
+            f"({'it had started the call' if result.get('calling') else 'before the call'}): "
+            f"{describe_status_code(done.returncode)}\n{done.stderr[-3000:]}"
+        )
     assert result["exact_before"], "before the fault the output equals the model without memmode"
     assert result["outcome"] == "StorageUnavailableError", f"{result['outcome']}: {result['message']}"
     assert result["file"] in result["message"], f"the error does not name the file: {result['message']}"
-    assert result.get("removed"), (f"the child died in remove() after the error: "
-                                   f"{describe_status_code(done.returncode)}\n{done.stderr[-3000:]}")
+    assert result.get("removed"), (
+        f"the child died in remove() after the error: {describe_status_code(done.returncode)}\n{done.stderr[-3000:]}"
+    )
     assert done.returncode == 0, f"{describe_status_code(done.returncode)}\n{done.stderr[-3000:]}"
 
 
@@ -404,7 +424,11 @@ def crash_scene(tmp_path_factory):
         for role, seed, keep in roles:  # all import at once (the slow part)...
             scene.children[role] = subprocess.Popen(
                 [sys.executable, "-c", _SESSION_CHILD, str(TESTS_DIR), str(folder), str(seed), keep],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                bufsize=0,
+            )
         for role, _, _ in roles:  # ...and apply one after the other, to tell whose files are whose
             child = scene.children[role]
             assert read_line(child, 120) == "imported"
@@ -469,8 +493,9 @@ def test_a_killed_sessions_kept_files_are_not_collected(crash_scene):
     files through the next apply in the same folder (they are not collected)."""
     scene = _scene(crash_scene)
     assert scene.files["dead_keep"] <= scene.before_parent
-    assert scene.files["dead_keep"] <= scene.after_parent, \
+    assert scene.files["dead_keep"] <= scene.after_parent, (
         f"kept files collected: {sorted(scene.files['dead_keep'] - scene.after_parent)}"
+    )
 
 
 # -- 5. two threads, one model ---------------------------------------------------------------------------
@@ -484,8 +509,11 @@ def test_two_threads_calling_one_model_get_exact_outputs(storage, tmp_path):
     150 calls each with their own inputs, under ram, disk, mmap and poison (NaN placeholders at rest);
     every output equals the model without memmode for that input, no exception, nothing left resident
     on the device at the end (ledger), and remove() gives back the weights intact."""
-    plugin = (memmode.temporary_plugin(PoisonPlugin(), name="poison", distribution="tests")
-              if storage == "poison" else contextlib.nullcontext())
+    plugin = (
+        memmode.temporary_plugin(PoisonPlugin(), name="poison", distribution="tests")
+        if storage == "poison"
+        else contextlib.nullcontext()
+    )
     with plugin:
         model = make_blocks(5)
         snap = snapshot({"module": model})

@@ -26,21 +26,32 @@ from collections import namedtuple
 
 import pytest
 import torch
+from conftest import (
+    OFFLOADING_PLACEMENTS,
+    assert_same_outputs,
+    full_load_outputs,
+    placement_id,
+    requires_cuda,
+    two_calls,
+)
+from tiny_pipelines import FAMILIES, make_pipeline, run
 
 import memmode_core as memmode
 from memmode_core import InvalidOptionError, StorageUnavailableError
-from memmode_core.files import format as group_format, store as group_files
-
-from conftest import OFFLOADING_PLACEMENTS, assert_same_outputs, full_load_outputs, placement_id, requires_cuda, two_calls
-from tiny_pipelines import FAMILIES, make_pipeline, run
+from memmode_core.files import format as group_format
+from memmode_core.files import store as group_files
 
 FILE_STORAGES = ["disk", "mmap"]
 PLACEMENTS = OFFLOADING_PLACEMENTS
 PLACEMENT_IDS = [placement_id(p) for p in PLACEMENTS]
 
 #: The placements the file storages run on a rotation (see ``_covered``), the slowest first.
-_ROTATED = ["model_group_offload-offload_type=leaf_level", "sequential_cpu_offload", "text_encoder_offload",
-            "model_cpu_offload"]
+_ROTATED = [
+    "model_group_offload-offload_type=leaf_level",
+    "sequential_cpu_offload",
+    "text_encoder_offload",
+    "model_cpu_offload",
+]
 
 
 def _covered(index: int, placement: str, storage: str) -> bool:
@@ -57,9 +68,13 @@ def _covered(index: int, placement: str, storage: str) -> bool:
 
 
 def _cases() -> list:
-    return [pytest.param(family, mode, options, storage, id=f"{family}-{placement_id((mode, options))}-{storage}")
-            for index, family in enumerate(sorted(FAMILIES)) for mode, options in PLACEMENTS
-            for storage in FILE_STORAGES if _covered(index, placement_id((mode, options)), storage)]
+    return [
+        pytest.param(family, mode, options, storage, id=f"{family}-{placement_id((mode, options))}-{storage}")
+        for index, family in enumerate(sorted(FAMILIES))
+        for mode, options in PLACEMENTS
+        for storage in FILE_STORAGES
+        if _covered(index, placement_id((mode, options)), storage)
+    ]
 
 
 @pytest.fixture
@@ -162,8 +177,9 @@ def test_offload_dir_belongs_to_the_file_storages():
 def test_kept_files_are_reused_by_the_next_apply(storage, tmp_path):
     folder = tmp_path / "offload"
     pipe = make_pipeline("wan22")
-    handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage=storage, offload_dir=folder,
-                           keep_files=True)
+    handle = memmode.apply(
+        pipe, "model_group_offload", device="cpu", storage=storage, offload_dir=folder, keep_files=True
+    )
     run(pipe, "wan22")
     handle.remove()
     kept = {p: p.stat().st_ino for p in files_under(folder)}
@@ -203,5 +219,9 @@ def test_cuda_every_placement_equals_full_load(mode, options, storage):
     assert_same_outputs(two_calls(pipe, family), expected)
     assert_same_outputs(two_calls(pipe, family), two_calls(reference, family))
     handle.remove()
-    assert all(p.device.type == "cpu" and not p.is_pinned() for m in pipe.components.values()
-               if isinstance(m, torch.nn.Module) for p in m.parameters()), "weights back in ordinary CPU memory"
+    assert all(
+        p.device.type == "cpu" and not p.is_pinned()
+        for m in pipe.components.values()
+        if isinstance(m, torch.nn.Module)
+        for p in m.parameters()
+    ), "weights back in ordinary CPU memory"

@@ -13,12 +13,11 @@ import time
 from pathlib import Path
 
 import torch
+from conftest import assert_same_outputs, full_load_outputs, two_calls
 from safetensors.torch import load_file
+from tiny_pipelines import make_pipeline
 
 import memmode_core as memmode
-
-from conftest import assert_same_outputs, full_load_outputs, two_calls
-from tiny_pipelines import make_pipeline
 
 
 def mapped_ranges(folder: Path) -> list[tuple[int, int]]:
@@ -49,7 +48,10 @@ def test_on_cpu_the_weights_are_views_of_the_mapped_files(tmp_path):
     assert session.zero_copy(torch.device("cpu")) and not session.zero_copy(torch.device("cuda"))
     ranges = mapped_ranges(tmp_path)
     for component in ("transformer", "transformer_2", "text_encoder", "vae"):
-        for name, tensor in [*pipe.components[component].named_parameters(), *pipe.components[component].named_buffers()]:
+        for name, tensor in [
+            *pipe.components[component].named_parameters(),
+            *pipe.components[component].named_buffers(),
+        ]:
             assert inside(tensor, ranges), f"{component}.{name} is not a view of a mapped file"
     del tensor
     for key in session.files:  # fetch hands out the very views, not copies
@@ -114,8 +116,13 @@ _ANONYMOUS = _MODEL + textwrap.dedent("""
 
 
 def test_on_cpu_the_weights_take_no_anonymous_memory(tmp_path):
-    done = subprocess.run([sys.executable, "-c", _ANONYMOUS, str(tmp_path)], capture_output=True, text=True,
-                          timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, "-c", _ANONYMOUS, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr
     before, built, anonymous, file_backed, weights = map(int, done.stdout.split())
     assert built - before > 0.9 * weights, "the model's own weights were anonymous memory"
@@ -169,7 +176,9 @@ def test_two_processes_mapping_one_folder_share_one_copy(tmp_path):
         for p, r in zip(procs, ready):
             deadline = time.monotonic() + 120
             while not r.wait(0.1):
-                assert p.is_alive(), f"a rank exited before it was ready (exit code {p.exitcode}; see the captured stderr)"
+                assert p.is_alive(), (
+                    f"a rank exited before it was ready (exit code {p.exitcode}; see the captured stderr)"
+                )
                 assert time.monotonic() < deadline, "a rank never got ready"
         weights = 12 * (1024 * 1024 + 1024) * 4
         for p in procs:

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_same_outputs, full_load_outputs, requires_cuda, two_calls
+from tiny_pipelines import make_pipeline
 
 import memmode_core as memmode
 from memmode_core import InvalidOptionError, StorageUnavailableError
 from memmode_storage_pinned.slabs import GROUP_ALIGNMENT, PAGE, Spot, plan, round_up
 from memmode_storage_pinned.storage import PinnedStorage
-
-from conftest import assert_same_outputs, full_load_outputs, requires_cuda, two_calls
-from tiny_pipelines import make_pipeline
 
 requires_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 MiB = 1 << 20
@@ -24,8 +23,12 @@ MiB = 1 << 20
 def test_groups_are_packed_back_to_back_into_exactly_sized_slabs():
     sizes = {"a": 3 * MiB + 1, "b": 5 * MiB, "c": 100, "d": 0}
     spots, slabs = plan(sizes, limit=None, slab_bytes=64 * MiB)
-    assert spots == {"a": Spot(0, 0), "b": Spot(0, round_up(3 * MiB + 1, GROUP_ALIGNMENT)),
-                     "c": Spot(0, round_up(3 * MiB + 1, GROUP_ALIGNMENT) + 5 * MiB), "d": None}
+    assert spots == {
+        "a": Spot(0, 0),
+        "b": Spot(0, round_up(3 * MiB + 1, GROUP_ALIGNMENT)),
+        "c": Spot(0, round_up(3 * MiB + 1, GROUP_ALIGNMENT) + 5 * MiB),
+        "d": None,
+    }
     assert slabs == [round_up(8 * MiB + 64 + 100, PAGE)]
     assert slabs[0] - sum(sizes.values()) < PAGE + 2 * GROUP_ALIGNMENT  # vs pin_memory(): 4 + 8 + 4 KiB blocks
 
@@ -140,8 +143,13 @@ def test_session_packs_copies_reuses_and_unlocks(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     g = torch.Generator().manual_seed(0)
     groups = {
-        "a": {"w": torch.randn(300, 7, generator=g), "b": torch.randn(3, generator=g).half(),
-              "i": torch.arange(5), "m": torch.tensor(True), "e": torch.empty(0, 2)},
+        "a": {
+            "w": torch.randn(300, 7, generator=g),
+            "b": torch.randn(3, generator=g).half(),
+            "i": torch.arange(5),
+            "m": torch.tensor(True),
+            "e": torch.empty(0, 2),
+        },
         "b": {"w": torch.randn(1000, generator=g).to(torch.bfloat16)},
         "c": {"w": torch.randn(4096, generator=g)},
     }

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import full_load_outputs
 from peft.tuners.tuners_utils import BaseTunerLayer
-
 from tiny_loras import (
     DENOISERS,
     LORA_FAMILIES,
@@ -20,7 +20,6 @@ from tiny_loras import (
     lora_components,
     make_lora,
 )
-from conftest import full_load_outputs
 from tiny_pipelines import FAMILIES, make_pipeline, run
 
 VISIBLE = 1e-2  # a LoRA (or a change of the active adapters) moves the output by at least this much

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from conftest import full_load_outputs
 from tiny_pipelines import FAMILIES, make_pipeline, run
 
@@ -94,9 +93,9 @@ def test_wan22_runs_both_experts():
     pipe = make_pipeline("wan22")
     assert pipe.config.boundary_ratio is not None
     assert isinstance(pipe.transformer_2, type(pipe.transformer))
-    assert not torch.equal(
-        next(pipe.transformer.parameters()), next(pipe.transformer_2.parameters())
-    ), "the two experts should hold different weights"
+    assert not torch.equal(next(pipe.transformer.parameters()), next(pipe.transformer_2.parameters())), (
+        "the two experts should hold different weights"
+    )
     calls = {"transformer": 0, "transformer_2": 0}
     for name in calls:
         getattr(pipe, name).register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))

@@ -11,10 +11,10 @@ import logging
 
 import pytest
 import torch
+import videox_fun_models as vf
 from torch import nn
 
 import memmode_core as memmode
-import videox_fun_models as vf
 from memmode_core.compat import _component_names, apply_gpu_memory_mode
 from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError, QuantizedWeightWriteError
 from memmode_core.quantization.layers import WeightStandIn, is_quantized, packed_record
@@ -36,8 +36,12 @@ def merged_reference(family: str) -> torch.Tensor:
 
 
 def snapshot(pipe) -> dict[str, torch.Tensor]:
-    return {f"{name}.{key}": value.clone() for name, component in pipe.components.items()
-            if isinstance(component, nn.Module) for key, value in component.state_dict().items()}
+    return {
+        f"{name}.{key}": value.clone()
+        for name, component in pipe.components.items()
+        if isinstance(component, nn.Module)
+        for key, value in component.state_dict().items()
+    }
 
 
 def assert_same_state(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> None:
@@ -79,7 +83,9 @@ def test_qfloat8_merge_before_apply_is_accurate(family, mode):
     pipe = vf.make(family)
     vf.merge_loras(pipe, vf.loras_for(pipe))
     handle = apply_gpu_memory_mode(pipe, mode, "cpu", torch.float32)
-    assert set(handle.report().quantization) == ({"transformer"} if family == "wan21" else {"transformer", "transformer_2"})
+    assert set(handle.report().quantization) == (
+        {"transformer"} if family == "wan21" else {"transformer", "transformer_2"}
+    )
     assert vf.sqnr_db(vf.run(pipe), merged_reference(family)) > 30
 
 
@@ -90,8 +96,13 @@ def dequantized(layer: nn.Module) -> torch.Tensor:
 
 def packed_layout(layers: dict[str, nn.Module]) -> dict[str, dict[str, tuple]]:
     """Names, shapes, dtypes and addresses of each layer's packed tensors: a write-through changes none of them."""
-    return {path: {name: (getattr(layer, name).shape, getattr(layer, name).dtype, getattr(layer, name).data_ptr())
-                   for name in packed_record(layer).names} for path, layer in layers.items()}
+    return {
+        path: {
+            name: (getattr(layer, name).shape, getattr(layer, name).dtype, getattr(layer, name).data_ptr())
+            for name in packed_record(layer).names
+        }
+        for path, layer in layers.items()
+    }
 
 
 def weight_sqnr(got: torch.Tensor, reference: torch.Tensor) -> float:
@@ -104,8 +115,10 @@ def merged_weights(family: str) -> dict:
     if key not in _CACHE:
         pipe = vf.make(family)
         vf.merge_loras(pipe, vf.loras_for(pipe))
-        _CACHE[key] = ({path: layer.weight.detach().clone() for path, layer in vf.lora_layers(pipe).items()},
-                       vf.forward(pipe))
+        _CACHE[key] = (
+            {path: layer.weight.detach().clone() for path, layer in vf.lora_layers(pipe).items()},
+            vf.forward(pipe),
+        )
     return _CACHE[key]
 
 
@@ -117,9 +130,11 @@ def merged_before(family: str, mode: str) -> dict:
         pipe = vf.make(family)
         vf.merge_loras(pipe, vf.loras_for(pipe))
         apply_gpu_memory_mode(pipe, mode, "cpu", torch.float32)
-        _CACHE[key] = ({path: weight_sqnr(dequantized(layer), weights[path])
-                        for path, layer in vf.lora_layers(pipe).items()},
-                       vf.sqnr_db(vf.forward(pipe), forward), vf.sqnr_db(vf.run(pipe), merged_reference(family)))
+        _CACHE[key] = (
+            {path: weight_sqnr(dequantized(layer), weights[path]) for path, layer in vf.lora_layers(pipe).items()},
+            vf.sqnr_db(vf.forward(pipe), forward),
+            vf.sqnr_db(vf.run(pipe), merged_reference(family)),
+        )
     return _CACHE[key]
 
 
@@ -167,8 +182,9 @@ def test_qfloat8_merge_after_under_group_offload_reaches_the_stored_weights(stor
     vf.merge_loras(expected, vf.loras_for(expected))
     pipe = vf.make("wan22")
     options = {} if storage == "ram" else {"offload_dir": str(tmp_path)}
-    memmode.apply(pipe, "model_group_offload_and_qfloat8", device="cpu", weight_dtype=torch.float32,
-                  storage=storage, **options)
+    memmode.apply(
+        pipe, "model_group_offload_and_qfloat8", device="cpu", weight_dtype=torch.float32, storage=storage, **options
+    )
     vf.run(pipe)
     vf.merge_loras(pipe, vf.loras_for(pipe))
     assert torch.equal(vf.run(pipe), vf.run(expected))
@@ -180,8 +196,14 @@ def test_qfloat8_merge_after_into_disk_offloaded_layers_is_refused_with_nothing_
     merge_lora and unmerge_lora are refused at the first quantized layer, before that layer or any other is
     touched, and the pipeline computes what one that never saw the LoRA computes."""
     pipe = vf.make(family)
-    memmode.apply(pipe, "model_group_offload_and_qfloat8", device="cpu", weight_dtype=torch.float32,
-                  storage="disk", offload_dir=str(tmp_path / "a"))
+    memmode.apply(
+        pipe,
+        "model_group_offload_and_qfloat8",
+        device="cpu",
+        weight_dtype=torch.float32,
+        storage="disk",
+        offload_dir=str(tmp_path / "a"),
+    )
     loras = vf.loras_for(pipe)
     before = snapshot(pipe)
     for unmerge in (False, True):
@@ -192,8 +214,14 @@ def test_qfloat8_merge_after_into_disk_offloaded_layers_is_refused_with_nothing_
         assert "Nothing was changed" in message and "Merge the LoRA before applying" in message
         assert_same_state(before, snapshot(pipe))
     fresh = vf.make(family)
-    memmode.apply(fresh, "model_group_offload_and_qfloat8", device="cpu", weight_dtype=torch.float32,
-                  storage="disk", offload_dir=str(tmp_path / "b"))
+    memmode.apply(
+        fresh,
+        "model_group_offload_and_qfloat8",
+        device="cpu",
+        weight_dtype=torch.float32,
+        storage="disk",
+        offload_dir=str(tmp_path / "b"),
+    )
     assert torch.equal(vf.run(pipe), vf.run(fresh))
 
 
@@ -229,10 +257,15 @@ def test_in_place_writes_into_a_quantized_weight_write_through_or_are_refused():
     unlinked = torch.full((), float("nan")).expand(32, 32).as_subclass(WeightStandIn)
     before = snapshot(pipe)
     refused = {
-        "a view of part of the weight": [lambda: layer.weight[0].add_(1.0), lambda: layer.weight.t().mul_(2),
-                                         lambda: layer.weight.data[:, :4].copy_(torch.zeros(32, 4))],
-        "whose values are not available": [lambda: layer.weight.data.add_(other.weight),
-                                           lambda: layer.weight.data.copy_(layer.weight[0])],
+        "a view of part of the weight": [
+            lambda: layer.weight[0].add_(1.0),
+            lambda: layer.weight.t().mul_(2),
+            lambda: layer.weight.data[:, :4].copy_(torch.zeros(32, 4)),
+        ],
+        "whose values are not available": [
+            lambda: layer.weight.data.add_(other.weight),
+            lambda: layer.weight.data.copy_(layer.weight[0]),
+        ],
         "not finite": [lambda: layer.weight.data.copy_(torch.full((32, 32), float("nan")))],
         "shape or layout": [lambda: layer.weight.data.t_()],
         "linked to no layer": [lambda: unlinked.add_(1.0)],
@@ -267,8 +300,10 @@ def test_an_empty_exclude_fragment_matches_every_layer_as_in_videox_fun(caplog):
 
 def test_the_mode_is_accepted_as_GPU_memory_mode_or_mode():
     assert apply_gpu_memory_mode(vf.make("wan21"), mode="model_cpu_offload", device="cpu").mode == "model_cpu_offload"
-    assert apply_gpu_memory_mode(vf.make("wan21"), GPU_memory_mode="model_full_load", device="cpu").mode == \
-        "model_full_load"
+    assert (
+        apply_gpu_memory_mode(vf.make("wan21"), GPU_memory_mode="model_full_load", device="cpu").mode
+        == "model_full_load"
+    )
     pipe = vf.make("wan21")
     with pytest.raises(TypeError, match="twice"):
         apply_gpu_memory_mode(pipe, "model_full_load", "cpu", mode="model_full_load")
@@ -280,9 +315,17 @@ def test_the_mode_is_accepted_as_GPU_memory_mode_or_mode():
 def test_videox_fun_group_offload_arguments(caplog):
     pipe = vf.make("wan22")
     with caplog.at_level(logging.INFO, logger="memmode.compat"):
-        handle = apply_gpu_memory_mode(pipe, "model_group_offload", None, onload_device="cpu", offload_device="cpu",
-                                       use_stream=True, offload_type="block_level", num_blocks_per_group=2,
-                                       low_cpu_mem_usage=True)
+        handle = apply_gpu_memory_mode(
+            pipe,
+            "model_group_offload",
+            None,
+            onload_device="cpu",
+            offload_device="cpu",
+            use_stream=True,
+            offload_type="block_level",
+            num_blocks_per_group=2,
+            low_cpu_mem_usage=True,
+        )
     assert "use_stream=True ignored" in caplog.text
     assert handle.storage == "ram" and str(handle.device) == "cpu"
     assert any(g.key.endswith("blocks.0-1") or "blocks" in g.key for g in handle._runtime.groups)

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
-import memmode_core as memmode
-
 from conftest import OFFLOADING_PLACEMENTS, assert_same_outputs, placement_id
 from fakes import PoisonPlugin
 from test_core_apply import hook_count
 from tiny_pipelines import make_pipeline, run
+from torch import nn
+
+import memmode_core as memmode
 
 FAMILY = "flux"
 
@@ -99,9 +98,15 @@ def _scaled_reference(edit):
 
 def _transformer_inputs(pipe):
     config = pipe.transformer.config
-    return dict(hidden_states=torch.randn(1, 16, config.in_channels), encoder_hidden_states=torch.randn(1, 8, 32),
-                pooled_projections=torch.randn(1, 32), timestep=torch.tensor([0.5]), img_ids=torch.zeros(16, 3),
-                txt_ids=torch.zeros(8, 3), guidance=torch.tensor([3.5]))
+    return dict(
+        hidden_states=torch.randn(1, 16, config.in_channels),
+        encoder_hidden_states=torch.randn(1, 8, 32),
+        pooled_projections=torch.randn(1, 32),
+        timestep=torch.tensor([0.5]),
+        img_ids=torch.zeros(16, 3),
+        txt_ids=torch.zeros(8, 3),
+        guidance=torch.tensor([3.5]),
+    )
 
 
 def test_refresh_keeps_outputs_and_storage_consistent():
@@ -149,8 +154,9 @@ def test_compile_after_apply_gives_the_same_output_without_recompiling(mode, opt
 
     expected = _five_calls()
     pipe = make_pipeline(COMPILE_FAMILY)
-    handle = memmode.apply(pipe, mode, device="cpu", **({"storage": "poison"} if mode != "model_full_load" else {}),
-                           **options)
+    handle = memmode.apply(
+        pipe, mode, device="cpu", **({"storage": "poison"} if mode != "model_full_load" else {}), **options
+    )
     torch._dynamo.reset()
     counters.clear()
     pipe.transformer = torch.compile(pipe.transformer, backend="eager")

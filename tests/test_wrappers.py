@@ -13,15 +13,14 @@ import inspect
 
 import pytest
 import torch
+from conftest import OFFLOADING_PLACEMENTS, placement_id
 from diffusers import DiffusionPipeline
+from tiny_pipelines import make_pipeline, run
 from torch import nn
 
 import memmode_core as memmode
 from memmode_core.engine.hooks import MethodWrapper
 from memmode_core.engine.pipeline_hooks import watches_call_end
-
-from conftest import OFFLOADING_PLACEMENTS, placement_id
-from tiny_pipelines import make_pipeline, run
 
 
 class Kinds(nn.Module):
@@ -40,6 +39,7 @@ class Kinds(nn.Module):
 def _pass_through(original, wrapper):
     def call(*args, **kwargs):
         return original(*args, **kwargs)
+
     return call
 
 
@@ -106,8 +106,14 @@ def test_every_wrapper_a_placement_installs_keeps_the_signature(placement):
     handle = memmode.apply(pipe, mode, device="cpu", **options)
     wrappers = [w for ws in handle._runtime._wrappers.values() for w in ws]
     wrappers += handle._runtime._edit_wrappers + [g for g in handle._guards if isinstance(g, MethodWrapper)]
-    assert {w.method for w in wrappers} >= {"forward", "encode", "decode", "load_lora_weights",
-                                             "enable_model_cpu_offload", "enable_group_offload"}
+    assert {w.method for w in wrappers} >= {
+        "forward",
+        "encode",
+        "decode",
+        "load_lora_weights",
+        "enable_model_cpu_offload",
+        "enable_group_offload",
+    }
     call = type(pipe).__call__  # the end of a call is watched on the class (Python calls type(pipe).__call__)
     assert watches_call_end(type(pipe))
     assert inspect.signature(pipe.__call__) == inspect.signature(call.__wrapped__.__get__(pipe))
@@ -131,8 +137,9 @@ def test_the_class_wide_call_wrapper_serves_placed_instances_only_and_leaves_wit
     first = memmode.apply(placed, "model_cpu_offload", device="cpu")
     second = memmode.apply(other, "model_cpu_offload", device="cpu")
     assert watches_call_end(OwnFlux)
-    assert OwnFlux.__call__.__memmode_original__ is inspect.unwrap(FluxPipeline.__call__, stop=lambda f: not getattr(
-        f, "__memmode_call_end__", False)), "wraps the pipeline's own __call__, not another wrapper"
+    assert OwnFlux.__call__.__memmode_original__ is inspect.unwrap(
+        FluxPipeline.__call__, stop=lambda f: not getattr(f, "__memmode_call_end__", False)
+    ), "wraps the pipeline's own __call__, not another wrapper"
     first.remove()
     assert watches_call_end(OwnFlux), "still placed: the other pipeline"
     second.remove()

@@ -103,11 +103,10 @@ from __future__ import annotations
 
 import re
 import zlib
-from functools import lru_cache
+from functools import cache
 
 import torch
 from diffusers import DiffusionPipeline
-
 from tiny_pipelines import FAMILIES, make_pipeline
 
 __all__ = [
@@ -163,7 +162,7 @@ TEXT_ENCODER_LORA_COMPONENTS["sd3"] = ("text_encoder", "text_encoder_2")
 assert set(LORA_FAMILIES) <= set(FAMILIES) and set(DEFAULT_SCALE) == set(LORA_FAMILIES)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _targets(family: str, component: str) -> tuple[tuple[str, int, int], ...]:
     """``(module path, in_features, out_features)`` of every LoRA target of ``component`` in ``family``.
 

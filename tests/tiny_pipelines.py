@@ -33,9 +33,9 @@ from __future__ import annotations
 import contextlib
 import string
 import zlib
+from collections.abc import Callable
 from functools import partial
 from itertools import chain
-from typing import Callable
 
 import torch
 from diffusers import (
@@ -137,9 +137,7 @@ def _clip_tokenizer() -> CLIPTokenizer:
     alphabet += [char + "</w>" for char in alphabet]
     words = [piece for piece in _pre_tokenized(CLIPTokenizer(), _CORPUS) if len(piece) > 1]
     merges = _prefix_merges([[*piece[:-1], piece[-1] + "</w>"] for piece in words])
-    return CLIPTokenizer(
-        vocab=_bpe_vocab(specials, alphabet, merges), merges=merges, model_max_length=CLIP_MAX_LENGTH
-    )
+    return CLIPTokenizer(vocab=_bpe_vocab(specials, alphabet, merges), merges=merges, model_max_length=CLIP_MAX_LENGTH)
 
 
 def _t5_tokenizer() -> T5Tokenizer:
@@ -271,8 +269,16 @@ def _clip_encoder(model_cls, tokenizer, hidden_size: int = 32):
     return lambda: model_cls(config)
 
 
-def _kl_vae(latent_channels: int, *, scaling_factor: float, shift_factor: float | None = None,
-            quant_conv: bool = True, levels: int = 2, channels: int = 3, sample_size: int = 32):
+def _kl_vae(
+    latent_channels: int,
+    *,
+    scaling_factor: float,
+    shift_factor: float | None = None,
+    quant_conv: bool = True,
+    levels: int = 2,
+    channels: int = 3,
+    sample_size: int = 32,
+):
     """An ``AutoencoderKL`` with ``levels`` resolution levels (spatial scale factor ``2 ** (levels - 1)``)
     for images of ``channels`` channels (1: a mel spectrogram).
 

@@ -55,8 +55,8 @@ from __future__ import annotations
 
 import re
 import string
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import torch
 from diffusers import (
@@ -89,21 +89,6 @@ from diffusers import (
     UNet2DModel,
 )
 from diffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertConfig, LDMBertModel
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import (
-    BertConfig,
-    BertModel,
-    BertTokenizer,
-    CLIPTextModel,
-    GemmaConfig,
-    GemmaModel,
-    GlmConfig,
-    GlmModel,
-    PreTrainedTokenizerFast,
-    T5Config,
-    T5EncoderModel,
-)
-
 from tiny_pipelines import (
     NEGATIVE_PROMPT,
     PROMPT,
@@ -128,6 +113,20 @@ from tiny_pipelines_more import (
     _sd_vae,
     _unet,
     _with_trained_zero_convs,
+)
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    BertConfig,
+    BertModel,
+    BertTokenizer,
+    CLIPTextModel,
+    GemmaConfig,
+    GemmaModel,
+    GlmConfig,
+    GlmModel,
+    PreTrainedTokenizerFast,
+    T5Config,
+    T5EncoderModel,
 )
 
 __all__ = ["FAMILIES", "KINDS", "call_kwargs", "make", "run"]
@@ -161,16 +160,22 @@ def _glm_tokenizer() -> PreTrainedTokenizerFast:
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=1 << 16, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=1 << 16,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     bpe.train_from_iterator([PROMPT, NEGATIVE_PROMPT], trainer)
     bpe.post_processor = processors.TemplateProcessing(
-        single="[gMASK] <sop> $A", pair="[gMASK] <sop> $A $B",
+        single="[gMASK] <sop> $A",
+        pair="[gMASK] <sop> $A $B",
         special_tokens=[(token, bpe.token_to_id(token)) for token in ("[gMASK]", "<sop>")],
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=bpe, pad_token="<|endoftext|>", eos_token="<|endoftext|>", padding_side="left",
+        tokenizer_object=bpe,
+        pad_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        padding_side="left",
         additional_special_tokens=specials[1:],
     )
 
@@ -256,8 +261,14 @@ def make_hunyuandit(seed: int = 0) -> HunyuanDiTPipeline:
                 text_len_t5=256,
             ),
         ),
-        scheduler=DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.03,
-                                clip_sample=False, steps_offset=1, prediction_type="v_prediction"),
+        scheduler=DDPMScheduler(
+            beta_schedule="scaled_linear",
+            beta_start=0.00085,
+            beta_end=0.03,
+            clip_sample=False,
+            steps_offset=1,
+            prediction_type="v_prediction",
+        ),
         **_NO_SAFETY_CHECKER,
     )
 
@@ -363,7 +374,10 @@ def make_cogview4(seed: int = 0) -> CogView4Pipeline:
         ),
         vae=build("vae", _kl_vae(4, scaling_factor=1.0)),
         scheduler=FlowMatchEulerDiscreteScheduler(
-            base_shift=0.25, max_shift=0.75, base_image_seq_len=256, use_dynamic_shifting=True,
+            base_shift=0.25,
+            max_shift=0.75,
+            base_image_seq_len=256,
+            use_dynamic_shifting=True,
             time_shift_type="linear",
         ),
     )
@@ -436,8 +450,13 @@ def make_sd_upscale(seed: int = 0) -> StableDiffusionUpscalePipeline:
         ),
         low_res_scheduler=DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.0001, beta_end=0.02),
         scheduler=DDIMScheduler(
-            beta_schedule="scaled_linear", beta_start=0.0001, beta_end=0.02, prediction_type="v_prediction",
-            clip_sample=False, set_alpha_to_one=False, steps_offset=1,
+            beta_schedule="scaled_linear",
+            beta_start=0.0001,
+            beta_end=0.02,
+            prediction_type="v_prediction",
+            clip_sample=False,
+            set_alpha_to_one=False,
+            steps_offset=1,
         ),
         max_noise_level=350,
     )
@@ -477,8 +496,12 @@ def make_deepfloyd_if(seed: int = 0) -> IFPipeline:
             ),
         ),
         scheduler=DDPMScheduler(
-            beta_schedule="squaredcos_cap_v2", thresholding=True, dynamic_thresholding_ratio=0.95,
-            sample_max_value=1.0, prediction_type="epsilon", variance_type="learned_range",
+            beta_schedule="squaredcos_cap_v2",
+            thresholding=True,
+            dynamic_thresholding_ratio=0.95,
+            sample_max_value=1.0,
+            prediction_type="epsilon",
+            variance_type="learned_range",
         ),
         **_NO_SAFETY_CHECKER,
         watermarker=None,
@@ -552,12 +575,20 @@ KINDS: dict[str, str] = {
 
 _CALL_KWARGS: dict[str, dict] = {
     "dit": dict(class_labels=[1], num_inference_steps=2, guidance_scale=4.0, output_type="pt"),
-    "hunyuandit": dict(_IMAGE, height=32, width=32, negative_prompt=NEGATIVE_PROMPT, guidance_scale=5.0,
-                       use_resolution_binning=False),
-    "lumina_next": dict(_IMAGE, height=32, width=32, negative_prompt=NEGATIVE_PROMPT, guidance_scale=4.0,
-                        clean_caption=False),
-    "pixart_alpha": dict(_IMAGE, **_T5, negative_prompt=NEGATIVE_PROMPT, guidance_scale=4.5,
-                         use_resolution_binning=False, clean_caption=False),
+    "hunyuandit": dict(
+        _IMAGE, height=32, width=32, negative_prompt=NEGATIVE_PROMPT, guidance_scale=5.0, use_resolution_binning=False
+    ),
+    "lumina_next": dict(
+        _IMAGE, height=32, width=32, negative_prompt=NEGATIVE_PROMPT, guidance_scale=4.0, clean_caption=False
+    ),
+    "pixart_alpha": dict(
+        _IMAGE,
+        **_T5,
+        negative_prompt=NEGATIVE_PROMPT,
+        guidance_scale=4.5,
+        use_resolution_binning=False,
+        clean_caption=False,
+    ),
     "cogview3plus": dict(_IMAGE, **_T5, negative_prompt=NEGATIVE_PROMPT, guidance_scale=7.0),
     "cogview4": dict(_IMAGE, **_T5, negative_prompt=NEGATIVE_PROMPT, guidance_scale=5.0),
     "deepfloyd_if": dict(_IMAGE, negative_prompt=NEGATIVE_PROMPT, guidance_scale=7.0, clean_caption=False),
@@ -565,8 +596,14 @@ _CALL_KWARGS: dict[str, dict] = {
     "lcm": dict(_IMAGE, guidance_scale=8.5),
     "ddpm": dict(batch_size=1, num_inference_steps=2, output_type="pt"),
     "consistency_models": dict(batch_size=1, num_inference_steps=2, class_labels=1, output_type="pt"),
-    "sd_upscale": dict(prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, num_inference_steps=2, guidance_scale=6.0,
-                       noise_level=20, output_type="pt"),
+    "sd_upscale": dict(
+        prompt=PROMPT,
+        negative_prompt=NEGATIVE_PROMPT,
+        num_inference_steps=2,
+        guidance_scale=6.0,
+        noise_level=20,
+        output_type="pt",
+    ),
 }
 
 #: sd_upscale's low-resolution input: 8 x 8 pixels, upscaled to 32 x 32.

@@ -34,8 +34,8 @@ API: ``MORE_FAMILIES`` (name -> builder), ``make_more(family, seed)``, ``more_ca
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from functools import cache, partial
-from typing import Callable
 
 import torch
 from diffusers import (
@@ -78,6 +78,19 @@ from diffusers import (
     UniPCMultistepScheduler,
 )
 from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE as HUNYUAN_TEMPLATE
+from tiny_pipelines import (
+    _CHARS,
+    MAX_SEQUENCE_LENGTH,
+    NEGATIVE_PROMPT,
+    PROMPT,
+    _clip_encoder,
+    _clip_tokenizer,
+    _component,
+    _component_seed,
+    _kl_vae,
+    _t5_encoder,
+    _t5_tokenizer,
+)
 from tokenizers import Tokenizer, models, trainers
 from transformers import (
     CLIPImageProcessor,
@@ -96,20 +109,6 @@ from transformers import (
     UMT5EncoderModel,
 )
 
-from tiny_pipelines import (
-    _CHARS,
-    MAX_SEQUENCE_LENGTH,
-    NEGATIVE_PROMPT,
-    PROMPT,
-    _clip_encoder,
-    _clip_tokenizer,
-    _component,
-    _component_seed,
-    _kl_vae,
-    _t5_encoder,
-    _t5_tokenizer,
-)
-
 __all__ = ["MORE_FAMILIES", "make_more", "more_call_kwargs", "run_more"]
 
 # Lumina 2 prepends this system prompt (the pipeline's default) to every prompt; HunyuanVideo wraps the
@@ -119,8 +118,15 @@ LUMINA2_SYSTEM_PROMPT = (
     "You are an assistant designed to generate superior images with the superior degree of image-text "
     "alignment based on textual prompts or user prompts. <Prompt Start> "
 )
-_LLAMA_SPECIALS = ["<unk>", "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                   "<|eot_id|>", "<pad>"]
+_LLAMA_SPECIALS = [
+    "<unk>",
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<pad>",
+]
 _GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
 
 
@@ -160,17 +166,34 @@ def _llama_tokenizer() -> LlamaTokenizer:
     HunyuanVideo crops the template off the front of the encoder output."""
     text = "\n".join([PROMPT, NEGATIVE_PROMPT, HUNYUAN_TEMPLATE["template"]])
     return _sentencepiece_bpe(
-        LlamaTokenizer, _LLAMA_SPECIALS, text,
-        unk_token="<unk>", bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>", pad_token="<pad>",
-        additional_special_tokens=_LLAMA_SPECIALS[3:6], padding_side="right", add_bos_token=True,
+        LlamaTokenizer,
+        _LLAMA_SPECIALS,
+        text,
+        unk_token="<unk>",
+        bos_token="<|begin_of_text|>",
+        eos_token="<|end_of_text|>",
+        pad_token="<pad>",
+        additional_special_tokens=_LLAMA_SPECIALS[3:6],
+        padding_side="right",
+        add_bos_token=True,
     )
 
 
 # --------------------------------------------------------------------------- components
 
 
-def _lm_encoder(model_cls, config_cls, tokenizer, *, hidden_size: int = 16, heads: int = 2, kv_heads: int = 1,
-                layers: int = 2, max_positions: int = 512, **config):
+def _lm_encoder(
+    model_cls,
+    config_cls,
+    tokenizer,
+    *,
+    hidden_size: int = 16,
+    heads: int = 2,
+    kv_heads: int = 1,
+    layers: int = 2,
+    max_positions: int = 512,
+    **config,
+):
     """A decoder-only language model of ``model_cls`` as a text encoder (Gemma, Llama, GLM, Qwen3): ``layers``
     layers, grouped-query attention (``heads`` query and ``kv_heads`` key/value heads, 8 wide), the tokenizer's
     vocabulary and special tokens; ``config``, what else ``config_cls`` is given."""
@@ -313,8 +336,12 @@ def _cogvideox_scheduler(snr_shift_scale: float) -> CogVideoXDDIMScheduler:
     """CogVideoX's DDIM (v-prediction, zero terminal SNR, trailing timesteps), as CogVideoX and CogView3-Plus
     ship it (with their own SNR shift)."""
     return CogVideoXDDIMScheduler(
-        beta_schedule="scaled_linear", prediction_type="v_prediction", rescale_betas_zero_snr=True,
-        set_alpha_to_one=True, timestep_spacing="trailing", snr_shift_scale=snr_shift_scale,
+        beta_schedule="scaled_linear",
+        prediction_type="v_prediction",
+        rescale_betas_zero_snr=True,
+        set_alpha_to_one=True,
+        timestep_spacing="trailing",
+        snr_shift_scale=snr_shift_scale,
     )
 
 
@@ -573,9 +600,7 @@ def make_sana(seed: int = 0) -> SanaPipeline:
                 scaling_factor=0.41407,
             ),
         ),
-        scheduler=DPMSolverMultistepScheduler(
-            use_flow_sigmas=True, flow_shift=3.0, prediction_type="flow_prediction"
-        ),
+        scheduler=DPMSolverMultistepScheduler(use_flow_sigmas=True, flow_shift=3.0, prediction_type="flow_prediction"),
     )
 
 
@@ -710,8 +735,12 @@ def make_stable_audio(seed: int = 0) -> StableAudioPipeline:
         ),
         vae=build("vae", _oobleck_vae(latent_channels=3)),
         scheduler=EDMDPMSolverMultistepScheduler(
-            sigma_min=0.3, sigma_max=500.0, sigma_data=1.0, sigma_schedule="exponential",
-            prediction_type="v_prediction", solver_order=2,
+            sigma_min=0.3,
+            sigma_max=500.0,
+            sigma_data=1.0,
+            sigma_schedule="exponential",
+            prediction_type="v_prediction",
+            solver_order=2,
         ),
     )
 
@@ -742,18 +771,34 @@ _MORE_CALL_KWARGS: dict[str, dict] = {
     "cogvideox": dict(_IMAGE, **_T5, negative_prompt=NEGATIVE_PROMPT, num_frames=9, guidance_scale=6.0),
     "mochi": dict(_IMAGE, **_T5, negative_prompt=NEGATIVE_PROMPT, num_frames=7, guidance_scale=4.5),
     # SANA's default "complex human instruction" would prepend a long chat prompt: off, as in diffusers' tests.
-    "sana": dict(_IMAGE, **_T5, height=32, width=32, negative_prompt=NEGATIVE_PROMPT, guidance_scale=4.5,
-                 use_resolution_binning=False, complex_human_instruction=None),
-    "pixart_sigma": dict(_IMAGE, **_T5, negative_prompt=NEGATIVE_PROMPT, guidance_scale=4.5,
-                         use_resolution_binning=False, clean_caption=False),
+    "sana": dict(
+        _IMAGE,
+        **_T5,
+        height=32,
+        width=32,
+        negative_prompt=NEGATIVE_PROMPT,
+        guidance_scale=4.5,
+        use_resolution_binning=False,
+        complex_human_instruction=None,
+    ),
+    "pixart_sigma": dict(
+        _IMAGE,
+        **_T5,
+        negative_prompt=NEGATIVE_PROMPT,
+        guidance_scale=4.5,
+        use_resolution_binning=False,
+        clean_caption=False,
+    ),
     "auraflow": dict(_IMAGE, **_T5, negative_prompt=NEGATIVE_PROMPT, guidance_scale=3.5),
     # Room for the default system prompt that the pipeline puts in front of the prompt.
-    "lumina2": dict(_IMAGE, height=32, width=32, negative_prompt=NEGATIVE_PROMPT, guidance_scale=4.0,
-                    max_sequence_length=48),
+    "lumina2": dict(
+        _IMAGE, height=32, width=32, negative_prompt=NEGATIVE_PROMPT, guidance_scale=4.0, max_sequence_length=48
+    ),
     "chroma": dict(_IMAGE, **_T5, height=32, width=32, negative_prompt=NEGATIVE_PROMPT, guidance_scale=5.0),
     # 8 s: the longest the tiny DiT makes (16 latent samples x hop length 2 at 4 Hz), i.e. the whole window.
-    "stable_audio": dict(prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, num_inference_steps=2, guidance_scale=7.0,
-                         audio_end_in_s=8.0),
+    "stable_audio": dict(
+        prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, num_inference_steps=2, guidance_scale=7.0, audio_end_in_s=8.0
+    ),
 }
 
 

@@ -55,8 +55,8 @@ and ``run(pipe, family, seed)``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import PIL.Image
 import torch
@@ -86,14 +86,6 @@ from diffusers import (
 from diffusers.pipelines.deprecated.wuerstchen import PaellaVQModel, WuerstchenDiffNeXt, WuerstchenPrior
 from diffusers.pipelines.shap_e import ShapERenderer
 from diffusers.pipelines.stable_diffusion.stable_unclip_image_normalizer import StableUnCLIPImageNormalizer
-from transformers import (
-    CLIPTextModel,
-    CLIPTextModelWithProjection,
-    CLIPVisionModelWithProjection,
-    T5Config,
-    T5EncoderModel,
-)
-
 from tiny_pipelines import (
     CLIP_MAX_LENGTH,
     NEGATIVE_PROMPT,
@@ -112,6 +104,13 @@ from tiny_pipelines_more import (
     _sd_vae,
     _unet,
     _with_trained_zero_convs,
+)
+from transformers import (
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPVisionModelWithProjection,
+    T5Config,
+    T5EncoderModel,
 )
 
 __all__ = ["FAMILIES", "KINDS", "call_kwargs", "make", "run"]
@@ -150,7 +149,10 @@ def _prior_transformer(**config):
 def _unclip_prior():
     """The Kandinsky 2.2 / Stable unCLIP prior: one block over the CLIP text states (one position per token)."""
     return _prior_transformer(
-        num_attention_heads=2, attention_head_dim=12, embedding_dim=EMBED_DIM, num_layers=1,
+        num_attention_heads=2,
+        attention_head_dim=12,
+        embedding_dim=EMBED_DIM,
+        num_layers=1,
         num_embeddings=CLIP_MAX_LENGTH,
     )
 
@@ -197,8 +199,15 @@ class _ShapERenderer(ShapERenderer):
     projected and *copied into* ``mlp``'s parameters, coarse then importance-sampled fine rays) is the real one.
     """
 
-    def decode_to_image(self, latents, device, size: int = 64, ray_batch_size: int = 1024,
-                        n_coarse_samples: int = 8, n_fine_samples: int = 16):
+    def decode_to_image(
+        self,
+        latents,
+        device,
+        size: int = 64,
+        ray_batch_size: int = 1024,
+        n_coarse_samples: int = 8,
+        n_fine_samples: int = 16,
+    ):
         return super().decode_to_image(latents, device, size, ray_batch_size, n_coarse_samples, n_fine_samples)
 
 
@@ -216,7 +225,10 @@ def make_kandinsky22_prior(seed: int = 0) -> KandinskyV22PriorPipeline:
         text_encoder=build("text_encoder", _clip_encoder(CLIPTextModelWithProjection, tokenizer)),
         tokenizer=tokenizer,
         scheduler=UnCLIPScheduler(
-            variance_type="fixed_small_log", prediction_type="sample", num_train_timesteps=1000, clip_sample=True,
+            variance_type="fixed_small_log",
+            prediction_type="sample",
+            num_train_timesteps=1000,
+            clip_sample=True,
             clip_sample_range=10.0,
         ),
         image_processor=_clip_image_processor(IMAGE_SIZE),
@@ -296,8 +308,15 @@ def make_kandinsky22(seed: int = 0) -> KandinskyV22Pipeline:
     return KandinskyV22Pipeline(
         unet=build("unet", unet),
         scheduler=DDIMScheduler(
-            num_train_timesteps=1000, beta_schedule="linear", beta_start=0.00085, beta_end=0.012, clip_sample=False,
-            set_alpha_to_one=False, steps_offset=1, prediction_type="epsilon", thresholding=False,
+            num_train_timesteps=1000,
+            beta_schedule="linear",
+            beta_start=0.00085,
+            beta_end=0.012,
+            clip_sample=False,
+            set_alpha_to_one=False,
+            steps_offset=1,
+            prediction_type="epsilon",
+            thresholding=False,
         ),
         movq=build("movq", _movq()),
     )
@@ -323,7 +342,11 @@ def make_kandinsky3(seed: int = 0) -> Kandinsky3Pipeline:
         text_encoder=build("text_encoder", _t5_encoder(T5EncoderModel, T5Config, tokenizer)),
         unet=build("unet", _with_trained_zero_convs(unet)),  # the attention pooling's output layer starts at zero
         scheduler=DDPMScheduler(
-            beta_start=0.00085, beta_end=0.012, steps_offset=1, beta_schedule="squaredcos_cap_v2", clip_sample=True,
+            beta_start=0.00085,
+            beta_end=0.012,
+            steps_offset=1,
+            beta_schedule="squaredcos_cap_v2",
+            clip_sample=True,
             thresholding=False,
         ),
         movq=build("movq", _movq()),
@@ -359,13 +382,15 @@ def make_stable_unclip(seed: int = 0) -> StableUnCLIPPipeline:
     prior_tokenizer = _clip_tokenizer()
     return StableUnCLIPPipeline(
         prior_tokenizer=prior_tokenizer,
-        prior_text_encoder=build(
-            "prior_text_encoder", _clip_encoder(CLIPTextModelWithProjection, prior_tokenizer)
-        ),
+        prior_text_encoder=build("prior_text_encoder", _clip_encoder(CLIPTextModelWithProjection, prior_tokenizer)),
         prior=build("prior", _unclip_prior()),
         prior_scheduler=DDPMScheduler(
-            variance_type="fixed_small_log", prediction_type="sample", num_train_timesteps=1000, clip_sample=True,
-            clip_sample_range=5.0, beta_schedule="squaredcos_cap_v2",
+            variance_type="fixed_small_log",
+            prediction_type="sample",
+            num_train_timesteps=1000,
+            clip_sample=True,
+            clip_sample_range=5.0,
+            beta_schedule="squaredcos_cap_v2",
         ),
         **_stable_unclip_denoiser(build),
     )
@@ -493,8 +518,12 @@ def make_shap_e(seed: int = 0) -> ShapEPipeline:
             ),
         ),
         scheduler=HeunDiscreteScheduler(
-            beta_schedule="exp", num_train_timesteps=1024, prediction_type="sample", use_karras_sigmas=True,
-            clip_sample=True, clip_sample_range=1.0,
+            beta_schedule="exp",
+            num_train_timesteps=1024,
+            prediction_type="sample",
+            use_karras_sigmas=True,
+            clip_sample=True,
+            clip_sample_range=1.0,
         ),
     )
 
@@ -534,19 +563,43 @@ _CALL_KWARGS: dict[str, dict] = {
     "kandinsky22": dict(_IMAGE, guidance_scale=4.0),
     "kandinsky3": dict(_IMAGE, prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, guidance_scale=3.0),
     # noise_level > 0, or the normalizer's statistics would cancel out (scale, no noise, unscale).
-    "stable_unclip": dict(_IMAGE, prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, guidance_scale=10.0,
-                          prior_num_inference_steps=2, prior_guidance_scale=4.0, noise_level=100),
-    "stable_unclip_img2img": dict(_IMAGE, prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, guidance_scale=10.0,
-                                  noise_level=100),
+    "stable_unclip": dict(
+        _IMAGE,
+        prompt=PROMPT,
+        negative_prompt=NEGATIVE_PROMPT,
+        guidance_scale=10.0,
+        prior_num_inference_steps=2,
+        prior_guidance_scale=4.0,
+        noise_level=100,
+    ),
+    "stable_unclip_img2img": dict(
+        _IMAGE, prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, guidance_scale=10.0, noise_level=100
+    ),
     # 256 px: a 6 x 6 stage C latent (resolution_multiple 42.67).
-    "wuerstchen_prior": dict(_STEPS, prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, height=256, width=256,
-                             guidance_scale=4.0, output_type="pt"),
-    "wuerstchen_decoder": dict(_STEPS, prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, guidance_scale=2.0,
-                               output_type="pt"),
-    "stable_cascade_prior": dict(_STEPS, prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, height=256, width=256,
-                                 guidance_scale=4.0, output_type="pt"),
-    "stable_cascade_decoder": dict(_STEPS, prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, guidance_scale=2.0,
-                                   output_type="pt"),
+    "wuerstchen_prior": dict(
+        _STEPS,
+        prompt=PROMPT,
+        negative_prompt=NEGATIVE_PROMPT,
+        height=256,
+        width=256,
+        guidance_scale=4.0,
+        output_type="pt",
+    ),
+    "wuerstchen_decoder": dict(
+        _STEPS, prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, guidance_scale=2.0, output_type="pt"
+    ),
+    "stable_cascade_prior": dict(
+        _STEPS,
+        prompt=PROMPT,
+        negative_prompt=NEGATIVE_PROMPT,
+        height=256,
+        width=256,
+        guidance_scale=4.0,
+        output_type="pt",
+    ),
+    "stable_cascade_decoder": dict(
+        _STEPS, prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, guidance_scale=2.0, output_type="pt"
+    ),
     "shap_e": dict(_STEPS, prompt=PROMPT, guidance_scale=4.0, frame_size=16, output_type="np"),
 }
 

@@ -62,9 +62,9 @@ API: ``FAMILIES`` (name -> builder), ``KINDS`` (name -> "video" / "audio"), ``ma
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from types import SimpleNamespace
-from typing import Callable
 
 import numpy as np
 import PIL.Image
@@ -102,30 +102,6 @@ from diffusers.models.transformers.ace_step_transformer import AceStepTransforme
 from diffusers.pipelines.ace_step import AceStepConditionEncoder
 from diffusers.pipelines.ace_step.pipeline_ace_step import DEFAULT_DIT_INSTRUCTION, SFT_GEN_PROMPT
 from diffusers.pipelines.wan import pipeline_wan_i2v
-from transformers import (
-    ClapAudioConfig,
-    ClapConfig,
-    ClapFeatureExtractor,
-    ClapModel,
-    ClapTextConfig,
-    ClapTextModelWithProjection,
-    CLIPTextModel,
-    CLIPVisionModel,
-    CLIPVisionModelWithProjection,
-    GPT2Config,
-    GPT2LMHeadModel,
-    Qwen2Tokenizer,
-    Qwen3Config,
-    Qwen3Model,
-    RobertaTokenizer,
-    SpeechT5HifiGan,
-    SpeechT5HifiGanConfig,
-    T5Config,
-    T5EncoderModel,
-    UMT5Config,
-    UMT5EncoderModel,
-)
-
 from tiny_pipelines import (
     _CORPUS,
     MAX_SEQUENCE_LENGTH,
@@ -151,6 +127,29 @@ from tiny_pipelines_more import (
     _sd_scheduler,
     _sd_vae,
     _with_trained_zero_convs,
+)
+from transformers import (
+    ClapAudioConfig,
+    ClapConfig,
+    ClapFeatureExtractor,
+    ClapModel,
+    ClapTextConfig,
+    ClapTextModelWithProjection,
+    CLIPTextModel,
+    CLIPVisionModel,
+    CLIPVisionModelWithProjection,
+    GPT2Config,
+    GPT2LMHeadModel,
+    Qwen2Tokenizer,
+    Qwen3Config,
+    Qwen3Model,
+    RobertaTokenizer,
+    SpeechT5HifiGan,
+    SpeechT5HifiGanConfig,
+    T5Config,
+    T5EncoderModel,
+    UMT5Config,
+    UMT5EncoderModel,
 )
 
 __all__ = ["FAMILIES", "KINDS", "call_kwargs", "make", "run"]
@@ -366,7 +365,10 @@ def make_text_to_video_sd(seed: int = 0) -> TextToVideoSDPipeline:
             ),
         ),
         scheduler=DDIMScheduler(
-            beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
+            beta_start=0.00085,
+            beta_end=0.012,
+            beta_schedule="scaled_linear",
+            clip_sample=False,
             set_alpha_to_one=False,
         ),
     )
@@ -656,28 +658,46 @@ KINDS: dict[str, str] = {
     "dance_diffusion": "audio",
 }
 
-_VIDEO = dict(prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, num_inference_steps=2, height=16, width=16,
-              output_type="pt")
+_VIDEO = dict(
+    prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, num_inference_steps=2, height=16, width=16, output_type="pt"
+)
 #: 64 samples at 16 kHz: 16 mel frames, 8 latent rows
-_MEL = dict(prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, num_inference_steps=2, audio_length_in_s=0.004,
-            output_type="pt")
+_MEL = dict(
+    prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, num_inference_steps=2, audio_length_in_s=0.004, output_type="pt"
+)
 
 _CALL_KWARGS: dict[str, dict] = {
     # three frames decoded in chunks of two; guidance ramps from 1 to 2.5 over the frames
-    "svd": dict(num_inference_steps=2, height=16, width=16, num_frames=3, decode_chunk_size=2,
-                min_guidance_scale=1.0, max_guidance_scale=2.5, output_type="pt"),
+    "svd": dict(
+        num_inference_steps=2,
+        height=16,
+        width=16,
+        num_frames=3,
+        decode_chunk_size=2,
+        min_guidance_scale=1.0,
+        max_guidance_scale=2.5,
+        output_type="pt",
+    ),
     "animatediff": dict(_VIDEO, num_frames=4, guidance_scale=7.5),
     "text_to_video_sd": dict(_VIDEO, num_frames=4, guidance_scale=9.0),
     # two frames, decoded one at a time; no T5 caption cleaning (it needs bs4 / ftfy)
     "latte": dict(_VIDEO, video_length=2, guidance_scale=5.0, clean_caption=False, decode_chunk_size=1),
-    "allegro": dict(_VIDEO, num_frames=8, guidance_scale=6.0, max_sequence_length=MAX_SEQUENCE_LENGTH,
-                    clean_caption=False),
+    "allegro": dict(
+        _VIDEO, num_frames=8, guidance_scale=6.0, max_sequence_length=MAX_SEQUENCE_LENGTH, clean_caption=False
+    ),
     "wan21_i2v": dict(_VIDEO, num_frames=5, guidance_scale=5.0, max_sequence_length=MAX_SEQUENCE_LENGTH),
     "audioldm": dict(_MEL, guidance_scale=2.5),
     "audioldm2": dict(_MEL, guidance_scale=3.5),
     # room for the whole prompt template (61 tokens with our tokenizer; the pipeline's default is 256)
-    "ace_step": dict(prompt=PROMPT, lyrics=LYRICS, audio_duration=ACE_AUDIO_DURATION, num_inference_steps=2,
-                     guidance_scale=7.0, max_text_length=64, output_type="pt"),
+    "ace_step": dict(
+        prompt=PROMPT,
+        lyrics=LYRICS,
+        audio_duration=ACE_AUDIO_DURATION,
+        num_inference_steps=2,
+        guidance_scale=7.0,
+        max_text_length=64,
+        output_type="pt",
+    ),
     # the UNet's whole window (256 samples)
     "dance_diffusion": dict(num_inference_steps=2, audio_length_in_s=256 / 16000),
 }

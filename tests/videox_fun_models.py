@@ -20,12 +20,11 @@ from __future__ import annotations
 from collections import defaultdict
 from functools import partial
 
+import tiny_pipelines as tp
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
-from transformers import UMT5Config, UMT5EncoderModel
-
-import tiny_pipelines as tp
 from tiny_pipelines import call_kwargs, make_pipeline
+from transformers import UMT5Config, UMT5EncoderModel
 
 FAMILIES = ("wan21", "wan22")
 
@@ -75,16 +74,23 @@ def forward(pipe: WanPipeline) -> torch.Tensor:
     for transformer in (pipe.transformer, pipe.transformer_2):
         if transformer is not None:
             with torch.no_grad():
-                outputs.append(transformer(latents, timestep=torch.tensor([500]), encoder_hidden_states=text,
-                                           return_dict=False)[0].flatten().float())
+                outputs.append(
+                    transformer(latents, timestep=torch.tensor([500]), encoder_hidden_states=text, return_dict=False)[0]
+                    .flatten()
+                    .float()
+                )
     return torch.cat(outputs)
 
 
 def lora_layers(pipe: WanPipeline) -> dict[str, torch.nn.Module]:
     """The layers :func:`loras_for`'s LoRAs target, by ``<component>.blocks.<i>.<target>``."""
-    return {f"{name}.blocks.{index}.{target}": block.get_submodule(target)
-            for name in ("transformer", "transformer_2") if getattr(pipe, name, None) is not None
-            for index, block in enumerate(getattr(pipe, name).blocks) for target in LORA_TARGETS}
+    return {
+        f"{name}.blocks.{index}.{target}": block.get_submodule(target)
+        for name in ("transformer", "transformer_2")
+        if getattr(pipe, name, None) is not None
+        for index, block in enumerate(getattr(pipe, name).blocks)
+        for target in LORA_TARGETS
+    }
 
 
 # -- a LoRA in the format VideoX-Fun loads (ComfyUI / peft keys, an alpha per layer) ---------------------------
@@ -118,11 +124,15 @@ def _normalised(state_dict: dict[str, torch.Tensor]) -> dict[str, dict[str, torc
         if "lora_unet__" not in key:
             key = "lora_unet__" + key
         key = key.replace(".", "_")
-        for suffix, replacement in (("_lora_up_weight", ".lora_up.weight"), ("_lora_down_weight", ".lora_down.weight"),
-                                    ("_lora_A_default_weight", ".lora_A.weight"),
-                                    ("_lora_B_default_weight", ".lora_B.weight"),
-                                    ("_lora_A_weight", ".lora_A.weight"), ("_lora_B_weight", ".lora_B.weight"),
-                                    ("_alpha", ".alpha")):
+        for suffix, replacement in (
+            ("_lora_up_weight", ".lora_up.weight"),
+            ("_lora_down_weight", ".lora_down.weight"),
+            ("_lora_A_default_weight", ".lora_A.weight"),
+            ("_lora_B_default_weight", ".lora_B.weight"),
+            ("_lora_A_weight", ".lora_A.weight"),
+            ("_lora_B_weight", ".lora_B.weight"),
+            ("_alpha", ".alpha"),
+        ):
             if key.endswith(suffix):
                 key = key[: -len(suffix)] + replacement
         key = key.replace(".lora_A.", ".lora_down.").replace(".lora_B.", ".lora_up.")
@@ -182,16 +192,18 @@ def merge_lora(pipeline, state_dict, multiplier, device="cpu", dtype=torch.float
     return _apply_lora(pipeline, state_dict, multiplier, device, dtype, sub_transformer_name, +1)
 
 
-def unmerge_lora(pipeline, state_dict, multiplier=1, device="cpu", dtype=torch.float32,
-                 sub_transformer_name="transformer"):
+def unmerge_lora(
+    pipeline, state_dict, multiplier=1, device="cpu", dtype=torch.float32, sub_transformer_name="transformer"
+):
     return _apply_lora(pipeline, state_dict, multiplier, device, dtype, sub_transformer_name, -1)
 
 
 def merge_loras(pipeline, loras, *, device="cpu", dtype=torch.float32, unmerge=False):
     """What the Wan 2.2 scripts do: one LoRA per expert (``lora_path`` / ``lora_high_path``)."""
     for name, state_dict in loras.items():
-        (unmerge_lora if unmerge else merge_lora)(pipeline, state_dict, 0.8, device=device, dtype=dtype,
-                                                  sub_transformer_name=name)
+        (unmerge_lora if unmerge else merge_lora)(
+            pipeline, state_dict, 0.8, device=device, dtype=dtype, sub_transformer_name=name
+        )
 
 
 def loras_for(pipe) -> dict[str, dict[str, torch.Tensor]]:
@@ -230,8 +242,9 @@ def convert_weight_dtype_wrapper(model, origin_dtype):
             module.forward = lambda *inputs, m=module, **kwargs: _autocast_forward(m, origin_dtype, *inputs, **kwargs)
 
 
-def videox_fun_chain(pipeline, mode: str, device="cpu", weight_dtype=torch.float32,
-                     exclude_module_name=("modulation",)) -> None:
+def videox_fun_chain(
+    pipeline, mode: str, device="cpu", weight_dtype=torch.float32, exclude_module_name=("modulation",)
+) -> None:
     """The chain of a Wan 2.x predict script (``transformer`` and, on Wan 2.2, ``transformer_2``)."""
     transformers = [m for m in (pipeline.transformer, getattr(pipeline, "transformer_2", None)) if m is not None]
     if mode == "sequential_cpu_offload":
@@ -241,10 +254,14 @@ def videox_fun_chain(pipeline, mode: str, device="cpu", weight_dtype=torch.float
     elif mode == "model_group_offload":
         # safe_enable_group_offload(pipeline, onload_device=device, offload_device="cpu",
         # offload_type="leaf_level", use_stream=True): streams need CUDA
-        for name, component in pipeline.components.items():
+        for component in pipeline.components.values():
             if hasattr(component, "enable_group_offload"):
-                component.enable_group_offload(onload_device=torch.device(device), offload_device=torch.device("cpu"),
-                                               offload_type="leaf_level", use_stream=torch.device(device).type == "cuda")
+                component.enable_group_offload(
+                    onload_device=torch.device(device),
+                    offload_device=torch.device("cpu"),
+                    offload_type="leaf_level",
+                    use_stream=torch.device(device).type == "cuda",
+                )
             elif isinstance(component, torch.nn.Module):
                 component.to(device)
     elif mode in ("model_cpu_offload_and_qfloat8", "model_full_load_and_qfloat8"):

@@ -5,19 +5,18 @@ Each one only describes groups (see :mod:`memmode_core.contracts.layout`); the e
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
-from memmode_core.contracts.layout import GroupSpec, Policy, block_groups, leaf_groups, whole_component
 from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError
 from memmode_core.contracts.hookspecs import hookimpl
-from memmode_core.contracts.options import (Option, boolean, boolean_or_none, byte_size, names_list, one_of,
-                                             positive_int)
-from memmode_core.planning.planner import DEFAULT_STEPS
+from memmode_core.contracts.layout import GroupSpec, Policy, block_groups, leaf_groups, whole_component
+from memmode_core.contracts.options import Option, boolean, boolean_or_none, byte_size, names_list, one_of, positive_int
 from memmode_core.contracts.placement import Placement
 from memmode_core.contracts.targets import Target, is_fsdp_wrapped
+from memmode_core.planning.planner import DEFAULT_STEPS
 
 TEXT_ENCODER_PREFIX = "text_encoder"
 
@@ -37,11 +36,18 @@ class ModelFullLoad(Placement):
 
 class ModelCpuOffload(Placement):
     name = "model_cpu_offload"
-    description = ("one whole component on the device at a time; it stays until another one is called, and "
-                   "leaves when the pipeline call returns")
+    description = (
+        "one whole component on the device at a time; it stays until another one is called, and "
+        "leaves when the pipeline call returns"
+    )
     options = (
-        Option("keep_last_on_device", False, "leave the last component a pipeline call used on the device after the "
-               "call returns (the next call starts without onloading it)", boolean),
+        Option(
+            "keep_last_on_device",
+            False,
+            "leave the last component a pipeline call used on the device after the "
+            "call returns (the next call starts without onloading it)",
+            boolean,
+        ),
     )
 
     def offloads_after_call(self, options: Mapping[str, object]) -> bool:
@@ -55,14 +61,27 @@ class ModelGroupOffload(Placement):
     name = "model_group_offload"
     description = "every component streamed in groups of blocks (or leaf modules), prefetched on CUDA"
     options = (
-        Option("offload_type", "block_level", "'block_level' (runs of blocks) or 'leaf_level' (single modules)",
-               one_of("block_level", "leaf_level")),
+        Option(
+            "offload_type",
+            "block_level",
+            "'block_level' (runs of blocks) or 'leaf_level' (single modules)",
+            one_of("block_level", "leaf_level"),
+        ),
         Option("num_blocks_per_group", 1, "blocks that move together at block level", positive_int),
-        Option("block_modules", None, "submodule names treated as block containers (default: the "
-               "component's _group_offload_block_modules, e.g. a VAE's encoder and decoder)",
-               lambda v: None if v is None else names_list(v)),
-        Option("use_stream", None, "copy the next group on a CUDA side stream while the current one computes "
-               "(default: on when computing on CUDA)", boolean_or_none),
+        Option(
+            "block_modules",
+            None,
+            "submodule names treated as block containers (default: the "
+            "component's _group_offload_block_modules, e.g. a VAE's encoder and decoder)",
+            lambda v: None if v is None else names_list(v),
+        ),
+        Option(
+            "use_stream",
+            None,
+            "copy the next group on a CUDA side stream while the current one computes "
+            "(default: on when computing on CUDA)",
+            boolean_or_none,
+        ),
     )
 
     def check(self, target: Target, options: Mapping[str, object], device: torch.device) -> None:
@@ -81,8 +100,9 @@ class ModelGroupOffload(Placement):
                 block_modules = options["block_modules"]
                 if block_modules is None:
                     block_modules = default_block_modules(module)
-                specs += block_groups(name, module, num_blocks_per_group=options["num_blocks_per_group"],
-                                      block_modules=block_modules)
+                specs += block_groups(
+                    name, module, num_blocks_per_group=options["num_blocks_per_group"], block_modules=block_modules
+                )
         return specs
 
 
@@ -101,6 +121,7 @@ def _small_table_filter(fragments: tuple[str, ...]):
     def keep(path: str, module: nn.Module) -> bool:
         names = [path.rsplit(".", 1)[-1], *module._parameters, *module._buffers]
         return any(fragment in name for name in names for fragment in fragments)
+
     return keep
 
 
@@ -108,8 +129,12 @@ class SequentialCpuOffload(Placement):
     name = "sequential_cpu_offload"
     description = "one leaf module on the device at a time, synchronously (the least memory, the slowest)"
     options = (
-        Option("keep_resident", SMALL_TABLES, "name fragments of small tables kept on the device "
-               "(RoPE frequencies, modulation / scale-shift tables)", names_list),
+        Option(
+            "keep_resident",
+            SMALL_TABLES,
+            "name fragments of small tables kept on the device (RoPE frequencies, modulation / scale-shift tables)",
+            names_list,
+        ),
     )
 
     def layout(self, target: Target, options: Mapping[str, object]) -> list[GroupSpec]:
@@ -162,8 +187,13 @@ class Auto(Placement):
     description = "the fastest placement x storage whose predicted memory fits vram_budget / ram_budget"
     delegates = True
     options = (
-        Option("vram_budget", None, "most weight bytes on the device (bytes or '8GiB'; default: 80% of the free "
-               "device memory on CUDA, no limit on a CPU device)", byte_size),
+        Option(
+            "vram_budget",
+            None,
+            "most weight bytes on the device (bytes or '8GiB'; default: 80% of the free "
+            "device memory on CUDA, no limit on a CPU device)",
+            byte_size,
+        ),
         Option("ram_budget", None, "most bytes of offloaded weights in RAM (default: 90% of MemAvailable)", byte_size),
         Option("steps", DEFAULT_STEPS, "denoising steps the choice is optimised for", positive_int),
     )
@@ -171,16 +201,36 @@ class Auto(Placement):
     def layout(self, target: Target, options: Mapping[str, object]) -> list[GroupSpec]:
         raise TypeError("auto chooses another placement; apply() asks choose(), never layout()")
 
-    def choose(self, target: Target, options: Mapping[str, object], *, device: torch.device, quantizer: str | None,
-               storage: str | None, weight_dtype, components, exclude):
+    def choose(
+        self,
+        target: Target,
+        options: Mapping[str, object],
+        *,
+        device: torch.device,
+        quantizer: str | None,
+        storage: str | None,
+        weight_dtype,
+        components,
+        exclude,
+    ):
         from memmode_core.planning.planner import choose, default_ram_budget, default_vram_budget, plan
 
         vram = options["vram_budget"] if options["vram_budget"] is not None else default_vram_budget(device)
         ram = options["ram_budget"] if options["ram_budget"] is not None else default_ram_budget()
         left_alone = [name for name in Target.of(target.obj).components if name not in target.components]
-        entries = plan(target.obj, device=device, vram_budget=vram, ram_budget=ram, quantizer=quantizer,
-                       storage=storage, weight_dtype=weight_dtype, components=components, exclude=exclude,
-                       steps=options["steps"], exclude_components=left_alone)
+        entries = plan(
+            target.obj,
+            device=device,
+            vram_budget=vram,
+            ram_budget=ram,
+            quantizer=quantizer,
+            storage=storage,
+            weight_dtype=weight_dtype,
+            components=components,
+            exclude=exclude,
+            steps=options["steps"],
+            exclude_components=left_alone,
+        )
         return choose(entries, vram, ram)
 
 

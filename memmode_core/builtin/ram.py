@@ -7,7 +7,7 @@ synchronous; the ``pinned`` storage plugin is the asynchronous one.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

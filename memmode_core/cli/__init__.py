@@ -17,7 +17,6 @@ import os
 import sys
 
 import memmode_core as memmode
-
 from memmode_core.contracts.units import format_bytes
 
 #: exit status when the reader of stdout went away (128 + SIGPIPE, what a shell reports for ``cmd | head``)
@@ -34,11 +33,22 @@ def _cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
         return 0
-    print(render(
-        ["kind", "name", "distribution", "version", "available", "description"],
-        [(r.kind, r.name, r.distribution, r.version or "-", "yes" if r.available else f"no ({index})",
-          r.description) for index, r in _numbered_unavailable(rows)],
-    ))
+    print(
+        render(
+            ["kind", "name", "distribution", "version", "available", "description"],
+            [
+                (
+                    r.kind,
+                    r.name,
+                    r.distribution,
+                    r.version or "-",
+                    "yes" if r.available else f"no ({index})",
+                    r.description,
+                )
+                for index, r in _numbered_unavailable(rows)
+            ],
+        )
+    )
     notes = [r for r in rows if not r.available]
     if notes:
         print()
@@ -103,8 +113,12 @@ def _pipeline_source(args: argparse.Namespace):
             return demo_call(pipe, size=args.size, steps=args.steps, seed=args.seed, callback=callback)
 
         dims = SIZES[args.size]
-        return load, call, f"built-in Wan 2.2-shaped pipeline ({args.size}, random weights, {dims.frames} frames " \
-                           f"{dims.height}x{dims.width})"
+        return (
+            load,
+            call,
+            f"built-in Wan 2.2-shaped pipeline ({args.size}, random weights, {dims.frames} frames "
+            f"{dims.height}x{dims.width})",
+        )
 
     from diffusers import DiffusionPipeline
 
@@ -117,8 +131,13 @@ def _pipeline_source(args: argparse.Namespace):
         return pipe
 
     def call(pipe, callback=None):
-        kwargs = dict(prompt=args.prompt, num_inference_steps=args.steps, output_type="pt", return_dict=False,
-                      generator=torch.Generator(device="cpu").manual_seed(args.seed))
+        kwargs = dict(
+            prompt=args.prompt,
+            num_inference_steps=args.steps,
+            output_type="pt",
+            return_dict=False,
+            generator=torch.Generator(device="cpu").manual_seed(args.seed),
+        )
         for name in ("height", "width", "num_frames"):
             if getattr(args, name) is not None:
                 kwargs[name] = getattr(args, name)
@@ -152,8 +171,14 @@ def parse_option(text: str) -> tuple[str, object]:
 
 
 #: flags that set what an option of the same name would (``--option device=cuda`` means ``--device cuda``)
-_FLAG_FOR = {"device": "--device", "storage": "--storage", "vram_budget": "--vram", "ram_budget": "--ram",
-             "quantizer": "--quantizer", "steps": "--steps"}
+_FLAG_FOR = {
+    "device": "--device",
+    "storage": "--storage",
+    "vram_budget": "--vram",
+    "ram_budget": "--ram",
+    "quantizer": "--quantizer",
+    "steps": "--steps",
+}
 
 
 def _options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
@@ -172,8 +197,9 @@ def _options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     for name in options:
         if name in own:
             hint = f"; use {_FLAG_FOR[name]}" if name in _FLAG_FOR else ""
-            parser.error(f"--option {name}: {name} is an argument of memmode_core.{function.__name__}, "
-                         f"not a plugin option{hint}")
+            parser.error(
+                f"--option {name}: {name} is an argument of memmode_core.{function.__name__}, not a plugin option{hint}"
+            )
     return options
 
 
@@ -190,7 +216,8 @@ def _refuse_undeclared(options: dict) -> None:
         raise memmode.InvalidOptionError(
             f"unexpected option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: no installed placement, "
             f"storage or quantizer declares {'them' if len(unknown) > 1 else 'it'}; declared options: "
-            f"{', '.join(sorted(declared)) or 'none'}")
+            f"{', '.join(sorted(declared)) or 'none'}"
+        )
 
 
 def _declared_option_names() -> set[str] | None:
@@ -199,8 +226,12 @@ def _declared_option_names() -> set[str] | None:
         from memmode_core.discovery import plugins  # memmode_core has no public listing of declared options yet
 
         registrations = plugins.current().registrations
-        return {option.name for by_name in registrations.values() for registration in by_name.values()
-                for option in getattr(registration.obj, "options", ())}
+        return {
+            option.name
+            for by_name in registrations.values()
+            for registration in by_name.values()
+            for option in getattr(registration.obj, "options", ())
+        }
     except (ImportError, AttributeError, TypeError):  # laid out differently: apply still refuses unknown options
         return None
 
@@ -224,17 +255,37 @@ def _cmd_run(args: argparse.Namespace) -> int:
     modes = args.compare or [args.mode]
     _refuse_undeclared(args.options)
     # --compare goes on past a refused mode; a single --mode that is refused is an error
-    results = run_modes(load, call, modes, device=args.device, storage=args.storage, steps=args.steps,
-                        progress=not args.no_progress and not args.json, trace=bool(args.plot),
-                        apply_options=args.options, keep_going=bool(args.compare), load_into=_load_into(args))
+    results = run_modes(
+        load,
+        call,
+        modes,
+        device=args.device,
+        storage=args.storage,
+        steps=args.steps,
+        progress=not args.no_progress and not args.json,
+        trace=bool(args.plot),
+        apply_options=args.options,
+        keep_going=bool(args.compare),
+        load_into=_load_into(args),
+    )
     ran = [r for r in results if r.ran]
     if args.plot and ran:
         from memmode_core.cli.plotting import plot_traces
 
         plot_traces(ran, args.plot)
     if args.json:
-        print(json.dumps({"pipeline": description, "steps": args.steps, "options": args.options,
-                          "results": [r.as_dict() for r in results]}, indent=2, default=repr))
+        print(
+            json.dumps(
+                {
+                    "pipeline": description,
+                    "steps": args.steps,
+                    "options": args.options,
+                    "results": [r.as_dict() for r in results],
+                },
+                indent=2,
+                default=repr,
+            )
+        )
     else:
         device = f", device {ran[0].device}" if ran else ""
         print(f"{description}, {args.steps} step{'s' if args.steps != 1 else ''}{device}")
@@ -242,8 +293,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             print(f"options: {_describe_options(args.options)}")
         refused = any(not r.ran for r in results)
         headers = ["mode", "storage", "s/call", "peak on device", "moved/call", "RAM (offloaded)", "disk"]
-        print(render(headers + (["note"] if refused else []), [_run_row(r, refused) for r in results],
-                     right=headers[2:]))
+        print(
+            render(headers + (["note"] if refused else []), [_run_row(r, refused) for r in results], right=headers[2:])
+        )
         if args.plot and ran:
             print(f"plot written to {args.plot}")
     if not ran:
@@ -255,9 +307,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _run_row(r, with_note: bool) -> tuple:
     if not r.ran:
         return (r.requested, "-", "-", "-", "-", "-", "-", f"refused: {r.refused}")
-    row = ((r.mode if r.requested == r.mode else f"{r.requested} -> {r.mode}"), r.storage or "-",
-           f"{r.seconds_per_call:.2f}", format_bytes(r.peak_device_bytes), format_bytes(r.bytes_transferred),
-           format_bytes(r.offloaded_ram_bytes), format_bytes(r.disk_bytes) if r.disk_bytes else "-")
+    row = (
+        (r.mode if r.requested == r.mode else f"{r.requested} -> {r.mode}"),
+        r.storage or "-",
+        f"{r.seconds_per_call:.2f}",
+        format_bytes(r.peak_device_bytes),
+        format_bytes(r.bytes_transferred),
+        format_bytes(r.offloaded_ram_bytes),
+        format_bytes(r.disk_bytes) if r.disk_bytes else "-",
+    )
     return row + ("",) if with_note else row
 
 
@@ -279,15 +337,33 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         pipe, sizes_only = load(), None
     # placement options go to every candidate whose placement declares them
     try:
-        entries = memmode.plan(pipe, device=args.device, vram_budget=args.vram, ram_budget=args.ram,
-                               quantizer=args.quantizer or None, steps=args.steps, **args.options)
+        entries = memmode.plan(
+            pipe,
+            device=args.device,
+            vram_budget=args.vram,
+            ram_budget=args.ram,
+            quantizer=args.quantizer or None,
+            steps=args.steps,
+            **args.options,
+        )
     finally:
         if sizes_only is not None:
             SIZES_ONLY.reset(sizes_only)
     if args.json:
-        print(json.dumps({"pipeline": description, "steps": args.steps, "vram_budget": args.vram,
-                          "ram_budget": args.ram, "options": args.options,
-                          "entries": [e.as_dict() for e in entries]}, indent=2, default=repr))
+        print(
+            json.dumps(
+                {
+                    "pipeline": description,
+                    "steps": args.steps,
+                    "vram_budget": args.vram,
+                    "ram_budget": args.ram,
+                    "options": args.options,
+                    "entries": [e.as_dict() for e in entries],
+                },
+                indent=2,
+                default=repr,
+            )
+        )
         return 0
     print(f"{description}: predicted per call of {args.steps} steps")
     if args.options:
@@ -295,13 +371,27 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     rows = []
     for e in sorted(entries, key=lambda e: (not e.fits, e.seconds_per_call, e.peak_device_bytes)):
         options = ", ".join(f"{k}={v}" for k, v in e.options.items())
-        rows.append(("*" if e.chosen else "", e.mode, options or "-", e.storage or "-",
-                     format_bytes(e.peak_device_bytes), format_bytes(e.transfer_bytes_per_call),
-                     format_bytes(e.host_bytes), format_bytes(e.disk_bytes) if e.disk_bytes else "-",
-                     f"{e.seconds_per_call:.3f}", "yes" if e.fits else f"no: {e.reason}"))
-    print(render(["", "mode", "options", "storage", "peak on device", "moved/call", "RAM", "disk",
-                  "copy s/call", "fits"], rows,
-                 right=["peak on device", "moved/call", "RAM", "disk", "copy s/call"]))
+        rows.append(
+            (
+                "*" if e.chosen else "",
+                e.mode,
+                options or "-",
+                e.storage or "-",
+                format_bytes(e.peak_device_bytes),
+                format_bytes(e.transfer_bytes_per_call),
+                format_bytes(e.host_bytes),
+                format_bytes(e.disk_bytes) if e.disk_bytes else "-",
+                f"{e.seconds_per_call:.3f}",
+                "yes" if e.fits else f"no: {e.reason}",
+            )
+        )
+    print(
+        render(
+            ["", "mode", "options", "storage", "peak on device", "moved/call", "RAM", "disk", "copy s/call", "fits"],
+            rows,
+            right=["peak on device", "moved/call", "RAM", "disk", "copy s/call"],
+        )
+    )
     chosen = next((e for e in entries if e.chosen), None)
     if chosen is not None:
         print(f"* auto would choose {chosen.label()} with storage {chosen.storage}")
@@ -316,11 +406,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     from memmode_core.cli.demo import SIZES
 
-    parser.add_argument("--model", metavar="DIR", help="a local diffusers pipeline folder (default: the built-in "
-                        "Wan 2.2-shaped pipeline with random weights)")
-    parser.add_argument("--size", choices=sorted(SIZES), default="small",
-                        help="size of the built-in pipeline: small (0.036 B parameters per transformer) or tiny "
-                             "(0.05 M parameters per transformer)")
+    parser.add_argument(
+        "--model",
+        metavar="DIR",
+        help="a local diffusers pipeline folder (default: the built-in Wan 2.2-shaped pipeline with random weights)",
+    )
+    parser.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        default="small",
+        help="size of the built-in pipeline: small (0.036 B parameters per transformer) or tiny "
+        "(0.05 M parameters per transformer)",
+    )
     parser.add_argument("--dtype", help="load the weights in this dtype (bfloat16, float16, float32)")
     parser.add_argument("--device", help="compute device (default: cuda when available, else cpu)")
     parser.add_argument("--steps", type=int, default=4, help="denoising steps per call")
@@ -330,10 +427,15 @@ def _add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, help="with --model")
     parser.add_argument("--num-frames", dest="num_frames", type=int, help="with --model (video pipelines)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument("--option", action="append", type=parse_option, metavar="NAME=VALUE",
-                        help="a plugin option, repeatable: --option offload_type=leaf_level --option "
-                             "num_blocks_per_group=2 (VALUE is read as a Python literal when it is one: 2, "
-                             "True, None, [1, 2]; else kept as a string)")
+    parser.add_argument(
+        "--option",
+        action="append",
+        type=parse_option,
+        metavar="NAME=VALUE",
+        help="a plugin option, repeatable: --option offload_type=leaf_level --option "
+        "num_blocks_per_group=2 (VALUE is read as a Python literal when it is one: 2, "
+        "True, None, [1, 2]; else kept as a string)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -348,9 +450,13 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run a pipeline under a mode and report time and memory")
     _add_pipeline_arguments(run)
     run.add_argument("--mode", default="model_group_offload", help="the mode (default: model_group_offload)")
-    run.add_argument("--compare", nargs="+", metavar="MODE",
-                     help="run several modes side by side; a refused mode gets a row saying why and the others "
-                          "still run (exit status 0 when at least one ran)")
+    run.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="MODE",
+        help="run several modes side by side; a refused mode gets a row saying why and the others "
+        "still run (exit status 0 when at least one ran)",
+    )
     run.add_argument("--storage", help="where offloaded weights wait (default: pinned on CUDA if installed, else ram)")
     run.add_argument("--plot", metavar="FILE.png", help="draw resident device bytes over time for each mode")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")

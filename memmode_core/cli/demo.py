@@ -36,11 +36,13 @@ class DemoSize:
 
 SIZES = {
     # 0.05 M parameters per transformer (0.34 M in all): the whole run takes well under a second
-    "tiny": DemoSize(heads=2, head_dim=16, layers=2, text_dim=32, text_layers=2, vae_base_dim=8,
-                     height=32, width=32, frames=5),
+    "tiny": DemoSize(
+        heads=2, head_dim=16, layers=2, text_dim=32, text_layers=2, vae_base_dim=8, height=32, width=32, frames=5
+    ),
     # 0.036 B parameters per transformer (0.075 B in all): timings and memory figures worth reading
-    "small": DemoSize(heads=8, head_dim=64, layers=8, text_dim=256, text_layers=4, vae_base_dim=16,
-                      height=64, width=64, frames=9),
+    "small": DemoSize(
+        heads=8, head_dim=64, layers=8, text_dim=256, text_layers=4, vae_base_dim=16, height=64, width=64, frames=9
+    ),
 }
 
 
@@ -73,25 +75,47 @@ def make_demo_pipeline(size: str = "small", seed: int = 0, dtype: torch.dtype = 
     dims = SIZES[size]
     tokenizer = _tokenizer()
     text_config = UMT5Config(
-        vocab_size=len(tokenizer), d_model=dims.text_dim, d_kv=dims.text_dim // 4, d_ff=2 * dims.text_dim,
-        num_layers=dims.text_layers, num_heads=4, relative_attention_num_buckets=8,
-        relative_attention_max_distance=32, dropout_rate=0.0, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        d_model=dims.text_dim,
+        d_kv=dims.text_dim // 4,
+        d_ff=2 * dims.text_dim,
+        num_layers=dims.text_layers,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+        dropout_rate=0.0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
     )
 
     def transformer():
         return WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=dims.heads, attention_head_dim=dims.head_dim,
-            in_channels=16, out_channels=16, text_dim=dims.text_dim, freq_dim=64,
-            ffn_dim=4 * dims.heads * dims.head_dim, num_layers=dims.layers, rope_max_seq_len=64,
+            patch_size=(1, 2, 2),
+            num_attention_heads=dims.heads,
+            attention_head_dim=dims.head_dim,
+            in_channels=16,
+            out_channels=16,
+            text_dim=dims.text_dim,
+            freq_dim=64,
+            ffn_dim=4 * dims.heads * dims.head_dim,
+            num_layers=dims.layers,
+            rope_max_seq_len=64,
         )
 
     pipe = WanPipeline(
         tokenizer=tokenizer,
         text_encoder=_seeded(seed + 1, lambda: UMT5EncoderModel(text_config)),
-        vae=_seeded(seed + 2, lambda: AutoencoderKLWan(base_dim=dims.vae_base_dim, z_dim=16,
-                                                       dim_mult=[1, 2, 2, 2], num_res_blocks=1,
-                                                       temperal_downsample=[False, True, True])),
+        vae=_seeded(
+            seed + 2,
+            lambda: AutoencoderKLWan(
+                base_dim=dims.vae_base_dim,
+                z_dim=16,
+                dim_mult=[1, 2, 2, 2],
+                num_res_blocks=1,
+                temperal_downsample=[False, True, True],
+            ),
+        ),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         transformer=_seeded(seed + 3, transformer),
         transformer_2=_seeded(seed + 4, transformer),
@@ -108,8 +132,11 @@ def demo_size(pipe) -> str:
     """The key of ``SIZES`` a pipeline from ``make_demo_pipeline`` was built with."""
     config = getattr(getattr(pipe, "transformer", None), "config", None)
     for name, dims in SIZES.items():
-        if config is not None and (config.num_attention_heads, config.attention_head_dim, config.num_layers) == \
-                (dims.heads, dims.head_dim, dims.layers):
+        if config is not None and (config.num_attention_heads, config.attention_head_dim, config.num_layers) == (
+            dims.heads,
+            dims.head_dim,
+            dims.layers,
+        ):
             return name
     raise ValueError("not a pipeline from make_demo_pipeline: pass size=")
 
@@ -117,9 +144,18 @@ def demo_size(pipe) -> str:
 def demo_call_kwargs(size: str = "small", steps: int = 4) -> dict:
     """The keyword arguments of one demo call (prompt, frames, resolution, steps, ``output_type='pt'``)."""
     dims = SIZES[size]
-    return dict(prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, height=dims.height, width=dims.width,
-                num_frames=dims.frames, num_inference_steps=steps, guidance_scale=4.0, guidance_scale_2=3.0,
-                max_sequence_length=32, output_type="pt")
+    return dict(
+        prompt=PROMPT,
+        negative_prompt=NEGATIVE_PROMPT,
+        height=dims.height,
+        width=dims.width,
+        num_frames=dims.frames,
+        num_inference_steps=steps,
+        guidance_scale=4.0,
+        guidance_scale_2=3.0,
+        max_sequence_length=32,
+        output_type="pt",
+    )
 
 
 def demo_call(pipe, *, size: str | None = None, steps: int = 4, seed: int = 0, callback=None) -> torch.Tensor:

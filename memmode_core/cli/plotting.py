@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import memmode_core as memmode
 
@@ -11,8 +11,9 @@ def require_matplotlib():
     try:
         import matplotlib
     except ImportError:
-        raise memmode.MemmodeError("--plot needs matplotlib: pip install 'memmode-core[plot]' (or pip install matplotlib)") \
-            from None
+        raise memmode.MemmodeError(
+            "--plot needs matplotlib: pip install 'memmode-core[plot]' (or pip install matplotlib)"
+        ) from None
     return matplotlib
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import gc
 import inspect
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -39,11 +40,22 @@ class RunResult:
     refused: str | None = None
 
     @classmethod
-    def refusal(cls, requested: str, error: BaseException) -> "RunResult":
+    def refusal(cls, requested: str, error: BaseException) -> RunResult:
         reason = " ".join(str(error).split()) or type(error).__name__  # one line
-        return cls(requested=requested, mode=None, storage=None, device=None, seconds_per_call=None,
-                   peak_device_bytes=None, bytes_transferred=None, transfer_seconds=None, offloaded_ram_bytes=None,
-                   disk_bytes=None, output_shape=None, refused=reason)
+        return cls(
+            requested=requested,
+            mode=None,
+            storage=None,
+            device=None,
+            seconds_per_call=None,
+            peak_device_bytes=None,
+            bytes_transferred=None,
+            transfer_seconds=None,
+            offloaded_ram_bytes=None,
+            disk_bytes=None,
+            output_shape=None,
+            refused=reason,
+        )
 
     @property
     def ran(self) -> bool:
@@ -63,10 +75,20 @@ def accepts_step_callback(pipe: Any) -> bool:
         return False
 
 
-def run_modes(load: Callable[[], Any], call: Callable[..., torch.Tensor], modes: list[str], *,
-              device: Any = None, storage: str | None = None, steps: int, progress: bool = True,
-              trace: bool = False, apply_options: dict | None = None, keep_going: bool = False,
-              load_into: Callable[..., Any] | None = None) -> list[RunResult]:
+def run_modes(
+    load: Callable[[], Any],
+    call: Callable[..., torch.Tensor],
+    modes: list[str],
+    *,
+    device: Any = None,
+    storage: str | None = None,
+    steps: int,
+    progress: bool = True,
+    trace: bool = False,
+    apply_options: dict | None = None,
+    keep_going: bool = False,
+    load_into: Callable[..., Any] | None = None,
+) -> list[RunResult]:
     """Measure ``call(pipe, callback=...)`` on a fresh ``load()`` under each of ``modes``.
 
     ``apply_options`` go to ``memmode_core.apply`` as keywords for every mode. With ``keep_going``, a
@@ -112,14 +134,22 @@ def run_modes(load: Callable[[], Any], call: Callable[..., torch.Tensor], modes:
             bar.close()
         report = handle.report()
         held = report.storage_bytes
-        results.append(RunResult(
-            requested=mode, mode=handle.mode, storage=handle.storage, device=str(handle.device),
-            seconds_per_call=seconds, peak_device_bytes=report.peak_device_bytes,
-            bytes_transferred=report.bytes_transferred, transfer_seconds=report.transfer_seconds,
-            offloaded_ram_bytes=held.get("pageable_bytes", 0) + held.get("pinned_bytes", 0),
-            disk_bytes=held.get("disk_bytes", 0), output_shape=tuple(output.shape),
-            trace=handle.trace() if trace else [],
-        ))
+        results.append(
+            RunResult(
+                requested=mode,
+                mode=handle.mode,
+                storage=handle.storage,
+                device=str(handle.device),
+                seconds_per_call=seconds,
+                peak_device_bytes=report.peak_device_bytes,
+                bytes_transferred=report.bytes_transferred,
+                transfer_seconds=report.transfer_seconds,
+                offloaded_ram_bytes=held.get("pageable_bytes", 0) + held.get("pinned_bytes", 0),
+                disk_bytes=held.get("disk_bytes", 0),
+                output_shape=tuple(output.shape),
+                trace=handle.trace() if trace else [],
+            )
+        )
         handle.remove()
         del pipe, handle
         gc.collect()
@@ -130,6 +160,7 @@ def _step_callback(bar):
     def callback(pipe, step, timestep, callback_kwargs):
         bar.update(1)
         return callback_kwargs
+
     return callback
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 
 def render(headers: Sequence[str], rows: Iterable[Sequence[object]], *, right: Sequence[str] = ()) -> str:
@@ -16,4 +16,3 @@ def render(headers: Sequence[str], rows: Iterable[Sequence[object]], *, right: S
     out = [line(headers), line(["-" * w for w in widths])]
     out += [line(r) for r in cells]
     return "\n".join(out)
-

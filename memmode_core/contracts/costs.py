@@ -61,7 +61,7 @@ def onload_latency(device: torch.device) -> float:
     return ONLOAD_LATENCY.get(device.type, ONLOAD_LATENCY["cuda"])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def measured_bandwidth(device_type: str, kind: str) -> float:
     """Host-to-device bytes/s, measured once per process on CUDA for pageable and pinned memory."""
     if device_type != "cuda" or kind not in ("pageable", "pinned") or not torch.cuda.is_available():
@@ -80,8 +80,15 @@ def measured_bandwidth(device_type: str, kind: str) -> float:
     return nbytes / (start.elapsed_time(end) / 1e3)
 
 
-def copying_cost(kind: str, device: torch.device, *, pageable: float = 0.0, pinned: float = 0.0,
-                 disk: float = 0.0, zero_copy_on_cpu: bool = False) -> StorageCost:
+def copying_cost(
+    kind: str,
+    device: torch.device,
+    *,
+    pageable: float = 0.0,
+    pinned: float = 0.0,
+    disk: float = 0.0,
+    zero_copy_on_cpu: bool = False,
+) -> StorageCost:
     """The declared cost of a storage that copies from memory of ``kind`` (the first-party ones)."""
     if device.type == "cpu" and zero_copy_on_cpu:
         bandwidth = None
@@ -93,7 +100,7 @@ def copying_cost(kind: str, device: torch.device, *, pageable: float = 0.0, pinn
 _probed: dict[tuple[type, str], StorageCost] = {}
 
 
-def probe(storage: "Storage", device: torch.device) -> StorageCost:
+def probe(storage: Storage, device: torch.device) -> StorageCost:
     """Measure ``storage`` on ``device`` (cached per storage class and device; see the module docstring)."""
     key = (type(storage), str(device))
     if key not in _probed:
@@ -101,7 +108,7 @@ def probe(storage: "Storage", device: torch.device) -> StorageCost:
     return _probed[key]
 
 
-def _probe(storage: "Storage", device: torch.device) -> StorageCost:
+def _probe(storage: Storage, device: torch.device) -> StorageCost:
     options = resolve_options([(storage.name, storage.options)], {})[storage.name]
     session = storage.open(device=device, offload_dir=None, options=options)
     generator = torch.Generator().manual_seed(0)
@@ -125,9 +132,15 @@ def _probe(storage: "Storage", device: torch.device) -> StorageCost:
     per_byte = {place: held.get(f"{place}_bytes", 0) / stored for place in ("pageable", "pinned", "disk")}
     if not held:  # a storage that reports nothing is taken to keep plain copies in RAM
         per_byte["pageable"] = 1.0
-    return StorageCost("measured", per_byte["pageable"], per_byte["pinned"], per_byte["disk"], bandwidth,
-                       max(latency, onload_latency(device)) if not zero_copy else onload_latency(device),
-                       measured=True)
+    return StorageCost(
+        "measured",
+        per_byte["pageable"],
+        per_byte["pinned"],
+        per_byte["disk"],
+        bandwidth,
+        max(latency, onload_latency(device)) if not zero_copy else onload_latency(device),
+        measured=True,
+    )
 
 
 def _best_time(run, *, repeat: int, device: torch.device) -> float:

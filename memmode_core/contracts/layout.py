@@ -14,8 +14,8 @@ module was skipped never stays on the device.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
 
 from torch import nn
 
@@ -117,13 +117,15 @@ def leaf_groups(component: str, module: nn.Module, keep_resident: KeepResident |
         spec.owners.append(sub)
     groups = list(groups.values())
     if kept:
-        groups.insert(0, GroupSpec(_key(component, "<resident>"), component, kept, policy=Policy.RESIDENT,
-                                   prefetchable=False))
+        groups.insert(
+            0, GroupSpec(_key(component, "<resident>"), component, kept, policy=Policy.RESIDENT, prefetchable=False)
+        )
     return groups
 
 
-def block_groups(component: str, module: nn.Module, *, num_blocks_per_group: int = 1,
-                 block_modules: Iterable[str] = ()) -> list[GroupSpec]:
+def block_groups(
+    component: str, module: nn.Module, *, num_blocks_per_group: int = 1, block_modules: Iterable[str] = ()
+) -> list[GroupSpec]:
     """Runs of blocks plus one "rest" group per scope.
 
     A scope is the component itself, or a submodule named in ``block_modules`` (diffusers' convention
@@ -151,27 +153,31 @@ def block_groups(component: str, module: nn.Module, *, num_blocks_per_group: int
         # every called module of the rest enters it too: a pipeline calls some directly (a text encoder's
         # final_layer_norm for clip_skip), and the rest holds few modules
         entries += [m for m in _owners(rest) if m not in entries and has_forward(m)]
-        groups.append(GroupSpec(
-            key=_key(component, scope or "<rest>"),
-            component=component,
-            owners=_owners(rest),
-            entries=entries,
-            exits=[root],
-            prefetchable=False,
-        ))
+        groups.append(
+            GroupSpec(
+                key=_key(component, scope or "<rest>"),
+                component=component,
+                owners=_owners(rest),
+                entries=entries,
+                exits=[root],
+                prefetchable=False,
+            )
+        )
         for path, container in containers:
             children = list(_blocks_of(container, path))
             for start in range(0, len(children), num_blocks_per_group):
-                chunk = children[start:start + num_blocks_per_group]
+                chunk = children[start : start + num_blocks_per_group]
                 blocks = [m for _, m in chunk]
                 first, last = chunk[0][0], chunk[-1][0]
-                groups.append(GroupSpec(
-                    key=_key(component, first if first == last else f"{first}-{last[len(path) + 1:]}"),
-                    component=component,
-                    owners=_owners(m for b in blocks for m in _modules_within(b, scope_ids)),
-                    entries=blocks,
-                    exits=[blocks[-1]],
-                ))
+                groups.append(
+                    GroupSpec(
+                        key=_key(component, first if first == last else f"{first}-{last[len(path) + 1 :]}"),
+                        component=component,
+                        owners=_owners(m for b in blocks for m in _modules_within(b, scope_ids)),
+                        entries=blocks,
+                        exits=[blocks[-1]],
+                    )
+                )
     return [g for g in groups if g.owners]
 
 
@@ -191,8 +197,14 @@ def _blocks_of(container: nn.Module, path: str) -> Iterator[tuple[str, nn.Module
             yield child_path, child
 
 
-def _walk_scope(module: nn.Module, path: str, scope_ids: set[int], rest: list[nn.Module],
-                containers: list[tuple[str, nn.Module]], top: bool = False) -> None:
+def _walk_scope(
+    module: nn.Module,
+    path: str,
+    scope_ids: set[int],
+    rest: list[nn.Module],
+    containers: list[tuple[str, nn.Module]],
+    top: bool = False,
+) -> None:
     if not top and id(module) in scope_ids:
         return  # a nested scope has groups of its own
     if not top and _is_container(module):

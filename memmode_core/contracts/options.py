@@ -7,8 +7,9 @@ declares it. An option nobody declares, or a value a declaration refuses, is an
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from memmode_core.contracts.errors import InvalidOptionError
 
@@ -87,9 +88,20 @@ def byte_size(value: Any) -> int | None:
 
 
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
 }
 
 
@@ -97,7 +109,7 @@ def parse_byte_size(text: str) -> int:
     """``"8GiB"`` -> 8589934592. Decimal units are powers of 1000, binary ones of 1024."""
     stripped = text.strip().lower().replace(" ", "")
     number = stripped.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = stripped[len(number):]
+    unit = stripped[len(number) :]
     if unit not in _UNITS or not number:
         raise ValueError(f"cannot read {text!r} as a size; write e.g. '8GiB', '512MB' or a number of bytes")
     try:

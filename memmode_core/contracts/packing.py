@@ -53,5 +53,5 @@ def views(flat: torch.Tensor, entries: tuple[Entry, ...], offset: int = 0) -> Te
         if entry.end == entry.start:
             out[entry.name] = torch.empty(entry.shape, dtype=entry.dtype)
         else:
-            out[entry.name] = flat[offset + entry.start:offset + entry.end].view(entry.dtype).view(entry.shape)
+            out[entry.name] = flat[offset + entry.start : offset + entry.end].view(entry.dtype).view(entry.shape)
     return out

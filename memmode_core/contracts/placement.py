@@ -9,13 +9,13 @@ layout.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import torch
 
-from memmode_core.contracts.layout import GroupSpec, Policy, owns_tensors, whole_component
 from memmode_core.contracts.errors import IncompatibleModeError
+from memmode_core.contracts.layout import GroupSpec, Policy, owns_tensors, whole_component
 from memmode_core.contracts.options import Option
 from memmode_core.contracts.targets import Target
 
@@ -65,8 +65,9 @@ class Layout:
     notes: dict[str, str] = field(default_factory=dict)
 
 
-def lay_out(placement: Placement, target: Target, options: Mapping[str, object], device: torch.device, *,
-            strict: bool = False) -> Layout:
+def lay_out(
+    placement: Placement, target: Target, options: Mapping[str, object], device: torch.device, *, strict: bool = False
+) -> Layout:
     """The placement's groups for ``target``, after the checks and adjustments every placement gets from core.
 
     Used by ``apply``, by the rebuilds after a weight change and by the planner, so that what ``plan``
@@ -97,16 +98,20 @@ def _honour_declarations(target: Target, specs: list[GroupSpec], placement: str)
     replaced: dict[str, GroupSpec] = {}
     for name in _declared_exclusions(target, specs):
         replaced[name] = whole_component(name, target.components[name], Policy.RESIDENT)
-        notes[name] = (f"kept on the device: {target.label}._exclude_from_cpu_offload lists it (the pipeline reads it "
-                       f"outside its forward; diffusers' own offloading keeps it there too)")
+        notes[name] = (
+            f"kept on the device: {target.label}._exclude_from_cpu_offload lists it (the pipeline reads it "
+            f"outside its forward; diffusers' own offloading keeps it there too)"
+        )
     for name in _unsplittable(target, specs):
         if name in replaced:
             continue
         module = target.components[name]
         replaced[name] = whole_component(name, module, Policy.STREAM)
-        notes[name] = (f"moved whole: {type(module).__name__} declares _supports_group_offloading = False (it reads "
-                       f"its submodules' weights outside their forward), so {placement} onloads it as one group for "
-                       f"each call and offloads it after")
+        notes[name] = (
+            f"moved whole: {type(module).__name__} declares _supports_group_offloading = False (it reads "
+            f"its submodules' weights outside their forward), so {placement} onloads it as one group for "
+            f"each call and offloads it after"
+        )
     if not replaced:
         return Layout(specs)
     adjusted: list[GroupSpec] = []
@@ -139,8 +144,11 @@ def _declared_exclusions(target: Target, specs: list[GroupSpec]) -> list[str]:
     if not target.is_pipeline:
         return []
     declared = getattr(type(target.obj), "_exclude_from_cpu_offload", None) or ()
-    return [name for name in declared if name in target.components
-            and any(s.policy is not Policy.RESIDENT for s in specs if s.component == name)]
+    return [
+        name
+        for name in declared
+        if name in target.components and any(s.policy is not Policy.RESIDENT for s in specs if s.component == name)
+    ]
 
 
 def refuse_declared_exclusions(target: Target, specs: list[GroupSpec], placement: str) -> None:
@@ -162,8 +170,10 @@ def refuse_malformed_layout(target: Target, specs: list[GroupSpec], placement: s
         keys[spec.key] = keys.get(spec.key, 0) + 1
     repeated = sorted(key for key, count in keys.items() if count > 1)
     if repeated:
-        raise IncompatibleModeError(f"placement {placement!r} laid out several groups under the key "
-                                    f"{repeated[0]!r}; every group needs its own key (a placement bug)")
+        raise IncompatibleModeError(
+            f"placement {placement!r} laid out several groups under the key "
+            f"{repeated[0]!r}; every group needs its own key (a placement bug)"
+        )
     owners = {id(module) for spec in specs for module in spec.owners}
     for name, component in target.components.items():
         for path, module in component.named_modules():

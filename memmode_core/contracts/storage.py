@@ -28,7 +28,7 @@ Tensors are passed as ``{slot_name: tensor}`` dicts; slot names are stable withi
 from __future__ import annotations
 
 import weakref
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -45,7 +45,7 @@ class StorageSession:
     def put(self, key: str, tensors: Tensors, readable: frozenset[str] = frozenset()) -> Tensors:
         raise NotImplementedError
 
-    def fetch(self, key: str, device: torch.device, stream: "torch.cuda.Stream | None" = None) -> Tensors:
+    def fetch(self, key: str, device: torch.device, stream: torch.cuda.Stream | None = None) -> Tensors:
         raise NotImplementedError
 
     def restore(self, key: str) -> Tensors:
@@ -115,7 +115,7 @@ def to_device(tensors: Tensors, device: torch.device, non_blocking: bool = False
 
 
 #: ``data_ptr`` of each live placeholder's single element -> the placeholder (see :func:`is_known_placeholder`)
-_PLACEHOLDERS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+_PLACEHOLDERS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
 def placeholder(tensor: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,9 @@ Normalising both into one ``Target`` lets every placement reason about named com
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,7 +44,7 @@ class Target:
     components: dict[str, nn.Module]
 
     @classmethod
-    def of(cls, obj: Any) -> "Target":
+    def of(cls, obj: Any) -> Target:
         if isinstance(obj, nn.Module):
             return cls(obj, False, {MODULE_COMPONENT: obj})
         components = getattr(obj, "components", None)
@@ -62,7 +63,7 @@ class Target:
             f"not {type(obj).__name__}"
         )
 
-    def without(self, names: Iterable[str]) -> "Target":
+    def without(self, names: Iterable[str]) -> Target:
         """The same target with the named components left out of the placement.
 
         An excluded component is left exactly where the user put it: no groups, no hooks, no

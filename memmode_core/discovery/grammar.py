@@ -13,10 +13,25 @@ from dataclasses import dataclass
 
 import torch
 
-from memmode_core.contracts.errors import (IncompatibleModeError, PluginLoadError, PluginNotInstalledError, StorageUnavailableError,
-                     UnknownModeError)
-from memmode_core.discovery.plugins import (AUTOLOAD_ENV, DISABLE_ENV, PluginSet, Registration, autoload_enabled, clash_error,
-                      disabled_names, normalize, provided_by, registration_disabled)
+from memmode_core.contracts.errors import (
+    IncompatibleModeError,
+    PluginLoadError,
+    PluginNotInstalledError,
+    StorageUnavailableError,
+    UnknownModeError,
+)
+from memmode_core.discovery.plugins import (
+    AUTOLOAD_ENV,
+    DISABLE_ENV,
+    PluginSet,
+    Registration,
+    autoload_enabled,
+    clash_error,
+    disabled_names,
+    normalize,
+    provided_by,
+    registration_disabled,
+)
 
 SEPARATOR = "_and_"
 
@@ -28,9 +43,17 @@ FIRST_PARTY: dict[tuple[str, str], str] = {
     ("storage", "pinned"): "memmode-storage-pinned",
     ("storage", "disk"): "memmode-storage-disk",
     ("storage", "mmap"): "memmode-storage-mmap",
-    **{("placement", name): "memmode-core" for name in (
-        "model_full_load", "model_cpu_offload", "model_group_offload", "sequential_cpu_offload",
-        "text_encoder_offload", "auto")},
+    **{
+        ("placement", name): "memmode-core"
+        for name in (
+            "model_full_load",
+            "model_cpu_offload",
+            "model_group_offload",
+            "sequential_cpu_offload",
+            "text_encoder_offload",
+            "auto",
+        )
+    },
     ("storage", "ram"): "memmode-core",
 }
 
@@ -47,8 +70,9 @@ class Mode:
 def parse_mode(mode: object) -> Mode:
     """Split a mode string into its placement and quantizer names (no installation check)."""
     if not isinstance(mode, str):
-        raise TypeError(f"a memmode mode is a string such as 'model_cpu_offload_and_qfloat8', "
-                        f"not {type(mode).__name__}")
+        raise TypeError(
+            f"a memmode mode is a string such as 'model_cpu_offload_and_qfloat8', not {type(mode).__name__}"
+        )
     placement, separator, quantizer = mode.rpartition(SEPARATOR)
     if not separator:
         placement, quantizer = mode, None
@@ -65,8 +89,9 @@ class Resolved:
     storage: Registration | None
 
 
-def resolve(mode: str, *, storage: str | None, device: torch.device, plugins: PluginSet,
-            storage_given: bool) -> Resolved:
+def resolve(
+    mode: str, *, storage: str | None, device: torch.device, plugins: PluginSet, storage_given: bool
+) -> Resolved:
     parsed = parse_mode(mode)
     placement = lookup(plugins, "placement", parsed.placement, mode=mode)
     quantizer = lookup(plugins, "quantizer", parsed.quantizer, mode=mode) if parsed.quantizer else None
@@ -108,27 +133,39 @@ def lookup(plugins: PluginSet, kind: str, name: str, *, mode: str | None) -> Reg
     subject = f"{kind} {name!r}" + (f" (in mode {mode!r})" if mode and mode != name else "")
     for off in plugins.disabled_registrations:
         if (off.kind, off.name) == (kind, name):
-            raise UnknownModeError(f"{subject} is provided by {off.distribution}, but disabled by "
-                                   f"{DISABLE_ENV}={registration_disabled(off)}")
+            raise UnknownModeError(
+                f"{subject} is provided by {off.distribution}, but disabled by "
+                f"{DISABLE_ENV}={registration_disabled(off)}"
+            )
     distribution = FIRST_PARTY.get((kind, name))
     if distribution is not None:
         failed = [f for f in plugins.failures if normalize(f.distribution) == normalize(distribution)]
         if failed:
-            raise PluginLoadError(f"{subject} comes from {distribution}, which is installed but failed to load: "
-                                  f"{failed[0].error}")
-        if any(normalize(s.distribution) == normalize(distribution) or normalize(s.name) == normalize(name)
-               for s in plugins.disabled) or normalize(name) in disabled_names():
+            raise PluginLoadError(
+                f"{subject} comes from {distribution}, which is installed but failed to load: {failed[0].error}"
+            )
+        if (
+            any(
+                normalize(s.distribution) == normalize(distribution) or normalize(s.name) == normalize(name)
+                for s in plugins.disabled
+            )
+            or normalize(name) in disabled_names()
+        ):
             raise UnknownModeError(f"{subject} is provided by {distribution}, which is disabled by {DISABLE_ENV}")
         if not autoload_enabled():
             raise PluginNotInstalledError(
                 f"{subject} is provided by {distribution}, and installed plugins are not loaded because "
-                f"{AUTOLOAD_ENV} is set; if it is not installed: pip install {distribution}")
-        raise PluginNotInstalledError(f"{subject} is provided by {distribution}, which is not installed: "
-                                      f"pip install {distribution}")
+                f"{AUTOLOAD_ENV} is set; if it is not installed: pip install {distribution}"
+            )
+        raise PluginNotInstalledError(
+            f"{subject} is provided by {distribution}, which is not installed: pip install {distribution}"
+        )
     for source in plugins.disabled:
         if (kind, name) in provided_by(source):
-            raise UnknownModeError(f"{subject} is provided by the plugin {source.name} ({source.distribution}), "
-                                   f"which is disabled by {DISABLE_ENV}")
+            raise UnknownModeError(
+                f"{subject} is provided by the plugin {source.name} ({source.distribution}), "
+                f"which is disabled by {DISABLE_ENV}"
+            )
     installed = plugins.names(kind)
     message = f"unknown {subject}. Installed {kind}s: {', '.join(installed) or 'none'}."
     suggestion = _closest(plugins, kind, name, mode)
@@ -143,9 +180,13 @@ def lookup(plugins: PluginSet, kind: str, name: str, *, mode: str | None) -> Reg
 def _closest(plugins: PluginSet, kind: str, name: str, mode: str | None) -> str | None:
     """The nearest spelling of the part that is wrong; in a mode, the other part is kept as written
     (``keep_frist_offload_and_int8wo`` -> ``keep_first_offload_and_int8wo``, not some other mode)."""
+
     def known(k: str) -> list[str]:
-        return sorted(set(plugins.names(k)) | {n for kk, n in FIRST_PARTY if kk == k}
-                      | {n for kk, n in plugins.clashes if kk == k})
+        return sorted(
+            set(plugins.names(k))
+            | {n for kk, n in FIRST_PARTY if kk == k}
+            | {n for kk, n in plugins.clashes if kk == k}
+        )
 
     parsed = parse_mode(mode) if mode is not None and kind in ("placement", "quantizer") else None
     if parsed is not None and parsed.quantizer is None:

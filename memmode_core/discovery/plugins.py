@@ -25,17 +25,18 @@ import os
 import re
 import threading
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Iterator
+from typing import Any
 
 import pluggy
 
 from memmode_core.contracts import hookspecs
 from memmode_core.contracts.errors import DuplicatePluginError
 from memmode_core.contracts.placement import Placement
-from memmode_core.quantization.quantizer import Quantizer
 from memmode_core.contracts.storage import Storage
+from memmode_core.quantization.quantizer import Quantizer
 
 ENTRY_POINT_GROUP = "memmode"
 AUTOLOAD_ENV = "MEMMODE_DISABLE_PLUGIN_AUTOLOAD"
@@ -129,8 +130,10 @@ class PluginInfo:
     description: str
 
     def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in
-                ("kind", "name", "distribution", "version", "available", "reason", "description")}
+        return {
+            k: getattr(self, k)
+            for k in ("kind", "name", "distribution", "version", "available", "reason", "description")
+        }
 
 
 # -- sources -------------------------------------------------------------------------------------
@@ -156,8 +159,10 @@ BUILTIN_PLUGINS = {
 
 def builtin_sources() -> list[PluginSource]:
     version = core_version()
-    return [PluginSource(name, importlib.import_module(module), CORE_DISTRIBUTION, version)
-            for name, module in BUILTIN_PLUGINS.items()]
+    return [
+        PluginSource(name, importlib.import_module(module), CORE_DISTRIBUTION, version)
+        for name, module in BUILTIN_PLUGINS.items()
+    ]
 
 
 @dataclass(frozen=True)
@@ -191,15 +196,17 @@ _lock = threading.RLock()
 
 
 @contextlib.contextmanager
-def temporary_plugin(obj: Any, *, name: str | None = None, distribution: str = "<in-process>",
-                     version: str | None = None) -> Iterator[PluginSource]:
+def temporary_plugin(
+    obj: Any, *, name: str | None = None, distribution: str = "<in-process>", version: str | None = None
+) -> Iterator[PluginSource]:
     """Register ``obj`` (a module or object with ``@hookimpl`` functions) for the duration of a block.
 
     Nothing is installed and nothing outlives the block: the next discovery after it no longer
     sees the plugin.
     """
-    source = PluginSource(name or getattr(obj, "__name__", None) or f"in-process-{id(obj):x}", obj,
-                          distribution, version)
+    source = PluginSource(
+        name or getattr(obj, "__name__", None) or f"in-process-{id(obj):x}", obj, distribution, version
+    )
     with _lock:
         _temporary.append(source)
     try:
@@ -293,8 +300,9 @@ def discover() -> PluginSet:
 def clash_error(registrations: list[Registration]) -> DuplicatePluginError:
     """The error for a name several plugins register, with the unambiguous way to choose."""
     kind, name = registrations[0].kind, registrations[0].name
-    who = " and ".join(f"{r.distribution} {r.version or ''} (plugin {r.plugin})".replace("  ", " ")
-                       for r in registrations)
+    who = " and ".join(
+        f"{r.distribution} {r.version or ''} (plugin {r.plugin})".replace("  ", " ") for r in registrations
+    )
     keep = registrations[0]
     others = ",".join(f"{r.distribution}:{name}" for r in registrations[1:])
     return DuplicatePluginError(
@@ -352,8 +360,12 @@ def provided_by(source: PluginSource) -> list[tuple[str, str]]:
         manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         manager.add_hookspecs(hookspecs)
         scratch = PluginSet()
-        return [(r.kind, r.name) for r in _register_one(manager, PluginSource(source.name, obj, source.distribution,
-                                                                              source.version), scratch)]
+        return [
+            (r.kind, r.name)
+            for r in _register_one(
+                manager, PluginSource(source.name, obj, source.distribution, source.version), scratch
+            )
+        ]
     except Exception:  # noqa: BLE001 - a broken disabled plugin simply provides nothing we can name
         return []
 
@@ -366,8 +378,9 @@ def _check_hooks(manager: pluggy.PluginManager, obj: Any) -> None:
             continue
         caller = getattr(manager.hook, name, None)
         if caller is None or caller.spec is None:
-            raise pluggy.PluginValidationError(obj, f"unknown hook {name!r}; memmode's hooks are "
-                                               f"{', '.join(hookspecs.HOOK_FOR_KIND.values())}")
+            raise pluggy.PluginValidationError(
+                obj, f"unknown hook {name!r}; memmode's hooks are {', '.join(hookspecs.HOOK_FOR_KIND.values())}"
+            )
 
 
 def _registrar(kind: str, source: PluginSource, staged: list[Registration]):
@@ -375,8 +388,9 @@ def _registrar(kind: str, source: PluginSource, staged: list[Registration]):
 
     def register(obj: Any) -> None:
         if not isinstance(obj, base):
-            raise TypeError(f"register() in the {kind} hook takes a memmode_core.{base.__name__}, "
-                            f"got {type(obj).__name__}")
+            raise TypeError(
+                f"register() in the {kind} hook takes a memmode_core.{base.__name__}, got {type(obj).__name__}"
+            )
         name = getattr(obj, "name", "")
         if not isinstance(name, str) or not _NAME.match(name):
             raise ValueError(f"{kind} name {name!r} must be lowercase letters, digits and underscores")
@@ -390,8 +404,9 @@ def _registrar(kind: str, source: PluginSource, staged: list[Registration]):
 def _failure(source: PluginSource, what: str, exc: BaseException, kinds: tuple[str, ...] = ()) -> PluginFailure:
     where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
     location = f" ({where.filename}:{where.lineno})" if where else ""
-    return PluginFailure(source.name, source.distribution, source.version,
-                         f"{what}: {type(exc).__name__}: {exc}{location}", kinds)
+    return PluginFailure(
+        source.name, source.distribution, source.version, f"{what}: {type(exc).__name__}: {exc}{location}", kinds
+    )
 
 
 # -- the cached view -----------------------------------------------------------------------------
@@ -429,29 +444,72 @@ def list_plugins() -> list[PluginInfo]:
     for kind in KINDS:
         for reg in plugins.registrations[kind].values():
             reason = reg.unavailable_reason()
-            rows.append(PluginInfo(kind, reg.name, reg.distribution, reg.version, reason is None, reason,
-                                   reg.description))
+            rows.append(
+                PluginInfo(kind, reg.name, reg.distribution, reg.version, reason is None, reason, reg.description)
+            )
         for (clash_kind, name), regs in plugins.clashes.items():
             if clash_kind != kind:
                 continue
             for reg in regs:
                 others = ", ".join(r.distribution for r in regs if r is not reg)
-                rows.append(PluginInfo(kind, name, reg.distribution, reg.version, False,
-                                       f"clash: {others} also registers {kind} {name!r}; choose with "
-                                       f"{DISABLE_ENV}=<distribution>:{name}", reg.description))
+                rows.append(
+                    PluginInfo(
+                        kind,
+                        name,
+                        reg.distribution,
+                        reg.version,
+                        False,
+                        f"clash: {others} also registers {kind} {name!r}; choose with "
+                        f"{DISABLE_ENV}=<distribution>:{name}",
+                        reg.description,
+                    )
+                )
     for reg in plugins.disabled_registrations:
-        rows.append(PluginInfo(reg.kind, reg.name, reg.distribution, reg.version, False,
-                               f"disabled by {DISABLE_ENV}={registration_disabled(reg)}", reg.description))
+        rows.append(
+            PluginInfo(
+                reg.kind,
+                reg.name,
+                reg.distribution,
+                reg.version,
+                False,
+                f"disabled by {DISABLE_ENV}={registration_disabled(reg)}",
+                reg.description,
+            )
+        )
     for failure in plugins.failures:
-        would = (f"a plugin that could not be loaded; it would provide: {', '.join(failure.kinds)}" if failure.kinds
-                 else "a plugin that could not be loaded (what it provides is unknown: it did not get that far)")
-        rows.append(PluginInfo("plugin", failure.plugin, failure.distribution, failure.version, False,
-                               failure.error, would))
+        would = (
+            f"a plugin that could not be loaded; it would provide: {', '.join(failure.kinds)}"
+            if failure.kinds
+            else "a plugin that could not be loaded (what it provides is unknown: it did not get that far)"
+        )
+        rows.append(
+            PluginInfo("plugin", failure.plugin, failure.distribution, failure.version, False, failure.error, would)
+        )
     for source in plugins.disabled:
-        rows.append(PluginInfo("plugin", source.name, source.distribution, source.version, False,
-                               f"disabled by {DISABLE_ENV}", "a plugin that was not loaded"))
+        rows.append(
+            PluginInfo(
+                "plugin",
+                source.name,
+                source.distribution,
+                source.version,
+                False,
+                f"disabled by {DISABLE_ENV}",
+                "a plugin that was not loaded",
+            )
+        )
     return rows
 
 
-__all__ = ["Registration", "PluginFailure", "PluginInfo", "PluginSet", "clash_error", "current", "discover",
-           "list_plugins", "provided_by", "reset", "temporary_plugin"]
+__all__ = [
+    "Registration",
+    "PluginFailure",
+    "PluginInfo",
+    "PluginSet",
+    "clash_error",
+    "current",
+    "discover",
+    "list_plugins",
+    "provided_by",
+    "reset",
+    "temporary_plugin",
+]

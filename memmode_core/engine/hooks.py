@@ -20,7 +20,8 @@ forward names it); a wrapper answering ``(*args, **kwargs)`` would change what t
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,8 +35,14 @@ class MethodWrapper:
 
     __slots__ = ("module", "method", "original", "had_instance_attribute", "active", "function", "successor")
 
-    def __init__(self, module: Any, make: Callable[[Callable[..., Any], "MethodWrapper"], Callable[..., Any]],
-                 method: str = "forward", *, eager: bool = True):
+    def __init__(
+        self,
+        module: Any,
+        make: Callable[[Callable[..., Any], MethodWrapper], Callable[..., Any]],
+        method: str = "forward",
+        *,
+        eager: bool = True,
+    ):
         self.module = module
         self.method = method
         self.had_instance_attribute = method in module.__dict__

@@ -48,8 +48,9 @@ class Report:
         from memmode_core.contracts.units import format_bytes
 
         return (
-            f"{self.mode} ({self.storage or 'no storage'}) on {self.device}: peak {format_bytes(self.peak_device_bytes)} "
-            f"on device, {format_bytes(self.bytes_transferred)} moved in {self.transfer_seconds:.3f}s "
+            f"{self.mode} ({self.storage or 'no storage'}) on {self.device}: "
+            f"peak {format_bytes(self.peak_device_bytes)} on device, "
+            f"{format_bytes(self.bytes_transferred)} moved in {self.transfer_seconds:.3f}s "
             f"({self.onloads} onloads)"
         )
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -77,8 +78,11 @@ def refuse_foreign_offloading(components: dict[str, nn.Module]) -> None:
                     f"accelerate.hooks.remove_hook_from_module(module, recurse=True)) and load the weights back"
                 )
             registry = getattr(sub, "_diffusers_hook", None)
-            if registry is not None and getattr(registry, "get_hook", None) and \
-                    registry.get_hook("group_offloading") is not None:
+            if (
+                registry is not None
+                and getattr(registry, "get_hook", None)
+                and registry.get_hook("group_offloading") is not None
+            ):
                 raise IncompatibleModeError(
                     f"{where!r} already uses diffusers' group offloading; remove it first (build the component "
                     f"again, or call its _diffusers_hook.remove_hook('group_offloading', recurse=True))"
@@ -91,7 +95,7 @@ FOREIGN_MODEL_OFFLOADING = ("enable_group_offload",)
 #: pipeline class -> (its ``__call__`` wrapper, whether the class defined ``__call__`` itself, the original)
 _CALL_WRAPPERS: dict[type, tuple[Callable[..., Any], bool, Callable[..., Any]]] = {}
 #: placed pipeline -> what to run when its call returns
-_CALL_ENDS: "weakref.WeakKeyDictionary[Any, Callable[[], None]]" = weakref.WeakKeyDictionary()
+_CALL_ENDS: weakref.WeakKeyDictionary[Any, Callable[[], None]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -139,6 +143,7 @@ def _call_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
             on_end = _CALL_ENDS.get(self)
             if on_end is not None:
                 on_end()
+
     __call__.__memmode_call_end__ = True
     __call__.__memmode_original__ = original
     return __call__
@@ -149,15 +154,15 @@ def watches_call_end(cls: type) -> bool:
     return getattr(vars(cls).get("__call__"), "__memmode_call_end__", False)
 
 
-def install_guards(pipeline: Any, components: dict[str, nn.Module], mode: str,
-                   on_call_end: Callable[[], None]) -> list:
+def install_guards(pipeline: Any, components: dict[str, nn.Module], mode: str, on_call_end: Callable[[], None]) -> list:
     """Watch the end of a pipeline's calls and refuse diffusers' offloading (see the module docstring)."""
     wrappers: list = []
     owners: list[tuple[Any, str, tuple[str, ...]]] = [
-        (module, name, FOREIGN_MODEL_OFFLOADING) for name, module in components.items()]
+        (module, name, FOREIGN_MODEL_OFFLOADING) for name, module in components.items()
+    ]
     if pipeline is not None:
         owners.insert(0, (pipeline, type(pipeline).__name__, FOREIGN_PIPELINE_OFFLOADING))
-        if callable(getattr(type(pipeline), "__call__", None)) and not isinstance(pipeline, nn.Module):
+        if callable(type(pipeline)) and not isinstance(pipeline, nn.Module):
             wrappers.append(CallEndGuard(pipeline, on_call_end))
     for owner, label, methods in owners:
         for method in methods:
@@ -183,7 +188,9 @@ def _refusal(where: str, mode: str):
                 f"memmode place it: memmode.apply(pipe, 'model_cpu_offload' / 'sequential_cpu_offload' / "
                 f"'model_group_offload')"
             )
+
         return refused
+
     return make
 
 

@@ -26,7 +26,8 @@ engine already reports as :class:`OffloadedWeightReadError`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -37,13 +38,46 @@ from memmode_core.contracts.storage import is_known_placeholder
 
 #: functions that read a tensor's metadata (shape, dtype, device, strides, address) or allocate a
 #: tensor like it, never its values: a placeholder may go through them
-METADATA_FUNCTIONS = frozenset({
-    "__get__", "__set__", "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset",
-    "data_ptr", "element_size", "is_floating_point", "is_complex", "is_contiguous", "untyped_storage",
-    "get_device", "__len__", "is_signed", "is_nonzero_metadata", "zeros_like", "ones_like", "empty_like",
-    "full_like", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "requires_grad_", "detach",
-    "is_set_to", "__hash__", "__repr__", "__format__", "__reduce_ex__", "__deepcopy__",
-})
+METADATA_FUNCTIONS = frozenset(
+    {
+        "__get__",
+        "__set__",
+        "size",
+        "dim",
+        "ndimension",
+        "numel",
+        "nelement",
+        "stride",
+        "storage_offset",
+        "data_ptr",
+        "element_size",
+        "is_floating_point",
+        "is_complex",
+        "is_contiguous",
+        "untyped_storage",
+        "get_device",
+        "__len__",
+        "is_signed",
+        "is_nonzero_metadata",
+        "zeros_like",
+        "ones_like",
+        "empty_like",
+        "full_like",
+        "new_zeros",
+        "new_ones",
+        "new_empty",
+        "new_full",
+        "new_tensor",
+        "requires_grad_",
+        "detach",
+        "is_set_to",
+        "__hash__",
+        "__repr__",
+        "__format__",
+        "__reduce_ex__",
+        "__deepcopy__",
+    }
+)
 
 
 class PlaceholderTrap(TorchFunctionMode):

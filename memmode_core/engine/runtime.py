@@ -30,21 +30,22 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
 from memmode_core.contracts.errors import OffloadedWeightReadError, RestoreError
-from memmode_core.engine.ledger import Ledger, clock
-from memmode_core.engine.pipeline_hooks import refuse_foreign_offloading
+from memmode_core.contracts.layout import GroupSpec, Policy
 from memmode_core.contracts.storage import StorageSession, Tensors, is_placeholder, placeholder
 from memmode_core.engine import watch
 from memmode_core.engine.hooks import MethodWrapper
 from memmode_core.engine.inputs import move_inputs
+from memmode_core.engine.ledger import Ledger, clock
+from memmode_core.engine.pipeline_hooks import refuse_foreign_offloading
 from memmode_core.engine.reads import PlaceholderTrap, non_finite
-from memmode_core.contracts.layout import GroupSpec, Policy
+
 
 def _not_traced(function):
     """The engine's bookkeeping runs eagerly under torch.compile: its Python state (books, flags,
@@ -99,8 +100,22 @@ class Part:
 
 
 class Group:
-    __slots__ = ("key", "component", "policy", "entries", "exits", "slots", "nbytes", "resident",
-                 "at_rest", "prefetchable", "ready_event", "next", "readable", "parts")
+    __slots__ = (
+        "key",
+        "component",
+        "policy",
+        "entries",
+        "exits",
+        "slots",
+        "nbytes",
+        "resident",
+        "at_rest",
+        "prefetchable",
+        "ready_event",
+        "next",
+        "readable",
+        "parts",
+    )
 
     def __init__(self, spec: GroupSpec) -> None:
         self.key = spec.key
@@ -162,11 +177,20 @@ class Group:
 
 
 class Runtime:
-    def __init__(self, components: dict[str, nn.Module], specs: Iterable[GroupSpec], *, device: torch.device,
-                 session: StorageSession | None, ledger: Ledger, prefetch: bool = False,
-                 offload_after_call: bool = True,
-                 relayout: Callable[[str], list[GroupSpec]] | None = None, pipeline: object | None = None,
-                 refuse_edit: Callable[[str, dict[str, nn.Module]], None] | None = None) -> None:
+    def __init__(
+        self,
+        components: dict[str, nn.Module],
+        specs: Iterable[GroupSpec],
+        *,
+        device: torch.device,
+        session: StorageSession | None,
+        ledger: Ledger,
+        prefetch: bool = False,
+        offload_after_call: bool = True,
+        relayout: Callable[[str], list[GroupSpec]] | None = None,
+        pipeline: object | None = None,
+        refuse_edit: Callable[[str, dict[str, nn.Module]], None] | None = None,
+    ) -> None:
         self.components = components
         self.device = device
         self.session = session
@@ -385,7 +409,7 @@ class Runtime:
         if nxt is not None and not nxt.resident:
             self._fetch(nxt, self._copy_stream)
 
-    def _fetch(self, group: Group, stream: "torch.cuda.Stream | None") -> None:
+    def _fetch(self, group: Group, stream: torch.cuda.Stream | None) -> None:
         for part in group.parts:  # a broken file is a typed error here, never wrong bytes or a SIGBUS
             self.session.check(part.key)
         if self._cuda:
@@ -511,8 +535,12 @@ class Runtime:
             return
         if isinstance(value, torch.Tensor) and name is not None:
             current = module._parameters.get(name) if name in module._parameters else module._buffers.get(name)
-            if (current is not None and is_placeholder(current) and value.shape == current.shape
-                    and _derived_from_placeholder(value, current)):
+            if (
+                current is not None
+                and is_placeholder(current)
+                and value.shape == current.shape
+                and _derived_from_placeholder(value, current)
+            ):
                 where = self._path_of(module, component)
                 raise OffloadedWeightReadError(
                     f"{where}.{name}: the new value was computed from its offloaded placeholder (it is all NaN), "
@@ -538,7 +566,8 @@ class Runtime:
             self._placeholdered.discard(component)
 
     def placeholder_name(self, tensor: torch.Tensor) -> str | None:
-        """``"<slot name> (group <key>)"`` if ``tensor`` holds the at-rest placeholder of one of this runtime's slots."""
+        """``"<slot name> (group <key>)"`` if ``tensor`` holds the at-rest placeholder of one of this runtime's
+        slots."""
         pointer = tensor.data_ptr()
         for group in self.groups:
             for slot in group.slots:
@@ -691,8 +720,12 @@ class Runtime:
         fresh: list[Slot] = []
         for slot in group.slots:
             found = previous.get(id(slot.tensor))
-            if (keep_parts and found is not None and found[0].policy is not Policy.RESIDENT
-                    and slot.tensor.data_ptr() == found[1].rest_ptr):
+            if (
+                keep_parts
+                and found is not None
+                and found[0].policy is not Policy.RESIDENT
+                and slot.tensor.data_ptr() == found[1].rest_ptr
+            ):
                 sources[id(found[0])] = found[0]
                 unchanged.add(id(slot.tensor))
             else:
@@ -777,8 +810,9 @@ class Runtime:
                 # a component's other entry points: a VAE's decode() never calls its forward(), a prior's
                 # post_process_latents() reads the prior's statistics (see entry_methods)
                 for method in entry_methods(module):
-                    wrappers.append(MethodWrapper(module, self._method_maker(module, method, enters, root_of), method,
-                                                  eager=False))
+                    wrappers.append(
+                        MethodWrapper(module, self._method_maker(module, method, enters, root_of), method, eager=False)
+                    )
 
     def _method_maker(self, module: nn.Module, method: str, enters: list[Group], component: str):
         """A component's entry method other than ``forward``: called from outside the component it enters
@@ -796,11 +830,14 @@ class Runtime:
                 if depth[component]:
                     return original(*args, **kwargs)
                 return enter(*args, **kwargs)
+
             return entry
+
         return make
 
-    def _forward_maker(self, module: nn.Module, method: str, enters: list[Group], exits: list[Group],
-                       component: str | None):
+    def _forward_maker(
+        self, module: nn.Module, method: str, enters: list[Group], exits: list[Group], component: str | None
+    ):
         ensure, offload, leave = self.ensure, self.offload, self._leave
         depth, calls = self._depth, self.calls
         move = self.device.type != "cpu"  # on a CPU device every input already is where it computes
@@ -828,6 +865,7 @@ class Runtime:
                     finally:
                         if group.resident and group.ready_event is None:
                             offload(group)
+
                 return forward
 
             def step(args, kwargs):
@@ -848,10 +886,12 @@ class Runtime:
                             offload(group)
 
             if component is None:
+
                 def forward(*args, **kwargs):
                     if not wrapper.active:
                         return wrapper.passthrough()(*args, **kwargs)
                     return step(args, kwargs)
+
                 return forward
 
             def forward(*args, **kwargs):
@@ -868,11 +908,18 @@ class Runtime:
                         result = step(args, kwargs)
                     finally:
                         leave(component)
-                    if (runtime._check_results and not depth[component] and not runtime._diagnosing
-                            and component in runtime._placeholdered and non_finite(result)):
+                    if (
+                        runtime._check_results
+                        and not depth[component]
+                        and not runtime._diagnosing
+                        and component in runtime._placeholdered
+                        and non_finite(result)
+                    ):
                         runtime.explain_non_finite(component, module, method, args, kwargs)
                     return result
+
             return forward
+
         return make
 
     @_not_traced
@@ -894,8 +941,9 @@ class Runtime:
         CUDA the at-rest copies are CPU tensors, so torch reports a device mismatch)."""
         where = self._path_of(module)
         component = where.split(".", 1)[0]
-        offloaded = [g.key for g in self._groups_of.get(component, ()) if not g.resident
-                     and g.policy is not Policy.RESIDENT]
+        offloaded = [
+            g.key for g in self._groups_of.get(component, ()) if not g.resident and g.policy is not Policy.RESIDENT
+        ]
         shown = ", ".join(offloaded[:6]) + (f" and {len(offloaded) - 6} more" if len(offloaded) > 6 else "")
         return OffloadedWeightReadError(
             f"{where} ({type(module).__name__}) computed with a tensor that is not on {self.device}: the model reads "
@@ -921,7 +969,9 @@ class Runtime:
                     return wrapper.passthrough()(*args, **kwargs)
                 with self.lock, self.editing(components, method):
                     return original(*args, **kwargs)
+
             return edit
+
         return make
 
 
@@ -946,8 +996,13 @@ def entry_methods(module: nn.Module) -> list[str]:
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             continue
         for name, value in vars(cls).items():
-            if (inspect.isfunction(value) and not name.startswith("__") and name != "forward"
-                    and name not in names and name not in watch.EDIT_METHODS):
+            if (
+                inspect.isfunction(value)
+                and not name.startswith("__")
+                and name != "forward"
+                and name not in names
+                and name not in watch.EDIT_METHODS
+            ):
                 names.append(name)
     return names
 
@@ -978,21 +1033,29 @@ def _place(slot: Slot) -> tuple[int, str, bool]:
 def _computed_from_placeholder(current: torch.Tensor, at_rest: torch.Tensor | None) -> bool:
     """Whether ``current`` holds nothing but what the at-rest placeholder ``at_rest`` gives: that placeholder
     (or a view of it), or a tensor computed from it (a cast). What stands in for it is the stored value."""
-    return (at_rest is not None and is_placeholder(at_rest) and current.shape == at_rest.shape
-            and (is_placeholder(current) or _derived_from_placeholder(current, at_rest)))
+    return (
+        at_rest is not None
+        and is_placeholder(at_rest)
+        and current.shape == at_rest.shape
+        and (is_placeholder(current) or _derived_from_placeholder(current, at_rest))
+    )
 
 
 def _derived_from_placeholder(current: torch.Tensor, at_rest: torch.Tensor) -> bool:
     """Whether ``current`` holds nothing but the placeholder's fill (NaN for floats): a value
     computed from the placeholder. Real weights are never entirely NaN."""
-    if not (current.dtype.is_floating_point and at_rest.dtype.is_floating_point) or current.numel() == 0 \
-            or current.is_meta:
+    if (
+        not (current.dtype.is_floating_point and at_rest.dtype.is_floating_point)
+        or current.numel() == 0
+        or current.is_meta
+    ):
         return False
     return bool(torch.isnan(current).all())
 
 
-def claim_groups(components: dict[str, nn.Module], specs: list[GroupSpec], *,
-                 names: dict[str, nn.Module] | None = None) -> list[Group]:
+def claim_groups(
+    components: dict[str, nn.Module], specs: list[GroupSpec], *, names: dict[str, nn.Module] | None = None
+) -> list[Group]:
     """Turn specs into groups that hold each tensor exactly once.
 
     A tensor reachable from several groups (a tied weight, a module shared between two places)
@@ -1000,8 +1063,11 @@ def claim_groups(components: dict[str, nn.Module], specs: list[GroupSpec], *,
     the components slot names are qualified against (default: ``components``).
     """
     named = names if names is not None else components
-    paths = {id(m): ".".join(part for part in (comp if len(named) > 1 else "", path) if part)
-             for comp, root in named.items() for path, m in root.named_modules()}
+    paths = {
+        id(m): ".".join(part for part in (comp if len(named) > 1 else "", path) if part)
+        for comp, root in named.items()
+        for path, m in root.named_modules()
+    }
     owner_of: dict[int, int] = {}
     parent = list(range(len(specs)))
 
@@ -1023,8 +1089,7 @@ def claim_groups(components: dict[str, nn.Module], specs: list[GroupSpec], *,
                 first = owner_of.get(id(tensor))
                 if first is None:  # a tied tensor registered twice is claimed once, by its first owner
                     owner_of[id(tensor)] = index
-                    claimed[index].append(Slot(f"{prefix}.{attr}" if prefix else attr, tensor, is_buffer, module,
-                                               attr))
+                    claimed[index].append(Slot(f"{prefix}.{attr}" if prefix else attr, tensor, is_buffer, module, attr))
                 elif first != index:
                     parent[find(index)] = find(first)
     merged: dict[int, Group] = {}
@@ -1046,6 +1111,7 @@ def claim_groups(components: dict[str, nn.Module], specs: list[GroupSpec], *,
     for group in order:  # what pipelines read outside any forward: buffers, and a model's own loose parameters
         root = components.get(group.component)
         container = root is not None and next(iter(root.children()), None) is not None
-        group.readable = frozenset(slot.name for slot in group.slots
-                                   if slot.is_buffer or (container and slot.owner is root))
+        group.readable = frozenset(
+            slot.name for slot in group.slots if slot.is_buffer or (container and slot.owner is root)
+        )
     return [g for g in order if g.slots]

@@ -14,12 +14,12 @@ uploads to a GPU never pins anything.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
-from memmode_core.files.format import Layout
 from memmode_core.contracts.storage import Tensors
+from memmode_core.files.format import Layout
 
 CHUNK_BYTES = 16 << 20
 CHUNKS = 2
@@ -42,21 +42,22 @@ class StagingRing:
     def pinned_bytes(self) -> int:
         return sum(c.numel() for c in self._chunks)
 
-    def upload(self, layout: Layout, fill: Fill, device: torch.device, stream: "torch.cuda.Stream | None") -> Tensors:
+    def upload(self, layout: Layout, fill: Fill, device: torch.device, stream: torch.cuda.Stream | None) -> Tensors:
         """The group's tensors on ``device``, their copies queued on ``stream`` (or the current stream)."""
         if not self._chunks:
-            self._chunks = [torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True)
-                            for _ in range(self.count)]
+            self._chunks = [
+                torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(self.count)
+            ]
             self._drained = [None] * self.count
         stream = stream if stream is not None else torch.cuda.current_stream(device)
         with torch.cuda.stream(stream):  # allocated on, and written by, that stream
             out = {e.name: torch.empty(e.shape, dtype=e.dtype, device=device) for e in layout.entries}
             flat = {name: t.reshape(-1).view(torch.uint8) for name, t in out.items()}
             for begin, end, pieces in chunk_plan(layout, self.chunk_bytes):
-                chunk = self._take()[:end - begin]
+                chunk = self._take()[: end - begin]
                 fill(chunk, begin)
                 for name, lo, hi, at in pieces:
-                    flat[name][lo:hi].copy_(chunk[at:at + hi - lo], non_blocking=True)
+                    flat[name][lo:hi].copy_(chunk[at : at + hi - lo], non_blocking=True)
                 self._release(stream)
         return out
 

@@ -37,10 +37,24 @@ from torch import nn
 #: weights. memmode offloads the component before them and rebuilds its groups after them.
 EDIT_METHODS = (
     # diffusers pipelines (LoraBaseMixin and friends)
-    "load_lora_weights", "unload_lora_weights", "fuse_lora", "unfuse_lora", "set_adapters", "delete_adapters",
-    "enable_lora", "disable_lora", "set_lora_device", "fuse_qkv_projections", "unfuse_qkv_projections",
+    "load_lora_weights",
+    "unload_lora_weights",
+    "fuse_lora",
+    "unfuse_lora",
+    "set_adapters",
+    "delete_adapters",
+    "enable_lora",
+    "disable_lora",
+    "set_lora_device",
+    "fuse_qkv_projections",
+    "unfuse_qkv_projections",
     # diffusers models (PeftAdapterMixin, AttentionMixin)
-    "load_lora_adapter", "unload_lora", "add_adapter", "set_adapter", "enable_adapters", "disable_adapters",
+    "load_lora_adapter",
+    "unload_lora",
+    "add_adapter",
+    "set_adapter",
+    "enable_adapters",
+    "disable_adapters",
     "delete_adapter",
     # transformers models (PeftAdapterMixin)
     "load_adapter",
@@ -48,7 +62,7 @@ EDIT_METHODS = (
 #: Edit methods that write into existing weights: the weights must hold their real values first.
 WRITES_WEIGHTS = frozenset({"fuse_lora", "unfuse_lora", "fuse_qkv_projections", "unfuse_qkv_projections"})
 
-_watchers: "weakref.WeakSet" = weakref.WeakSet()
+_watchers: weakref.WeakSet = weakref.WeakSet()
 _installed = False
 _lock = threading.Lock()
 

@@ -32,16 +32,16 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
 from memmode_core.contracts.errors import StorageUnavailableError
 from memmode_core.contracts.storage import Tensors
-from memmode_core.files.format import DATA_ALIGNMENT, Layout
 from memmode_core.engine.staging import Fill
+from memmode_core.files.format import DATA_ALIGNMENT, Layout
 from memmode_core.files.groupfile import FileStamp, GroupFile
 
 
@@ -106,7 +106,7 @@ def lending(sources: list[Source]) -> Iterator[None]:
 EXTRAS_FRACTION = 0.125
 
 
-def borrow(layout: Layout, tensors: Tensors, device: torch.device) -> "BorrowedFile | None":
+def borrow(layout: Layout, tensors: Tensors, device: torch.device) -> BorrowedFile | None:
     """A :class:`BorrowedFile` for the group if its tensors lie in lent mappings (but for a few small ones
     that lie in none) and borrowing them cannot change a bit (see the module docstring), else None."""
     with _lock:
@@ -146,8 +146,9 @@ class BorrowedFile(GroupFile):
         for entry in layout.entries:
             if entry.name in places:
                 source, offset = places[entry.name]
-                self._typed[entry.name] = source.flat[offset:offset + entry.end - entry.start].view(
-                    entry.dtype).view(entry.shape)
+                self._typed[entry.name] = (
+                    source.flat[offset : offset + entry.end - entry.start].view(entry.dtype).view(entry.shape)
+                )
         self._bytes = {name: view.reshape(-1).view(torch.uint8) for name, view in self._typed.items()}
 
     def check(self, verify: str = "size") -> None:
@@ -161,13 +162,16 @@ class BorrowedFile(GroupFile):
             except OSError as exc:
                 raise self._changed(source.path, f"it cannot be read ({exc.strerror or exc})") from None
             if now != source.stamp:
-                raise self._changed(source.path, "it changed since it was loaded (replaced, truncated or "
-                                                 "rewritten); load the model again")
+                raise self._changed(
+                    source.path,
+                    "it changed since it was loaded (replaced, truncated or rewritten); load the model again",
+                )
 
     @staticmethod
     def _changed(path: Path, why: str) -> StorageUnavailableError:
-        return StorageUnavailableError(f"checkpoint file {path}, which holds offloaded weights in place, is not "
-                                       f"the one memmode loaded: {why}")
+        return StorageUnavailableError(
+            f"checkpoint file {path}, which holds offloaded weights in place, is not the one memmode loaded: {why}"
+        )
 
     def map(self) -> tuple[torch.Tensor | None, Tensors]:
         """``(None, views)``: the group's tensors as views of the lent mappings (and its own copies)."""
@@ -182,7 +186,8 @@ class BorrowedFile(GroupFile):
             for entry in self.layout.entries:
                 lo, hi = max(offset, entry.start), min(end, entry.end)
                 if lo < hi:
-                    chunk[lo - offset:hi - offset].copy_(self._bytes[entry.name][lo - entry.start:hi - entry.start])
+                    chunk[lo - offset : hi - offset].copy_(self._bytes[entry.name][lo - entry.start : hi - entry.start])
+
         return fill
 
     @contextlib.contextmanager

@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping
 
 import torch
 
@@ -65,7 +65,7 @@ class CheckpointFile:
     _flat: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> "CheckpointFile":
+    def open(cls, path: str | os.PathLike) -> CheckpointFile:
         path = Path(path)
         try:
             size = path.stat().st_size
@@ -75,8 +75,10 @@ class CheckpointFile:
                     raise CheckpointError(f"{path}: {size} bytes, too short to be a safetensors file (truncated?)")
                 (header_bytes,) = struct.unpack("<Q", prefix)
                 if header_bytes > min(MAX_HEADER_BYTES, size - 8):
-                    raise CheckpointError(f"{path}: not a safetensors file, or truncated (its header claims "
-                                          f"{header_bytes} bytes and the file has {size})")
+                    raise CheckpointError(
+                        f"{path}: not a safetensors file, or truncated (its header claims "
+                        f"{header_bytes} bytes and the file has {size})"
+                    )
                 raw = file.read(header_bytes)
         except OSError as exc:
             raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
@@ -97,17 +99,22 @@ class CheckpointFile:
                 shape = tuple(int(d) for d in entry["shape"])
                 begin, end = (int(o) for o in entry["data_offsets"])
             except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{path}: tensor {key!r} has a header entry memmode cannot read: {entry!r} "
-                                      f"(unknown dtype, or not safetensors)") from None
+                raise CheckpointError(
+                    f"{path}: tensor {key!r} has a header entry memmode cannot read: {entry!r} "
+                    f"(unknown dtype, or not safetensors)"
+                ) from None
             numel = 1
             for d in shape:
                 numel *= d
             if end - begin != numel * dtype.itemsize or begin < 0:
-                raise CheckpointError(f"{path}: tensor {key!r} has {end - begin} bytes for a {list(shape)} "
-                                      f"{entry['dtype']} tensor (a damaged header)")
+                raise CheckpointError(
+                    f"{path}: tensor {key!r} has {end - begin} bytes for a {list(shape)} "
+                    f"{entry['dtype']} tensor (a damaged header)"
+                )
             if data_start + end > size:
-                raise CheckpointError(f"{path} is truncated: tensor {key!r} ends at byte {data_start + end} and "
-                                      f"the file has {size} bytes")
+                raise CheckpointError(
+                    f"{path} is truncated: tensor {key!r} ends at byte {data_start + end} and the file has {size} bytes"
+                )
             records[key] = TensorRecord(key, path, dtype, shape, data_start + begin, data_start + end)
         return cls(path, records, {str(k): str(v) for k, v in metadata.items()}, size)
 
@@ -118,8 +125,9 @@ class CheckpointFile:
         except OSError as exc:
             raise CheckpointError(f"{self.path}: cannot be read ({exc.strerror or exc})") from None
         if now != self.size:
-            raise CheckpointError(f"{self.path} changed while loading: {now} bytes, {self.size} when its header "
-                                  f"was read")
+            raise CheckpointError(
+                f"{self.path} changed while loading: {now} bytes, {self.size} when its header was read"
+            )
 
     def view(self, key: str) -> torch.Tensor:
         """The tensor as a view of this file's private mapping (a copy only where it is not aligned)."""
@@ -127,7 +135,7 @@ class CheckpointFile:
         if self._flat is None:
             self.check()
             self._flat = map_private(self.path)
-        raw = self._flat[record.start:record.end]
+        raw = self._flat[record.start : record.end]
         if record.nbytes == 0:
             return torch.empty(record.shape, dtype=record.dtype)
         if record.start % record.dtype.itemsize:
@@ -155,11 +163,10 @@ class Checkpoint:
             for key in file.records:
                 other = self._by_key.setdefault(key, file)
                 if other is not file:
-                    raise CheckpointError(f"{where}: tensor {key!r} is in both {other.path.name} and "
-                                          f"{file.path.name}")
+                    raise CheckpointError(f"{where}: tensor {key!r} is in both {other.path.name} and {file.path.name}")
 
     @classmethod
-    def open(cls, where: str | os.PathLike, *, variant: str | None = None) -> "Checkpoint":
+    def open(cls, where: str | os.PathLike, *, variant: str | None = None) -> Checkpoint:
         """The checkpoint in folder ``where`` (``diffusion_pytorch_model*.safetensors`` or
         ``model*.safetensors``, sharded or not), or the single file ``where``."""
         where = Path(where)
@@ -177,8 +184,10 @@ class Checkpoint:
                 return cls([CheckpointFile.open(single)], where)
         others = sorted(p.name for p in where.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".gguf"))
         hint = f" (found {', '.join(others)}: only safetensors checkpoints can be loaded into a mode)" if others else ""
-        raise CheckpointError(f"{where}: no safetensors weights ({' or '.join(s + suffix for s in WEIGHT_NAMES)}, "
-                              f"or a sharded index){hint}")
+        raise CheckpointError(
+            f"{where}: no safetensors weights ({' or '.join(s + suffix for s in WEIGHT_NAMES)}, "
+            f"or a sharded index){hint}"
+        )
 
     def keys(self) -> list[str]:
         return list(self._by_key)
@@ -218,6 +227,7 @@ def _shards(index: Path) -> list[str]:
         raise CheckpointError(f"{index}: not a readable safetensors index ({exc})") from None
     missing = [n for n in names if not (index.parent / n).is_file()]
     if missing:
-        raise CheckpointError(f"{index} names {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
-                              f"not in {index.parent}")
+        raise CheckpointError(
+            f"{index} names {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not in {index.parent}"
+        )
     return names

@@ -28,8 +28,8 @@ import secrets
 import shutil
 import tempfile
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 try:
     import fcntl
@@ -169,7 +169,7 @@ class _Lease:
         self.fd = fd
 
     @classmethod
-    def create(cls, folder: Path, keep: bool = False) -> "_Lease":
+    def create(cls, folder: Path, keep: bool = False) -> _Lease:
         stem = f".memmode-{os.getpid()}-{secrets.token_hex(6)}"
         pending = folder / f"{stem}{PENDING_LEASE_SUFFIX}"
         fd = os.open(pending, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)

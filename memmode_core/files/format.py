@@ -36,12 +36,25 @@ from memmode_core.contracts.storage import Tensors
 def _dtype_names() -> dict[torch.dtype, str]:
     """torch dtype -> safetensors dtype name (the names the safetensors specification defines)."""
     names = {
-        torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-        torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-        torch.bool: "BOOL", torch.complex64: "C64",
+        torch.float64: "F64",
+        torch.float32: "F32",
+        torch.float16: "F16",
+        torch.bfloat16: "BF16",
+        torch.int64: "I64",
+        torch.int32: "I32",
+        torch.int16: "I16",
+        torch.int8: "I8",
+        torch.uint8: "U8",
+        torch.bool: "BOOL",
+        torch.complex64: "C64",
     }
-    for attr, code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"),
-                       ("uint32", "U32"), ("uint64", "U64")):
+    for attr, code in (
+        ("float8_e4m3fn", "F8_E4M3"),
+        ("float8_e5m2", "F8_E5M2"),
+        ("uint16", "U16"),
+        ("uint32", "U32"),
+        ("uint64", "U64"),
+    ):
         if hasattr(torch, attr):  # dtypes that older torch releases lack
             names[getattr(torch, attr)] = code
     return names
@@ -88,7 +101,7 @@ class Layout:
         return self.data_start + self.data_bytes
 
     @classmethod
-    def of(cls, tensors: Tensors, metadata: dict[str, str] | None = None) -> "Layout":
+    def of(cls, tensors: Tensors, metadata: dict[str, str] | None = None) -> Layout:
         """The layout of ``tensors`` (only their names, dtypes and shapes are read: meta tensors will do);
         ``metadata`` joins the header's ``__metadata__``."""
         entries = pack(tensors, align=DATA_ALIGNMENT)
@@ -99,9 +112,16 @@ class Layout:
         end = 0
         for e in entries:
             if e.start > end:  # safetensors allows no holes: the alignment padding is a named byte tensor
-                described[f"{PADDING_PREFIX}{end}"] = {"dtype": "U8", "shape": [e.start - end],
-                                                        "data_offsets": [end, e.start]}
-            described[e.name] = {"dtype": DTYPE_NAMES[e.dtype], "shape": list(e.shape), "data_offsets": [e.start, e.end]}
+                described[f"{PADDING_PREFIX}{end}"] = {
+                    "dtype": "U8",
+                    "shape": [e.start - end],
+                    "data_offsets": [end, e.start],
+                }
+            described[e.name] = {
+                "dtype": DTYPE_NAMES[e.dtype],
+                "shape": list(e.shape),
+                "data_offsets": [e.start, e.end],
+            }
             end = e.end
         described["__metadata__"] = {**(metadata or {}), "format": "pt", "writer": "memmode"}
         text = json.dumps(described, separators=(",", ":")).encode()
@@ -204,7 +224,7 @@ def matches(path: str | os.PathLike, layout: Layout, tensors: Tensors) -> bool:
         flat = map_private(path)
     except (OSError, ValueError):  # missing, unreadable, or empty (mmap refuses a zero-length file)
         return False
-    if byte_view(flat[:layout.data_start]).tobytes() != layout.header:
+    if byte_view(flat[: layout.data_start]).tobytes() != layout.header:
         return False
     on_disk = views(flat, layout.entries, layout.data_start)
     return all(_same_bytes(on_disk[e.name], tensors[e.name]) for e in layout.entries)

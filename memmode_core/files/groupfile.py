@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
-from memmode_core.contracts.errors import StorageUnavailableError
 from memmode_core.contracts import packing
+from memmode_core.contracts.errors import StorageUnavailableError
 from memmode_core.contracts.storage import Tensors
 from memmode_core.engine.staging import Fill
 from memmode_core.files import format as group_format
@@ -36,7 +36,7 @@ class FileStamp:
     mtime_ns: int
 
     @classmethod
-    def of(cls, path: Path) -> "FileStamp":
+    def of(cls, path: Path) -> FileStamp:
         st = os.stat(path)
         return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
@@ -64,18 +64,22 @@ class GroupFile:
         except OSError as exc:
             raise self._broken(f"it cannot be read ({exc.strerror or exc})") from None
         if now.size != self.layout.file_size:
-            raise self._broken(f"it is {now.size} bytes long and the group needs {self.layout.file_size} "
-                               f"(truncated or replaced)")
+            raise self._broken(
+                f"it is {now.size} bytes long and the group needs {self.layout.file_size} (truncated or replaced)"
+            )
         if now == self.stamp and verify != "hash":
             return
         try:
-            intact = group_format.file_digest_name(self.path, self.layout) == self.path.name[len(FILE_PREFIX):
-                                                                                              -len(FILE_SUFFIX)]
+            intact = (
+                group_format.file_digest_name(self.path, self.layout)
+                == self.path.name[len(FILE_PREFIX) : -len(FILE_SUFFIX)]
+            )
         except (OSError, ValueError) as exc:
             raise self._broken(f"it cannot be read ({exc})") from None
         if not intact:
-            raise self._broken("its content no longer matches its name (modified in place, or another file "
-                               "put in its place)")
+            raise self._broken(
+                "its content no longer matches its name (modified in place, or another file put in its place)"
+            )
         self.stamp = now
 
     def _broken(self, why: str) -> StorageUnavailableError:
@@ -97,7 +101,8 @@ class GroupFile:
         start = self.layout.data_start
 
         def fill(chunk: torch.Tensor, offset: int) -> None:
-            chunk.copy_(flat[start + offset:start + offset + chunk.numel()])
+            chunk.copy_(flat[start + offset : start + offset + chunk.numel()])
+
         return fill
 
     @contextlib.contextmanager
@@ -109,6 +114,5 @@ class GroupFile:
 
             def fill(chunk: torch.Tensor, offset: int) -> None:
                 group_format.read_into(fd, group_format.byte_view(chunk), start + offset)
+
             yield fill
-
-

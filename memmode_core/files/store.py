@@ -38,20 +38,22 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import torch
 
-from memmode_core.files import folder as offload_folder, format as group_format
 from memmode_core.contracts.errors import InvalidOptionError, StorageUnavailableError
-from memmode_core.files.format import Layout
-from memmode_core.files.folder import OffloadFolder
-from memmode_core.files.groupfile import FILE_PREFIX, FILE_SUFFIX, FileStamp, GroupFile
-from memmode_core.files.borrowed import borrow, lending_now as lending
 from memmode_core.contracts.options import Option, one_of
-from memmode_core.engine.staging import Fill, StagingRing
 from memmode_core.contracts.storage import Storage, StorageSession, Tensors
+from memmode_core.engine.staging import Fill, StagingRing
+from memmode_core.files import folder as offload_folder
+from memmode_core.files import format as group_format
+from memmode_core.files.borrowed import borrow
+from memmode_core.files.borrowed import lending_now as lending
+from memmode_core.files.folder import OffloadFolder
+from memmode_core.files.format import Layout
+from memmode_core.files.groupfile import FILE_PREFIX, FILE_SUFFIX, FileStamp, GroupFile
 
 logger = logging.getLogger("memmode")
 
@@ -66,7 +68,8 @@ def _boolean(value: object) -> bool:
 
 
 KEEP_FILES = Option(
-    "keep_files", False,
+    "keep_files",
+    False,
     "leave the group files this session wrote in offload_dir after remove() and at exit, so that the "
     "next apply of the same weights reuses them instead of writing (needs offload_dir)",
     _boolean,
@@ -77,7 +80,8 @@ KEEP_FILES = Option(
 VERIFY_LEVELS = ("size", "hash", "none")
 
 VERIFY = Option(
-    "verify", "size",
+    "verify",
+    "size",
     "check each group file before it is read back: 'size' (one stat: size, identity and modification time; "
     "a changed file is then hashed, so a truncated, replaced or edited file is an error), 'hash' (also the "
     "content digest at every onload, ~0.6 s per GB read), 'none'",
@@ -88,8 +92,9 @@ VERIFY = Option(
 class GroupFileStore:
     """The files of one storage session in one folder (see the module docstring)."""
 
-    def __init__(self, offload_dir: str | os.PathLike | None, *, keep_files: bool, owner: str,
-                 warn_in_ram: bool = False) -> None:
+    def __init__(
+        self, offload_dir: str | os.PathLike | None, *, keep_files: bool, owner: str, warn_in_ram: bool = False
+    ) -> None:
         self.owner = owner
         self.keep_files = keep_files
         #: warn when the folder is a RAM filesystem, for a storage whose point is to save memory
@@ -120,8 +125,9 @@ class GroupFileStore:
                 self._folder.sweep_temporaries()
                 collected = self._folder.collect_dead()
                 if collected:
-                    logger.info("memmode: removed %d group files left in %s by sessions that died",
-                                len(collected), self.folder)
+                    logger.info(
+                        "memmode: removed %d group files left in %s by sessions that died", len(collected), self.folder
+                    )
                 existing = sum(f.stat().st_size for f in self.folder.glob(f"{FILE_PREFIX}*{FILE_SUFFIX}"))
                 fd, probe = self._folder.temporary_file()
                 os.close(fd)
@@ -142,9 +148,13 @@ class GroupFileStore:
                     f"free some space or choose another offload_dir="
                 )
         if self.warn_in_ram and (kind := offload_folder.filesystem_type(self.folder)) in ("tmpfs", "ramfs"):
-            logger.warning("memmode: storage %r writes to %s, a %s held in RAM: the weights will take as much "
-                           "memory as with storage='ram'; pass offload_dir= on a disk to save memory",
-                           self.owner, self.folder, kind)
+            logger.warning(
+                "memmode: storage %r writes to %s, a %s held in RAM: the weights will take as much "
+                "memory as with storage='ram'; pass offload_dir= on a disk to save memory",
+                self.owner,
+                self.folder,
+                kind,
+            )
 
     def _open_folder(self) -> None:
         try:
@@ -182,8 +192,11 @@ class GroupFileStore:
                 if self._room_per_write:
                     self._check_room(layout.file_size + PER_FILE_ALLOWANCE)
                 if path.exists():
-                    logger.warning("memmode: %s does not hold the bytes its name promises (truncated or another "
-                                   "file); rewriting it", path)
+                    logger.warning(
+                        "memmode: %s does not hold the bytes its name promises (truncated or another "
+                        "file); rewriting it",
+                        path,
+                    )
                 self._write(path, layout, host)
                 self._folder.wrote(name)
             stamp = FileStamp.of(path)
@@ -196,8 +209,10 @@ class GroupFileStore:
         except OSError as exc:
             raise self._refusal(f"cannot write in {self.folder}: {exc}") from None
         if free < size:
-            raise self._refusal(f"{self.folder} has {free / 2**30:.2f} GiB free and the next group needs "
-                                f"{size / 2**30:.2f} GiB; free some space or choose another offload_dir=")
+            raise self._refusal(
+                f"{self.folder} has {free / 2**30:.2f} GiB free and the next group needs "
+                f"{size / 2**30:.2f} GiB; free some space or choose another offload_dir="
+            )
 
     def _write(self, path: Path, layout: Layout, tensors: Tensors) -> None:
         temporary = None
@@ -213,8 +228,9 @@ class GroupFileStore:
             if self.keep_files:
                 self._folder.sync()  # the rename itself survives a crash
         except OSError as exc:
-            raise self._refusal(f"cannot write {path.name} ({layout.file_size / 2**20:.1f} MiB) in "
-                                f"{self.folder}: {exc}") from None
+            raise self._refusal(
+                f"cannot write {path.name} ({layout.file_size / 2**20:.1f} MiB) in {self.folder}: {exc}"
+            ) from None
         finally:
             if temporary is not None:
                 with contextlib.suppress(OSError):
@@ -240,7 +256,9 @@ def check_offload_dir(offload_dir) -> None:
     if "\0" in path:
         raise InvalidOptionError(f"offload_dir={path!r} contains a NUL character, which no path may hold")
     if os.path.exists(path) and not os.path.isdir(path):
-        raise StorageUnavailableError(f"offload_dir={path!r} is a file, not a folder; give a folder for the group files")
+        raise StorageUnavailableError(
+            f"offload_dir={path!r} is a file, not a folder; give a folder for the group files"
+        )
 
 
 # -- the storage side: what disk and mmap share ------------------------------------------------------
@@ -267,8 +285,9 @@ class GroupFileStorage(Storage):
                 f"keep_files=True needs offload_dir=: without it storage {self.name!r} writes to a private "
                 f"temporary folder that is removed at remove() and at exit"
             )
-        store = GroupFileStore(offload_dir, keep_files=bool(options["keep_files"]), owner=self.name,
-                               warn_in_ram=self.warn_in_ram)
+        store = GroupFileStore(
+            offload_dir, keep_files=bool(options["keep_files"]), owner=self.name, warn_in_ram=self.warn_in_ram
+        )
         session = self.session(store, device)
         session.verify = options["verify"]
         return session
@@ -303,8 +322,9 @@ class GroupFileSession(StorageSession):
             raise StorageUnavailableError(f"storage {self.store.owner!r} holds no group {key!r}")
         group_file.check(self.verify)
 
-    def upload(self, group_file: GroupFile, fill: Fill, device: torch.device,
-               stream: "torch.cuda.Stream | None") -> Tensors:
+    def upload(
+        self, group_file: GroupFile, fill: Fill, device: torch.device, stream: torch.cuda.Stream | None
+    ) -> Tensors:
         """The group on a CUDA ``device``, its bytes supplied chunk by chunk by ``fill``."""
         return self.staging.upload(group_file.layout, fill, device, stream)
 
@@ -318,5 +338,8 @@ class GroupFileSession(StorageSession):
         self.store.close()
 
     def stats(self) -> dict[str, int]:
-        return {"disk_bytes": self.store.disk_bytes, "borrowed_bytes": self.store.borrowed_bytes,
-                "pinned_bytes": self.staging.pinned_bytes if self.staging is not None else 0}
+        return {
+            "disk_bytes": self.store.disk_bytes,
+            "borrowed_bytes": self.store.borrowed_bytes,
+            "pinned_bytes": self.staging.pinned_bytes if self.staging is not None else 0,
+        }

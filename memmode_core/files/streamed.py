@@ -19,21 +19,26 @@ import ctypes
 import ctypes.util
 import os
 import tempfile
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Iterable, Mapping
 
 import torch
 
+from memmode_core.contracts.packing import views
 from memmode_core.contracts.storage import Tensors
 from memmode_core.files.format import Layout, byte_view, host_tensors, map_private_fd
-from memmode_core.contracts.packing import views
 
 
 class StreamedFile:
     """Write ``specs`` (name -> meta or real tensor giving dtype and shape) piece by piece, then map."""
 
-    def __init__(self, specs: Mapping[str, torch.Tensor], folder: str | os.PathLike | None = None,
-                 metadata: dict[str, str] | None = None, keep_as: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        specs: Mapping[str, torch.Tensor],
+        folder: str | os.PathLike | None = None,
+        metadata: dict[str, str] | None = None,
+        keep_as: str | os.PathLike | None = None,
+    ) -> None:
         self.layout = Layout.of(dict(specs), metadata)
         self._entries = {e.name: e for e in self.layout.entries}
         self._written: set[str] = set()
@@ -60,15 +65,17 @@ class StreamedFile:
         for name, tensor in host_tensors(tensors).items():
             entry = self._entries[name]
             if (tensor.dtype, tuple(tensor.shape)) != (entry.dtype, tuple(entry.shape)):
-                raise ValueError(f"{name}: got a {tuple(tensor.shape)} {tensor.dtype} tensor, the layout has "
-                                 f"{tuple(entry.shape)} {entry.dtype}")
+                raise ValueError(
+                    f"{name}: got a {tuple(tensor.shape)} {tensor.dtype} tensor, the layout has "
+                    f"{tuple(entry.shape)} {entry.dtype}"
+                )
             data, offset = byte_view(tensor), self.layout.data_start + entry.start
             done = 0
             while done < len(data):
                 done += os.pwrite(self._fd, data[done:], offset + done)
             self._written.add(name)
 
-    def finish(self) -> "MappedTensors":
+    def finish(self) -> MappedTensors:
         """Every tensor, as views of the file mapped privately; the file is unlinked (or renamed to
         ``keep_as``)."""
         missing = set(self._entries) - self._written
@@ -131,8 +138,14 @@ def give_back_freed_memory() -> None:
         _TRIM(0)
 
 
-def write_pieces(specs: Mapping[str, torch.Tensor], pieces: Iterable[Tensors], *, folder=None,
-                 metadata: dict[str, str] | None = None, keep_as=None) -> "MappedTensors":
+def write_pieces(
+    specs: Mapping[str, torch.Tensor],
+    pieces: Iterable[Tensors],
+    *,
+    folder=None,
+    metadata: dict[str, str] | None = None,
+    keep_as=None,
+) -> MappedTensors:
     """Write every piece of ``pieces`` into a :class:`StreamedFile` laid out from ``specs``; its mapped views."""
     streamed = StreamedFile(specs, folder, metadata, keep_as)
     try:

@@ -96,8 +96,10 @@ def plan_binding(skeleton: Skeleton, checkpoint: Checkpoint, *, where: str) -> B
     if missing or wrong:
         lines = [*(f"{k}: missing from the checkpoint" for k in missing[:5]), *wrong[:5]]
         more = len(missing) + len(wrong) - len(lines)
-        raise CheckpointError(f"{where} does not fit {type(skeleton.module).__name__}: {'; '.join(lines)}"
-                              f"{f'; and {more} more' if more > 0 else ''}")
+        raise CheckpointError(
+            f"{where} does not fit {type(skeleton.module).__name__}: {'; '.join(lines)}"
+            f"{f'; and {more} more' if more > 0 else ''}"
+        )
     unexpected = sorted(set(checkpoint.keys()) - wanted)
     return BindPlan(slots, source, convert, unexpected)
 
@@ -106,8 +108,10 @@ def bind(skeleton: Skeleton, checkpoint: Checkpoint, plan: BindPlan, *, staging_
     """Bind every tensor: views of the checkpoint, or of a streamed file for the converted ones."""
     values: dict[int, torch.Tensor] = {}
     if plan.convert:
-        specs = {str(i): torch.empty(plan.slots[i].current.shape, dtype=dtype, device="meta")
-                 for i, dtype in plan.convert.items()}
+        specs = {
+            str(i): torch.empty(plan.slots[i].current.shape, dtype=dtype, device="meta")
+            for i, dtype in plan.convert.items()
+        }
 
         def pieces():
             for i, dtype in plan.convert.items():
@@ -119,5 +123,9 @@ def bind(skeleton: Skeleton, checkpoint: Checkpoint, plan: BindPlan, *, staging_
     for index, key in plan.source.items():
         plan.slots[index].assign(values[index] if index in values else checkpoint.view(key))
     if plan.unexpected:
-        logger.warning("memmode: %d tensors of the checkpoint are not used by %s (e.g. %s)", len(plan.unexpected),
-                       type(skeleton.module).__name__, plan.unexpected[0])
+        logger.warning(
+            "memmode: %d tensors of the checkpoint are not used by %s (e.g. %s)",
+            len(plan.unexpected),
+            type(skeleton.module).__name__,
+            plan.unexpected[0],
+        )

@@ -20,9 +20,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -61,11 +62,23 @@ class ComponentLoad:
     cls: type | None = None
 
 
-def load(path: str | os.PathLike, mode: str, *, torch_dtype: torch.dtype | None = None, device: Any = None,
-         weight_dtype: torch.dtype | None = None, storage: str | None = None, offload_dir: str | None = None,
-         components: Iterable[str] | None = None, exclude: Iterable[str] | None = None,
-         exclude_components: Iterable[str] | None = None, variant: str | None = None,
-         staging_dir: str | os.PathLike | None = None, in_place: bool | None = None, **options: Any) -> Handle:
+def load(
+    path: str | os.PathLike,
+    mode: str,
+    *,
+    torch_dtype: torch.dtype | None = None,
+    device: Any = None,
+    weight_dtype: torch.dtype | None = None,
+    storage: str | None = None,
+    offload_dir: str | None = None,
+    components: Iterable[str] | None = None,
+    exclude: Iterable[str] | None = None,
+    exclude_components: Iterable[str] | None = None,
+    variant: str | None = None,
+    staging_dir: str | os.PathLike | None = None,
+    in_place: bool | None = None,
+    **options: Any,
+) -> Handle:
     """Load the diffusers pipeline (or the single model) saved in ``path`` straight into ``mode``.
 
     Arguments are those of :func:`memmode_core.apply`, plus ``torch_dtype`` and ``variant`` as
@@ -113,8 +126,11 @@ def load(path: str | os.PathLike, mode: str, *, torch_dtype: torch.dtype | None 
     mappings: list[torch.Tensor] = []  # of the streamed files tensors were bound from
     for item in loads:
         if item.library_loaded:
-            kwargs = {} if torch_dtype is None else {
-                ("dtype" if item.skeleton.library == "transformers" else "torch_dtype"): torch_dtype}
+            kwargs = (
+                {}
+                if torch_dtype is None
+                else {("dtype" if item.skeleton.library == "transformers" else "torch_dtype"): torch_dtype}
+            )
             item.skeleton.module = item.cls.from_pretrained(item.folder, variant=variant, **kwargs).eval()
             continue
         bind(item.skeleton, item.checkpoint, item.plan, staging_dir=staging)
@@ -132,8 +148,11 @@ def load(path: str | os.PathLike, mode: str, *, torch_dtype: torch.dtype | None 
     for item in loads:  # saved quantized, and no quantizer of the mode will install their forward: do it here
         if item.reader is not None and item.name not in selected:
             for layer in item.saved_layers:
-                install_forward(item.skeleton.module.get_submodule(layer.path), item.reader,
-                                weight_dtype or layer.compute_dtype or layer.dtype)
+                install_forward(
+                    item.skeleton.module.get_submodule(layer.path),
+                    item.reader,
+                    weight_dtype or layer.compute_dtype or layer.dtype,
+                )
 
     # -- quantize while streaming, as apply would quantize ------------------------------------------
     summaries_fix = {}
@@ -147,29 +166,49 @@ def load(path: str | os.PathLike, mode: str, *, torch_dtype: torch.dtype | None 
                     packed = saved.stream_pack(plan, staging_dir=staging, mappings=mappings)
                     summaries_fix[name] = (packed, before)
         else:
-            logger.info("memmode: quantizer %s has its own quantize(); it quantizes the loaded model in memory",
-                        quantizer.name)
+            logger.info(
+                "memmode: quantizer %s has its own quantize(); it quantizes the loaded model in memory", quantizer.name
+            )
 
     # the checkpoint's mappings and the streamed files are lent to file storages, which store the groups
     # lying in them by reference rather than writing them again (see memmode_core.files.borrowed)
     anywhere = in_place is True
-    sources = [] if in_place is False else [
-        *(source_of_mapping(f.mapping, f.path, any_alignment=anywhere) for item in loads for f in item.checkpoint.files
-          if f.mapping is not None),
-        *(source_of_mapping(flat, None, any_alignment=anywhere) for flat in mappings)]
+    sources = (
+        []
+        if in_place is False
+        else [
+            *(
+                source_of_mapping(f.mapping, f.path, any_alignment=anywhere)
+                for item in loads
+                for f in item.checkpoint.files
+                if f.mapping is not None
+            ),
+            *(source_of_mapping(flat, None, any_alignment=anywhere) for flat in mappings),
+        ]
+    )
     try:
         with lending(sources):
-            handle = apply(target, mode, device=device, weight_dtype=weight_dtype, storage=storage,
-                           offload_dir=offload_dir, components=components, exclude=exclude,
-                           exclude_components=exclude_components, **options)
+            handle = apply(
+                target,
+                mode,
+                device=device,
+                weight_dtype=weight_dtype,
+                storage=storage,
+                offload_dir=offload_dir,
+                components=components,
+                exclude=exclude,
+                exclude_components=exclude_components,
+                **options,
+            )
     finally:
         for item in loads:
             item.checkpoint.release()
     for name, (packed, before) in summaries_fix.items():
         summary = handle.quantized.get(name)
         if summary is not None and dataclasses.is_dataclass(summary):
-            handle.quantized[name] = dataclasses.replace(summary, packed_layers=packed, already_packed_layers=0,
-                                                         bytes_before=before)
+            handle.quantized[name] = dataclasses.replace(
+                summary, packed_layers=packed, already_packed_layers=0, bytes_before=before
+            )
     return handle
 
 
@@ -205,9 +244,13 @@ def _plan_components(folder: Path, index: dict | None, torch_dtype, variant, plu
             saved.prepare_packed(skeleton.module, item.reader, item.saved_layers, str(sub))
         item.cls = cls
         if fmt is None and _needs_library_loader(skeleton, checkpoint):
-            logger.info("memmode: %s (%s) is loaded by %s itself: its checkpoint names tensors otherwise than "
-                        "the model, which only the library converts; it is read as from_pretrained reads it",
-                        name, cls.__name__, skeleton.library)
+            logger.info(
+                "memmode: %s (%s) is loaded by %s itself: its checkpoint names tensors otherwise than "
+                "the model, which only the library converts; it is read as from_pretrained reads it",
+                name,
+                cls.__name__,
+                skeleton.library,
+            )
             item.library_loaded = True
         else:
             item.plan = plan_binding(skeleton, checkpoint, where=str(sub))
@@ -228,15 +271,20 @@ def _needs_library_loader(skeleton: Skeleton, checkpoint: Checkpoint) -> bool:
 def _reader_for(fmt: str, plugins, quantizer, where: Path):
     if quantizer is not None:
         if quantizer.format_name != fmt:
-            raise IncompatibleModeError(f"{where} is saved quantized in {fmt}; the mode's quantizer {quantizer.name} "
-                                        f"writes {quantizer.format_name}, and memmode does not re-quantize a quantized "
-                                        f"model: use a mode with a {fmt} quantizer, or none")
+            raise IncompatibleModeError(
+                f"{where} is saved quantized in {fmt}; the mode's quantizer {quantizer.name} "
+                f"writes {quantizer.format_name}, and memmode does not re-quantize a quantized "
+                f"model: use a mode with a {fmt} quantizer, or none"
+            )
         return quantizer
-    readers = [reg.obj for reg in plugins.registrations["quantizer"].values()
-               if getattr(reg.obj, "format_name", None) == fmt]
+    readers = [
+        reg.obj for reg in plugins.registrations["quantizer"].values() if getattr(reg.obj, "format_name", None) == fmt
+    ]
     if not readers:
-        raise CheckpointError(f"{where} is saved quantized in format {fmt!r}, which no installed quantizer reads "
-                              f"(pip install memmode-{fmt.split('_')[0]}?)")
+        raise CheckpointError(
+            f"{where} is saved quantized in format {fmt!r}, which no installed quantizer reads "
+            f"(pip install memmode-{fmt.split('_')[0]}?)"
+        )
     return readers[0]
 
 
@@ -287,12 +335,19 @@ def _say_how_to_hand_it_to_its_pipeline(folder: Path) -> None:
     optional = folder.name in (getattr(pipeline_class, "_optional_components", None) or ())
     how = f"{class_name}.from_pretrained({str(folder.parent)!r}, {folder.name}=handle.target)"
     if optional:
-        logger.warning("memmode: %s is the %r component of a %s folder; pass it as %s: "
-                       "DiffusionPipeline.from_pretrained replaces an optional component passed this way with a "
-                       "fresh full copy, without a word", folder, folder.name, class_name, how)
+        logger.warning(
+            "memmode: %s is the %r component of a %s folder; pass it as %s: "
+            "DiffusionPipeline.from_pretrained replaces an optional component passed this way with a "
+            "fresh full copy, without a word",
+            folder,
+            folder.name,
+            class_name,
+            how,
+        )
     else:
-        logger.info("memmode: %s is the %r component of a %s folder; use it with %s", folder, folder.name,
-                    class_name, how)
+        logger.info(
+            "memmode: %s is the %r component of a %s folder; use it with %s", folder, folder.name, class_name, how
+        )
 
 
 def _assemble(folder: Path, index: dict | None, loads: list[ComponentLoad], torch_dtype, variant):

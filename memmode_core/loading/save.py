@@ -71,14 +71,17 @@ def _save_module(module: nn.Module, folder: Path, handle, name: str) -> None:
         module.config.save_pretrained(folder)
         stem = "model"
     else:
-        raise InvalidOptionError(f"{type(module).__name__} has no config to save (not a diffusers or transformers "
-                                 f"model)")
+        raise InvalidOptionError(
+            f"{type(module).__name__} has no config to save (not a diffusers or transformers model)"
+        )
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for prefix, sub in module.named_modules():
         dot = prefix + "." if prefix else ""
-        for attr, tensor in [*sub._parameters.items(),
-                             *((n, b) for n, b in sub._buffers.items() if n not in sub._non_persistent_buffers_set)]:
+        for attr, tensor in [
+            *sub._parameters.items(),
+            *((n, b) for n, b in sub._buffers.items() if n not in sub._non_persistent_buffers_set),
+        ]:
             if tensor is None or id(tensor) in seen:
                 continue  # a tied tensor is saved once, under its first name (as save_pretrained does)
             seen.add(id(tensor))

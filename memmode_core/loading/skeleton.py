@@ -20,18 +20,32 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from memmode_core.contracts.errors import CheckpointError
 
-_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
-                   "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
-                   "sparse_")
+_INIT_FUNCTIONS = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "constant_",
+    "ones_",
+    "zeros_",
+    "eye_",
+    "dirac_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "orthogonal_",
+    "sparse_",
+)
 
 
 @contextlib.contextmanager
@@ -102,8 +116,10 @@ def build(cls: type, folder: Path, torch_dtype: torch.dtype | None) -> Skeleton:
         return _transformers_skeleton(cls, folder, torch_dtype)
     if hasattr(cls, "from_config") and hasattr(cls, "load_config"):
         return _diffusers_skeleton(cls, folder, torch_dtype)
-    raise CheckpointError(f"{cls.__module__}.{cls.__name__} is neither a diffusers nor a transformers model: "
-                          f"memmode cannot build it from {folder}")
+    raise CheckpointError(
+        f"{cls.__module__}.{cls.__name__} is neither a diffusers nor a transformers model: "
+        f"memmode cannot build it from {folder}"
+    )
 
 
 def _is_transformers(cls: type) -> bool:

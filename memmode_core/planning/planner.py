@@ -26,21 +26,22 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from memmode_core.contracts.costs import StorageCost, probe
 from memmode_core.contracts.devices import resolve_device
-from memmode_core.contracts.layout import GroupSpec, Policy
-from memmode_core.engine.runtime import Group, claim_groups
 from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError
+from memmode_core.contracts.layout import GroupSpec, Policy
 from memmode_core.contracts.options import byte_size, resolve_options
 from memmode_core.contracts.placement import lay_out
-from memmode_core.discovery.plugins import PluginSet, current
 from memmode_core.contracts.targets import Target
+from memmode_core.discovery.plugins import PluginSet, current
+from memmode_core.engine.runtime import Group, claim_groups
 
 #: Share of a prefetching placement's copy time hidden behind compute.
 PREFETCH_OVERLAP = 0.9
@@ -155,12 +156,24 @@ class _Sized:
     idle: bool
 
 
-def _size_groups(target: Target, groups: list[Group], quantizer, quantized: Mapping[str, nn.Module],
-                 exclude: tuple[str, ...], quantizer_options: Mapping[str, object]) -> list[_Sized]:
+def _size_groups(
+    target: Target,
+    groups: list[Group],
+    quantizer,
+    quantized: Mapping[str, nn.Module],
+    exclude: tuple[str, ...],
+    quantizer_options: Mapping[str, object],
+) -> list[_Sized]:
     from memmode_core.quantization.layers import plan_quantization
 
-    plans = {name: plan_quantization(quantizer, module, exclude=exclude, options=quantizer_options)
-             for name, module in quantized.items()} if quantizer is not None else {}
+    plans = (
+        {
+            name: plan_quantization(quantizer, module, exclude=exclude, options=quantizer_options)
+            for name, module in quantized.items()
+        }
+        if quantizer is not None
+        else {}
+    )
     idle_ids: dict[str, set[int]] = {}
     for name, component in target.components.items():
         ids: set[int] = set()
@@ -180,8 +193,14 @@ def _size_groups(target: Target, groups: list[Group], quantizer, quantized: Mapp
     return sized
 
 
-def stored_sizes(target: Target, specs: list[GroupSpec], quantizer=None, quantized: Mapping[str, nn.Module] = {},
-                 exclude: tuple[str, ...] = (), quantizer_options: Mapping[str, object] = {}) -> dict[str, int]:
+def stored_sizes(
+    target: Target,
+    specs: list[GroupSpec],
+    quantizer=None,
+    quantized: Mapping[str, nn.Module] = {},
+    exclude: tuple[str, ...] = (),
+    quantizer_options: Mapping[str, object] = {},
+) -> dict[str, int]:
     """Bytes of each group a storage will hold, once quantized: what ``apply`` reserves before it
     quantizes, so that a storage without room refuses while nothing has been touched."""
     groups = claim_groups(target.components, specs)
@@ -297,11 +316,22 @@ def default_ram_budget() -> int | None:
 # -- the planner ------------------------------------------------------------------------------------------
 
 
-def plan(target: Any, *, device: Any = None, vram_budget: Any = None, ram_budget: Any = None,
-         quantizer: str | Iterable[str] | None = None, storage: str | None = None, weight_dtype=None,
-         components: Iterable[str] | None = None, exclude: Iterable[str] | None = None,
-         calls: Mapping[str, int] | None = None, steps: int = DEFAULT_STEPS,
-         exclude_components: Iterable[str] | None = None, **options: Any) -> list[PlanEntry]:
+def plan(
+    target: Any,
+    *,
+    device: Any = None,
+    vram_budget: Any = None,
+    ram_budget: Any = None,
+    quantizer: str | Iterable[str] | None = None,
+    storage: str | None = None,
+    weight_dtype=None,
+    components: Iterable[str] | None = None,
+    exclude: Iterable[str] | None = None,
+    calls: Mapping[str, int] | None = None,
+    steps: int = DEFAULT_STEPS,
+    exclude_components: Iterable[str] | None = None,
+    **options: Any,
+) -> list[PlanEntry]:
     """Predict every installed placement × storage (× ``quantizer``) for ``target``; see the module docstring.
 
     ``vram_budget`` / ``ram_budget`` (bytes or strings such as ``"8GiB"``) decide ``fits``; the
@@ -379,15 +409,26 @@ def _entry(mode, placement, quantizer, sreg, variant, sized, state: _Replay, dev
     offloaded = sum(s.nbytes for s in sized if s.group.policy is not Policy.RESIDENT)
     held = {"pageable": 0, "pinned": 0, "disk": 0}
     if cost is not None:
-        held = {"pageable": round(offloaded * cost.pageable_per_byte), "pinned": round(offloaded * cost.pinned_per_byte),
-                "disk": round(offloaded * cost.disk_per_byte)}
+        held = {
+            "pageable": round(offloaded * cost.pageable_per_byte),
+            "pinned": round(offloaded * cost.pinned_per_byte),
+            "disk": round(offloaded * cost.disk_per_byte),
+        }
     if device.type == "cpu":  # the device is the RAM: resident weights are host memory too
         held["pageable"] += sum(s.nbytes for s in sized if s.group.policy is Policy.RESIDENT)
     return PlanEntry(
-        mode=mode, placement=placement, quantizer=quantizer, storage=sreg.name if sreg is not None else None,
-        options=dict(variant), peak_device_bytes=state.peak, transfer_bytes_per_call=state.moved,
-        onloads_per_call=state.onloads, pageable_bytes=held["pageable"], pinned_bytes=held["pinned"],
-        disk_bytes=held["disk"], seconds_per_call=_seconds(cost, state.moved, state.onloads, device, prefetch),
+        mode=mode,
+        placement=placement,
+        quantizer=quantizer,
+        storage=sreg.name if sreg is not None else None,
+        options=dict(variant),
+        peak_device_bytes=state.peak,
+        transfer_bytes_per_call=state.moved,
+        onloads_per_call=state.onloads,
+        pageable_bytes=held["pageable"],
+        pinned_bytes=held["pinned"],
+        disk_bytes=held["disk"],
+        seconds_per_call=_seconds(cost, state.moved, state.onloads, device, prefetch),
     )
 
 
@@ -414,8 +455,15 @@ def _judge(entries: list[PlanEntry], vram: int | None, ram: int | None) -> None:
         e.fits, e.reason = not reasons, "; ".join(reasons) or None
     fitting = [e for e in entries if e.fits]
     if fitting:
-        best = min(fitting, key=lambda e: (e.seconds_per_call, e.peak_device_bytes, _STORAGE_PREFERENCE.get(e.storage, 9),
-                                           e.host_bytes))
+        best = min(
+            fitting,
+            key=lambda e: (
+                e.seconds_per_call,
+                e.peak_device_bytes,
+                _STORAGE_PREFERENCE.get(e.storage, 9),
+                e.host_bytes,
+            ),
+        )
         best.chosen = True
 
 
@@ -429,8 +477,9 @@ def choose(entries: list[PlanEntry], vram: int | None, ram: int | None) -> PlanE
     if not entries:
         raise NoModeFitsError("no installed placement can place this target")
     smallest = min(entries, key=lambda e: (e.peak_device_bytes, e.host_bytes))
-    budget = ", ".join(f"{n}={format_bytes(v)}" for n, v in (("vram_budget", vram), ("ram_budget", ram))
-                       if v is not None)
+    budget = ", ".join(
+        f"{n}={format_bytes(v)}" for n, v in (("vram_budget", vram), ("ram_budget", ram)) if v is not None
+    )
     raise NoModeFitsError(
         f"no mode fits {budget}: the smallest, {smallest.label()} with storage {smallest.storage}, needs "
         f"{format_bytes(smallest.peak_device_bytes)} on the device and {format_bytes(smallest.host_bytes)} of RAM"

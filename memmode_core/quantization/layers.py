@@ -73,8 +73,9 @@ from __future__ import annotations
 import contextvars
 import re
 import weakref
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +83,7 @@ from torch import nn
 
 from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError, QuantizedWeightWriteError
 from memmode_core.contracts.storage import is_placeholder
+from memmode_core.contracts.targets import is_fsdp1
 
 if TYPE_CHECKING:  # the contract sits above these mechanics: its default check/quantize call them
     from memmode_core.quantization.quantizer import Quantizer
@@ -95,7 +97,6 @@ OUTSIDE_BLOCKS = "<outside blocks>"
 #: What every quantizer leaves at full precision unless told otherwise (measured; see the module
 #: docstring). ``exclude=`` adds to it; the ``default_exclude`` option replaces it.
 DEFAULT_EXCLUDE: tuple[str, ...] = (OUTSIDE_BLOCKS,)
-from memmode_core.contracts.targets import is_fsdp1
 
 #: attribute of a packed ``nn.Linear`` holding its :class:`PackedLayer` record
 PACKED_ATTRIBUTE = "_memmode_packed"
@@ -200,8 +201,11 @@ class QuantizedLinear(nn.Linear):
         nothing but the codes the write re-quantizes. Devices change as asked. The cast copies made by
         ``fn`` are discarded (scales and biases: small).
         """
-        originals = {name: (t.data if isinstance(t, nn.Parameter) else t)
-                     for name, t in (*self._parameters.items(), *self._buffers.items()) if t is not None}
+        originals = {
+            name: (t.data if isinstance(t, nn.Parameter) else t)
+            for name, t in (*self._parameters.items(), *self._buffers.items())
+            if t is not None
+        }
         result = super()._apply(fn, recurse)
         for name, original in originals.items():
             if name in self._parameters and self._parameters[name] is not None:
@@ -220,8 +224,9 @@ class QuantizedLinear(nn.Linear):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         destination[prefix + "weight"] = self.weight
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         key = prefix + "weight"
         incoming = state_dict.get(key)
         if incoming is not None:
@@ -233,8 +238,9 @@ class QuantizedLinear(nn.Linear):
                     f"{self._memmode_packed.format}; load the weights before applying the mode"
                 )
                 state_dict.pop(key)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def extra_repr(self) -> str:
         record = packed_record(self)
@@ -243,9 +249,25 @@ class QuantizedLinear(nn.Linear):
 
 
 #: in-place Python operators (``t += x`` calls ``t.__iadd__``) and the setters of ``t[...] = x``, ``t.data = x``
-_WRITING_DUNDERS = frozenset({"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
-                              "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
-                              "__irshift__", "__setitem__", "__set__"})
+_WRITING_DUNDERS = frozenset(
+    {
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__itruediv__",
+        "__ifloordiv__",
+        "__imod__",
+        "__ipow__",
+        "__imatmul__",
+        "__iand__",
+        "__ior__",
+        "__ixor__",
+        "__ilshift__",
+        "__irshift__",
+        "__setitem__",
+        "__set__",
+    }
+)
 #: in-place methods that change no values
 _HARMLESS_IN_PLACE = frozenset({"requires_grad_", "share_memory_", "retain_grad", "detach_"})
 #: ``Tensor.data``'s getter and setter, as ``__torch_function__`` receives them (``func == ...``)
@@ -295,7 +317,7 @@ class WeightStandIn(torch.Tensor):
 
     _memmode_format = "a packed format"
     #: a weak reference to the :class:`QuantizedLinear` whose weight this stands in for (None: unlinked)
-    _memmode_layer: "weakref.ref[QuantizedLinear] | None" = None
+    _memmode_layer: weakref.ref[QuantizedLinear] | None = None
     #: whether this tensor is the whole weight (the stand-in itself, ``.data``, ``.detach()``, ...)
     _memmode_whole = False
 
@@ -314,10 +336,14 @@ class WeightStandIn(torch.Tensor):
                 return _assign_data(args[0], args[1])
             raise _refusal(name, args[0], "a stand-in only takes writes of values")
         if isinstance(out, (tuple, list)) and any(isinstance(o, WeightStandIn) for o in out):
-            raise _refusal(name, next(o for o in out if isinstance(o, WeightStandIn)),
-                           "an operation with several outputs cannot write into it")
-        writes = (name in _WRITING_DUNDERS
-                  or (name.endswith("_") and not name.startswith("_") and name not in _HARMLESS_IN_PLACE))
+            raise _refusal(
+                name,
+                next(o for o in out if isinstance(o, WeightStandIn)),
+                "an operation with several outputs cannot write into it",
+            )
+        writes = name in _WRITING_DUNDERS or (
+            name.endswith("_") and not name.startswith("_") and name not in _HARMLESS_IN_PLACE
+        )
         if isinstance(out, WeightStandIn) or (writes and args and isinstance(args[0], WeightStandIn)):
             target = out if isinstance(out, WeightStandIn) else args[0]
             return _write_through(target, func, name, args, kwargs)
@@ -333,8 +359,9 @@ class WeightStandIn(torch.Tensor):
         return result
 
 
-def _aliased_stand_in(func, name: str, args: tuple, stand_ins: list[WeightStandIn],
-                      result: torch.Tensor) -> WeightStandIn | None:
+def _aliased_stand_in(
+    func, name: str, args: tuple, stand_ins: list[WeightStandIn], result: torch.Tensor
+) -> WeightStandIn | None:
     """The stand-in among ``args`` whose single element ``result`` is a view of, if any."""
     if result.layout != torch.strided:
         return None
@@ -370,20 +397,29 @@ def _linked_layer(name: str, target: WeightStandIn) -> tuple[QuantizedLinear, Pa
     """The layer ``target`` writes through to, or the refusal that says why there is none."""
     layer = target._memmode_layer() if target._memmode_layer is not None else None
     if layer is None:
-        raise _refusal(name, target, "this stand-in is linked to no layer (its layer is gone, or it was not obtained "
-                                     "from `layer.weight`), so the write has nothing to write into")
+        raise _refusal(
+            name,
+            target,
+            "this stand-in is linked to no layer (its layer is gone, or it was not obtained "
+            "from `layer.weight`), so the write has nothing to write into",
+        )
     record = packed_record(layer)
     if not isinstance(layer, QuantizedLinear) or record is None or record.codec is None:
         raise _refusal(name, target, f"{type(layer).__name__} is no longer quantized; write into its own `weight`")
     if not target._memmode_whole or target.shape != record.shape:
-        raise _refusal(name, target, "the target is a view of part of the weight (indexing, `t()`, `narrow`, ...), "
-                                     "which the stand-in cannot locate; write through the whole weight instead "
-                                     "(`weight.data[index] = value`, `weight.data += full_delta`)")
+        raise _refusal(
+            name,
+            target,
+            "the target is a view of part of the weight (indexing, `t()`, `narrow`, ...), "
+            "which the stand-in cannot locate; write through the whole weight instead "
+            "(`weight.data[index] = value`, `weight.data += full_delta`)",
+        )
     return layer, record
 
 
-def _packed_tensors(name: str, target: WeightStandIn, layer: QuantizedLinear,
-                    record: PackedLayer) -> dict[str, torch.Tensor]:
+def _packed_tensors(
+    name: str, target: WeightStandIn, layer: QuantizedLinear, record: PackedLayer
+) -> dict[str, torch.Tensor]:
     """The layer's packed tensors, refused unless each holds real values in the module."""
     tensors = {}
     for key in record.names:
@@ -391,11 +427,18 @@ def _packed_tensors(name: str, target: WeightStandIn, layer: QuantizedLinear,
         if not isinstance(tensor, torch.Tensor):
             raise _refusal(name, target, f"its packed tensor {key!r} is missing")
         if tensor.is_meta or is_placeholder(tensor) or _is_dtensor(tensor):
-            where = ("on the meta device" if tensor.is_meta else "sharded (DTensor)" if _is_dtensor(tensor)
-                     else "a placeholder: the weight is offloaded to a storage that keeps nothing in the module "
-                          "(disk)")
-            raise _refusal(name, target, f"its packed tensor {key!r} is {where}, so there is no weight to dequantize "
-                                         f"and write into")
+            where = (
+                "on the meta device"
+                if tensor.is_meta
+                else "sharded (DTensor)"
+                if _is_dtensor(tensor)
+                else "a placeholder: the weight is offloaded to a storage that keeps nothing in the module (disk)"
+            )
+            raise _refusal(
+                name,
+                target,
+                f"its packed tensor {key!r} is {where}, so there is no weight to dequantize and write into",
+            )
         tensors[key] = tensor
     return tensors
 
@@ -416,11 +459,19 @@ def _write_through(target: WeightStandIn, func, name: str, args: tuple, kwargs: 
     def operand(value):
         if not isinstance(value, WeightStandIn):
             return value
-        if value is target or (value._memmode_whole and value._memmode_layer is not None
-                               and value._memmode_layer() is layer and value.shape == record.shape):
+        if value is target or (
+            value._memmode_whole
+            and value._memmode_layer is not None
+            and value._memmode_layer() is layer
+            and value.shape == record.shape
+        ):
             return full
-        raise _refusal(name, target, "an operand is a quantized weight's stand-in for a part of this weight or for "
-                                     "another layer, whose values are not available (NaN)")
+        raise _refusal(
+            name,
+            target,
+            "an operand is a quantized weight's stand-in for a part of this weight or for "
+            "another layer, whose values are not available (NaN)",
+        )
 
     with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
         full = codec.unpack(dict(tensors), record.shape, work_dtype).to(work_dtype, copy=True).contiguous()
@@ -436,8 +487,9 @@ def _write_through(target: WeightStandIn, func, name: str, args: tuple, kwargs: 
     return None if name == "__setitem__" else target
 
 
-def _repacked(codec: Quantizer, full: torch.Tensor, tensors: dict[str, torch.Tensor],
-              record: PackedLayer) -> dict[str, torch.Tensor]:
+def _repacked(
+    codec: Quantizer, full: torch.Tensor, tensors: dict[str, torch.Tensor], record: PackedLayer
+) -> dict[str, torch.Tensor]:
     """``full`` packed by ``codec`` (checked by :func:`pack_checked`) into tensors of the names, shapes
     and dtypes the layer holds now. Packed from ``full``'s dtype when the format stores the same
     tensors for it (a finer scale than from a bfloat16 copy), else from the original weight dtype."""
@@ -459,23 +511,37 @@ def _assign_data(target: WeightStandIn, value: Any) -> None:
     Python's ``t.data += x``), else the write ``target.data.copy_(value)`` of a tensor of the weight's shape."""
     if isinstance(value, WeightStandIn):
         layer = target._memmode_layer() if target._memmode_layer is not None else None
-        if (layer is not None and value._memmode_whole and value._memmode_layer is not None
-                and value._memmode_layer() is layer and value.shape == target.shape):
+        if (
+            layer is not None
+            and value._memmode_whole
+            and value._memmode_layer is not None
+            and value._memmode_layer() is layer
+            and value.shape == target.shape
+        ):
             return None
-        raise _refusal("__set__", target, "`.data = ` of a stand-in for part of a weight or for another layer, whose "
-                                          "values are not available")
+        raise _refusal(
+            "__set__",
+            target,
+            "`.data = ` of a stand-in for part of a weight or for another layer, whose values are not available",
+        )
     if not isinstance(value, torch.Tensor) or value.shape != target.shape:
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise _refusal("__set__", target, f"`.data = ` takes a tensor of the weight's shape {tuple(target.shape)}, "
-                                          f"not {shape}")
+        raise _refusal(
+            "__set__", target, f"`.data = ` takes a tensor of the weight's shape {tuple(target.shape)}, not {shape}"
+        )
     _write_through(target, torch.Tensor.copy_, "__set__", (target, value), {})
     return None
 
 
 def _is_stand_in(tensor: torch.Tensor) -> bool:
     """A :attr:`QuantizedLinear.weight` stand-in: NaN broadcast from a single element."""
-    return (tensor.dim() == 2 and tensor.numel() > 0 and tensor.is_floating_point() and tensor.stride() == (0, 0)
-            and bool(torch.isnan(tensor[0, 0])))
+    return (
+        tensor.dim() == 2
+        and tensor.numel() > 0
+        and tensor.is_floating_point()
+        and tensor.stride() == (0, 0)
+        and bool(torch.isnan(tensor[0, 0]))
+    )
 
 
 _SUBCLASSES: dict[type, type] = {nn.Linear: QuantizedLinear}
@@ -534,8 +600,11 @@ def _block_paths(component: nn.Module) -> list[str]:
     declared |= set(getattr(component, "_no_split_modules", None) or ())
     if declared:
         # by the class or a base of it: FSDP2 wraps a sharded block's class in a subclass of its own
-        paths = [path for path, module in component.named_modules()
-                 if path and any(cls.__name__ in declared for cls in type(module).__mro__)]
+        paths = [
+            path
+            for path, module in component.named_modules()
+            if path and any(cls.__name__ in declared for cls in type(module).__mro__)
+        ]
         if paths:
             return paths
     paths = []
@@ -572,8 +641,13 @@ def _unpackable_reason(module: nn.Module) -> str | None:
     return None
 
 
-def plan_layers(quantizer: Quantizer, component: nn.Module, *, exclude: Iterable[str] = (),
-                default_exclude: Iterable[str] = DEFAULT_EXCLUDE) -> list[LayerPlan]:
+def plan_layers(
+    quantizer: Quantizer,
+    component: nn.Module,
+    *,
+    exclude: Iterable[str] = (),
+    default_exclude: Iterable[str] = DEFAULT_EXCLUDE,
+) -> list[LayerPlan]:
     """The decision for each ``nn.Linear`` of ``component``, in the order of the module docstring."""
     exclude = tuple(exclude)
     default_exclude = tuple(default_exclude)
@@ -642,8 +716,10 @@ def _validate_packed(quantizer: Quantizer, packed: Any) -> None:
             raise TypeError(f"{where}: {name!r} must be a plain torch.Tensor, not {type(t).__name__}")
     payload = packed[PAYLOAD]
     if payload.dtype.is_floating_point or payload.dtype.is_complex or payload.dtype == torch.bool:
-        raise TypeError(f"{where}: the {PAYLOAD!r} payload must have an integer dtype, not {payload.dtype} "
-                        f"(store float8 bits as uint8)")
+        raise TypeError(
+            f"{where}: the {PAYLOAD!r} payload must have an integer dtype, not {payload.dtype} "
+            f"(store float8 bits as uint8)"
+        )
 
 
 class PackedSizes:
@@ -712,8 +788,13 @@ class QuantizationPlan:
         return sum(self.direct_bytes(m) for m in self.component.modules())
 
 
-def plan_quantization(quantizer: Quantizer, component: nn.Module, *, exclude: Iterable[str] = (),
-                      options: Mapping[str, object] | None = None) -> QuantizationPlan:
+def plan_quantization(
+    quantizer: Quantizer,
+    component: nn.Module,
+    *,
+    exclude: Iterable[str] = (),
+    options: Mapping[str, object] | None = None,
+) -> QuantizationPlan:
     """Which layers of ``component`` quantizing packs, which it keeps and why, and the sizes that
     leads to. :func:`quantize_component` follows exactly this plan."""
     default_exclude = tuple((options or {}).get("default_exclude", DEFAULT_EXCLUDE))
@@ -721,16 +802,23 @@ def plan_quantization(quantizer: Quantizer, component: nn.Module, *, exclude: It
     return QuantizationPlan(quantizer, component, layers, PackedSizes(quantizer))
 
 
-def quantized_direct_bytes(quantizer: Quantizer, module: nn.Module, *, exclude: Iterable[str] = (),
-                           component: nn.Module | None = None, options: Mapping[str, object] | None = None) -> int:
+def quantized_direct_bytes(
+    quantizer: Quantizer,
+    module: nn.Module,
+    *,
+    exclude: Iterable[str] = (),
+    component: nn.Module | None = None,
+    options: Mapping[str, object] | None = None,
+) -> int:
     """Bytes of ``module``'s own tensors (not its children's) after quantization, without quantizing.
 
     ``component`` is the quantizer's target that contains ``module`` (default: ``module`` itself):
     exclusions are decided in its context, as ``apply`` decides them. To size many modules of one
     component, call :func:`plan_quantization` once and ask its ``direct_bytes``.
     """
-    plan = plan_quantization(quantizer, component if component is not None else module, exclude=exclude,
-                             options=options)
+    plan = plan_quantization(
+        quantizer, component if component is not None else module, exclude=exclude, options=options
+    )
     return plan.direct_bytes(module)
 
 
@@ -773,8 +861,10 @@ class QuantizationSummary:
 
     def __str__(self) -> str:
         ratio = self.bytes_after / self.bytes_before if self.bytes_before else 1.0
-        return (f"{self.quantizer}: {self.packed_layers + self.already_packed_layers} layers in {self.format}, "
-                f"{len(self.full_precision)} at full precision, {ratio:.2f}x the bytes")
+        return (
+            f"{self.quantizer}: {self.packed_layers + self.already_packed_layers} layers in {self.format}, "
+            f"{len(self.full_precision)} at full precision, {ratio:.2f}x the bytes"
+        )
 
 
 def _summary(quantizer: Quantizer, plan: QuantizationPlan, packed_now: int, bytes_before: int) -> QuantizationSummary:
@@ -810,8 +900,14 @@ def check_weight_dtype(weight_dtype: torch.dtype | None) -> None:
         )
 
 
-def check_component(quantizer: Quantizer, name: str, component: nn.Module, *, exclude: Iterable[str] = (),
-                    options: Mapping[str, object] | None = None) -> QuantizationPlan:
+def check_component(
+    quantizer: Quantizer,
+    name: str,
+    component: nn.Module,
+    *,
+    exclude: Iterable[str] = (),
+    options: Mapping[str, object] | None = None,
+) -> QuantizationPlan:
     """Refuse with ``IncompatibleModeError`` what cannot be quantized; return the plan otherwise."""
     fmt = quantizer.format_name
     if is_fsdp1(component):
@@ -835,8 +931,9 @@ def check_component(quantizer: Quantizer, name: str, component: nn.Module, *, ex
             f"{name!r} holds no {fmt} layer. Convert it while its weights are whole, before any sharding "
             f"(memmode_core.convert({fmt!r}, model)), or use {fmt} on an unsharded model."
         )
-    wrapped = [p for p in plan.to_pack if _data_type(p.module.weight) is not torch.Tensor
-               and not _is_dtensor(p.module.weight)]
+    wrapped = [
+        p for p in plan.to_pack if _data_type(p.module.weight) is not torch.Tensor and not _is_dtensor(p.module.weight)
+    ]
     if wrapped:
         raise IncompatibleModeError(
             f"cannot quantize {name!r} with {quantizer.name}: {wrapped[0].path}.weight is a "
@@ -864,9 +961,14 @@ def check_component(quantizer: Quantizer, name: str, component: nn.Module, *, ex
     return plan
 
 
-def check_components(quantizer: Quantizer, components: Mapping[str, nn.Module], *,
-                     weight_dtype: torch.dtype | None, exclude: tuple[str, ...],
-                     options: Mapping[str, object]) -> None:
+def check_components(
+    quantizer: Quantizer,
+    components: Mapping[str, nn.Module],
+    *,
+    weight_dtype: torch.dtype | None,
+    exclude: tuple[str, ...],
+    options: Mapping[str, object],
+) -> None:
     check_weight_dtype(weight_dtype)
     for name, component in components.items():
         check_component(quantizer, name, component, exclude=exclude, options=options)
@@ -898,8 +1000,15 @@ def _pack_all(plan: QuantizationPlan) -> int:
     return len(plan.to_pack)
 
 
-def attach_packed(module: nn.Module, fmt: str, shape: torch.Size, dtype: torch.dtype, payload: nn.Parameter,
-                  buffers: Mapping[str, torch.Tensor], path: str = "layer") -> None:
+def attach_packed(
+    module: nn.Module,
+    fmt: str,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    payload: nn.Parameter,
+    buffers: Mapping[str, torch.Tensor],
+    path: str = "layer",
+) -> None:
     """Make ``module`` a packed layer holding ``payload`` (in place of ``weight``) and ``buffers``.
 
     The packed tensors may come from :meth:`Quantizer.pack` or from a file (loading a quantized
@@ -940,8 +1049,13 @@ def pack_checked(quantizer: Quantizer, sizes: PackedSizes, weight: torch.Tensor)
     return dict(packed)
 
 
-def convert(quantizer: Quantizer | str, module: nn.Module, *, exclude: Iterable[str] = (),
-            default_exclude: Iterable[str] = DEFAULT_EXCLUDE) -> QuantizationSummary:
+def convert(
+    quantizer: Quantizer | str,
+    module: nn.Module,
+    *,
+    exclude: Iterable[str] = (),
+    default_exclude: Iterable[str] = DEFAULT_EXCLUDE,
+) -> QuantizationSummary:
     """Pack ``module``'s layers in ``quantizer``'s format (an instance or a registered name) without
     installing the forward.
 
@@ -949,14 +1063,17 @@ def convert(quantizer: Quantizer | str, module: nn.Module, *, exclude: Iterable[
     shards the packed payload like any parameter (the scales are buffers, replicated), and
     ``apply`` installs the forward — with the packing quantizer (quantizing a converted model again
     is a no-op) or with a forward-only one such as ``qfloat8_preconverted``. Until then a converted
-    layer has no ``weight`` and cannot run: it never computes with packed bytes. ``exclude`` and ``default_exclude`` mean what they mean to ``apply``; converting a
-    module that holds layers of this format already does nothing.
+    layer has no ``weight`` and cannot run: it never computes with packed bytes. ``exclude`` and
+    ``default_exclude`` mean what they mean to ``apply``; converting a module that holds layers of this
+    format already does nothing.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"convert() takes a torch.nn.Module such as pipe.transformer, not {type(module).__name__}")
     if isinstance(quantizer, str):
-        raise TypeError(f"quantization.convert() takes a Quantizer instance; for a registered name use "
-                        f"memmode_core.convert({quantizer!r}, module)")
+        raise TypeError(
+            f"quantization.convert() takes a Quantizer instance; for a registered name use "
+            f"memmode_core.convert({quantizer!r}, module)"
+        )
     options = {"default_exclude": tuple(default_exclude)}
     plan = check_component(quantizer, type(module).__name__, module, exclude=tuple(exclude), options=options)
     before = component_bytes(module)
@@ -964,9 +1081,15 @@ def convert(quantizer: Quantizer | str, module: nn.Module, *, exclude: Iterable[
     return _summary(quantizer, plan, packed_now, before)
 
 
-def quantize_component(quantizer: Quantizer, component: nn.Module, *, weight_dtype: torch.dtype | None,
-                       exclude: Iterable[str] = (), options: Mapping[str, object] | None = None,
-                       name: str = "module") -> QuantizationSummary:
+def quantize_component(
+    quantizer: Quantizer,
+    component: nn.Module,
+    *,
+    weight_dtype: torch.dtype | None,
+    exclude: Iterable[str] = (),
+    options: Mapping[str, object] | None = None,
+    name: str = "module",
+) -> QuantizationSummary:
     """Pack what :func:`plan_quantization` says and install the forward on every packed layer.
 
     On a component that holds layers of this format already — converted ahead, or quantized by an
@@ -987,10 +1110,29 @@ def quantize_component(quantizer: Quantizer, component: nn.Module, *, weight_dty
 
 
 __all__ = [
-    "COMPUTE_DTYPES", "DEFAULT_EXCLUDE", "OUTSIDE_BLOCKS", "LayerPlan", "PackedLayer", "PackedSizes",
-    "QuantizationPlan", "QuantizationSummary", "QuantizedLinear", "WeightStandIn", "attach_packed", "check_component",
-    "check_components", "component_bytes", "pack_checked",
+    "COMPUTE_DTYPES",
+    "DEFAULT_EXCLUDE",
+    "OUTSIDE_BLOCKS",
+    "LayerPlan",
+    "PackedLayer",
+    "PackedSizes",
+    "QuantizationPlan",
+    "QuantizationSummary",
+    "QuantizedLinear",
+    "WeightStandIn",
+    "attach_packed",
+    "check_component",
+    "check_components",
+    "component_bytes",
+    "pack_checked",
     "convert",
-    "install_forward", "is_quantized", "packed_record", "plan_layers", "plan_quantization", "quantize_component",
-    "quantized_class", "quantized_direct_bytes", "tensor_bytes",
+    "install_forward",
+    "is_quantized",
+    "packed_record",
+    "plan_layers",
+    "plan_quantization",
+    "quantize_component",
+    "quantized_class",
+    "quantized_direct_bytes",
+    "tensor_bytes",
 ]

@@ -34,20 +34,25 @@ A complete third-party quantizer is therefore a page::
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from memmode_core.contracts.options import Option, names_list
-from memmode_core.quantization.layers import (DEFAULT_EXCLUDE, OUTSIDE_BLOCKS, PAYLOAD, QuantizationSummary, check_components,
-                           quantize_component)
-
+from memmode_core.quantization.layers import (
+    DEFAULT_EXCLUDE,
+    OUTSIDE_BLOCKS,
+    QuantizationSummary,
+    check_components,
+    quantize_component,
+)
 
 #: The option every quantizer accepts. A plugin that declares options of its own extends
 #: ``Quantizer.options`` (``options = Quantizer.options + (Option(...),)``) rather than replacing it.
 DEFAULT_EXCLUDE_OPTION = Option(
-    "default_exclude", DEFAULT_EXCLUDE,
+    "default_exclude",
+    DEFAULT_EXCLUDE,
     f"what stays at full precision besides exclude= and the model's _keep_in_fp32_modules: name fragments, "
     f"and {OUTSIDE_BLOCKS!r} for the layers outside the repeated transformer blocks (the default); pass () "
     f"to quantize those too",
@@ -111,13 +116,25 @@ class Quantizer:
     def format_name(self) -> str:
         return self.format or self.name
 
-    def check(self, components: Mapping[str, nn.Module], *, weight_dtype: torch.dtype | None,
-              exclude: tuple[str, ...], options: Mapping[str, object]) -> None:
+    def check(
+        self,
+        components: Mapping[str, nn.Module],
+        *,
+        weight_dtype: torch.dtype | None,
+        exclude: tuple[str, ...],
+        options: Mapping[str, object],
+    ) -> None:
         """Raise ``IncompatibleModeError`` before anything is touched if these components cannot be quantized."""
         check_components(self, components, weight_dtype=weight_dtype, exclude=exclude, options=options)
 
-    def quantize(self, component: nn.Module, *, weight_dtype: torch.dtype | None, exclude: tuple[str, ...],
-                 options: Mapping[str, object]) -> QuantizationSummary:
+    def quantize(
+        self,
+        component: nn.Module,
+        *,
+        weight_dtype: torch.dtype | None,
+        exclude: tuple[str, ...],
+        options: Mapping[str, object],
+    ) -> QuantizationSummary:
         """Quantize ``component`` in place and return a summary of what was done."""
         return quantize_component(self, component, weight_dtype=weight_dtype, exclude=exclude, options=options)
 

@@ -15,16 +15,22 @@ where :func:`~memmode_core.quantization.layers.quantize_component` holds every p
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Iterator, Mapping
 
 import torch
 from torch import nn
 
 from memmode_core.contracts.errors import CheckpointError
 from memmode_core.files.streamed import write_pieces
-from memmode_core.quantization.layers import (PAYLOAD, PackedSizes, QuantizationPlan, pack_checked, attach_packed,
-                                              packed_record)
+from memmode_core.quantization.layers import (
+    PAYLOAD,
+    PackedSizes,
+    QuantizationPlan,
+    attach_packed,
+    pack_checked,
+    packed_record,
+)
 from memmode_core.quantization.quantizer import Quantizer
 
 FORMAT_KEY = "memmode.format"
@@ -65,8 +71,12 @@ def packed_metadata(module: nn.Module) -> dict[str, str]:
         if record is None:
             continue
         formats.add(record.format)
-        layers[path] = {"shape": list(record.shape), "dtype": _dtype_name(record.dtype),
-                        "compute_dtype": _dtype_name(record.compute_dtype), "names": list(record.names)}
+        layers[path] = {
+            "shape": list(record.shape),
+            "dtype": _dtype_name(record.dtype),
+            "compute_dtype": _dtype_name(record.compute_dtype),
+            "names": list(record.names),
+        }
     if not layers:
         return {}
     if len(formats) > 1:
@@ -80,13 +90,22 @@ def saved_format(metadata: Mapping[str, str]) -> str | None:
 
 def saved_layers(metadata: Mapping[str, str], where: str) -> list[SavedLayer]:
     if metadata.get(VERSION_KEY) != VERSION:
-        raise CheckpointError(f"{where}: quantized by memmode format version {metadata.get(VERSION_KEY)!r}; this "
-                              f"memmode reads version {VERSION}")
+        raise CheckpointError(
+            f"{where}: quantized by memmode format version {metadata.get(VERSION_KEY)!r}; this "
+            f"memmode reads version {VERSION}"
+        )
     try:
         layers = json.loads(metadata[LAYERS_KEY])
-        return [SavedLayer(path, tuple(int(d) for d in entry["shape"]), _dtype(entry["dtype"]),
-                           _dtype(entry.get("compute_dtype")), tuple(entry["names"]))
-                for path, entry in layers.items()]
+        return [
+            SavedLayer(
+                path,
+                tuple(int(d) for d in entry["shape"]),
+                _dtype(entry["dtype"]),
+                _dtype(entry.get("compute_dtype")),
+                tuple(entry["names"]),
+            )
+            for path, entry in layers.items()
+        ]
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{where}: the quantized layers' metadata cannot be read ({exc})") from None
 
@@ -101,12 +120,16 @@ def prepare_packed(module: nn.Module, quantizer: Quantizer, layers: list[SavedLa
         except AttributeError:
             raise CheckpointError(f"{where}: packed layer {layer.path!r} is not in {type(module).__name__}") from None
         if not isinstance(sub, nn.Linear) or tuple(sub.weight.shape) != layer.shape:
-            raise CheckpointError(f"{where}: packed layer {layer.path!r} is a {list(layer.shape)} weight, the model "
-                                  f"has {type(sub).__name__} {list(getattr(sub, 'weight', torch.empty(0)).shape)}")
+            raise CheckpointError(
+                f"{where}: packed layer {layer.path!r} is a {list(layer.shape)} weight, the model "
+                f"has {type(sub).__name__} {list(getattr(sub, 'weight', torch.empty(0)).shape)}"
+            )
         specs = sizes.specs(torch.Size(layer.shape), layer.dtype)
         if (PAYLOAD, *(n for n in specs if n != PAYLOAD)) != layer.names:
-            raise CheckpointError(f"{where}: {layer.path} holds {list(layer.names)} and {quantizer.name} packs "
-                                  f"{list(specs)}: another version of the format")
+            raise CheckpointError(
+                f"{where}: {layer.path} holds {list(layer.names)} and {quantizer.name} packs "
+                f"{list(specs)}: another version of the format"
+            )
         payload_shape, payload_dtype = specs[PAYLOAD]
         payload = nn.Parameter(torch.empty(payload_shape, dtype=payload_dtype, device="meta"), requires_grad=False)
         buffers = {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in specs.items() if n != PAYLOAD}

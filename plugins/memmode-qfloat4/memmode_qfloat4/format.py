@@ -18,7 +18,7 @@ whose input width is not a multiple of 16 cannot be cut into blocks and stays at
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -64,8 +64,10 @@ def _e2m1_as_e4m3_bits(codes: torch.Tensor) -> torch.Tensor:
 
 class QFloat4(Quantizer):
     name = "qfloat4"
-    description = ("NVFP4 weights: E2M1 values two per byte, an E4M3 scale per 16 inputs and an fp32 tensor "
-                   "scale, dequantized per forward (0.28x bf16 bytes; input widths must be multiples of 16)")
+    description = (
+        "NVFP4 weights: E2M1 values two per byte, an E4M3 scale per 16 inputs and an fp32 tensor "
+        "scale, dequantized per forward (0.28x bf16 bytes; input widths must be multiples of 16)"
+    )
 
     def skip_reason(self, shape: torch.Size) -> str | None:
         if shape[-1] % BLOCK:

@@ -15,7 +15,7 @@ cannot run: it never computes with the raw bytes.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from torch import nn
 
@@ -25,8 +25,9 @@ from memmode_core.quantization.quantizer import DEFAULT_EXCLUDE
 from .format import QFloat8
 
 
-def convert(module: nn.Module, *, exclude: Iterable[str] = (),
-            default_exclude: Iterable[str] = DEFAULT_EXCLUDE) -> quantization.QuantizationSummary:
+def convert(
+    module: nn.Module, *, exclude: Iterable[str] = (), default_exclude: Iterable[str] = DEFAULT_EXCLUDE
+) -> quantization.QuantizationSummary:
     """Pack ``module``'s ``nn.Linear`` weights to qfloat8 in place, without installing the forward.
 
     ``exclude`` and ``default_exclude`` mean what they mean to ``apply``. Call it on whole weights

@@ -16,7 +16,7 @@ A layer dequantizes as ``e4m3(weight_packed) * weight_scale``, in the compute dt
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -46,9 +46,9 @@ class QFloat8(Quantizer):
         packed = torch.empty(weight.shape, dtype=torch.uint8, device=weight.device)
         scale = torch.empty((rows, 1), dtype=torch.float32, device=weight.device)
         for start in range(0, rows, step):
-            part = self._pack_rows(weight[start:start + step])
-            packed[start:start + step] = part["weight_packed"]
-            scale[start:start + step] = part["weight_scale"]
+            part = self._pack_rows(weight[start : start + step])
+            packed[start : start + step] = part["weight_packed"]
+            scale[start : start + step] = part["weight_scale"]
         return {"weight_packed": packed, "weight_scale": scale}
 
     @staticmethod
@@ -83,7 +83,9 @@ def e4m3_values(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class QFloat8Preconverted(QFloat8):
     name = "qfloat8_preconverted"
-    description = ("installs the qfloat8 dequantizing forward on a model converted ahead with "
-                   "memmode_qfloat8.convert() (convert before FSDP2 sharding, apply after)")
+    description = (
+        "installs the qfloat8 dequantizing forward on a model converted ahead with "
+        "memmode_qfloat8.convert() (convert before FSDP2 sharding, apply after)"
+    )
     format = "qfloat8"
     packs = False

@@ -25,8 +25,8 @@ import contextlib
 import torch
 
 from memmode_core.contracts.costs import StorageCost, copying_cost
-from memmode_core.files.store import GroupFileSession, GroupFileStorage, GroupFileStore
 from memmode_core.contracts.storage import Tensors, host_copy, placeholder, to_device
+from memmode_core.files.store import GroupFileSession, GroupFileStorage, GroupFileStore
 
 
 class DiskSession(GroupFileSession):
@@ -41,7 +41,7 @@ class DiskSession(GroupFileSession):
         self._buffers[key] = buffers
         return {name: buffers[name] if name in readable else placeholder(t) for name, t in tensors.items()}
 
-    def fetch(self, key: str, device: torch.device, stream: "torch.cuda.Stream | None" = None) -> Tensors:
+    def fetch(self, key: str, device: torch.device, stream: torch.cuda.Stream | None = None) -> Tensors:
         group_file, buffers = self.files[key], self._buffers[key]
         if device.type == "cuda":
             with group_file.filler() as fill:
@@ -87,8 +87,10 @@ class DiskStorage(GroupFileStorage):
     """
 
     name = "disk"
+
     def cost(self, device: torch.device) -> StorageCost:
         return copying_cost("disk", device, disk=1.0)  # every onload reads the file
+
     #: files on tmpfs are RAM: the point of this storage is lost
     warn_in_ram = True
     description = "safetensors files, one per group, read back on each onload (RAM: only what is on the device)"

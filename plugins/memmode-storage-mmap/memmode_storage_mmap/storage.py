@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from memmode_core.contracts.costs import StorageCost, copying_cost
-from memmode_core.files.store import GroupFileSession, GroupFileStorage, GroupFileStore
 from memmode_core.contracts.storage import Tensors
+from memmode_core.files.store import GroupFileSession, GroupFileStorage, GroupFileStore
 
 
 class MmapSession(GroupFileSession):
@@ -37,7 +37,7 @@ class MmapSession(GroupFileSession):
     def zero_copy(self, device: torch.device) -> bool:
         return device.type == "cpu"
 
-    def fetch(self, key: str, device: torch.device, stream: "torch.cuda.Stream | None" = None) -> Tensors:
+    def fetch(self, key: str, device: torch.device, stream: torch.cuda.Stream | None = None) -> Tensors:
         flat, views = self._mapped[key]
         if device.type == "cpu":
             return dict(views)
@@ -77,9 +77,11 @@ class MmapStorage(GroupFileStorage):
     """
 
     name = "mmap"
+
     def cost(self, device: torch.device) -> StorageCost:
         # on the CPU nothing is copied; to a GPU, copies from the page cache; the files are on disk
         return copying_cost("mapped", device, disk=1.0, zero_copy_on_cpu=True)
+
     description = "memory-mapped safetensors files: zero-copy on CPU, one copy in RAM shared by all processes"
 
     def session(self, store: GroupFileStore, device: torch.device) -> MmapSession:

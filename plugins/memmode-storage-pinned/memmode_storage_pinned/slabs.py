@@ -16,8 +16,8 @@ share one.
 from __future__ import annotations
 
 import mmap
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 
@@ -44,8 +44,9 @@ class Spot:
     offset: int
 
 
-def plan(sizes: Mapping[str, int], *, limit: int | None, slab_bytes: int = SLAB_BYTES
-         ) -> tuple[dict[str, Spot | None], list[int]]:
+def plan(
+    sizes: Mapping[str, int], *, limit: int | None, slab_bytes: int = SLAB_BYTES
+) -> tuple[dict[str, Spot | None], list[int]]:
     """Assign each group a :class:`Spot`, or None to stay pageable because ``limit`` would be passed.
 
     Groups are taken in the order given (the engine's group order), each into the open slab if it
@@ -76,12 +77,14 @@ class Slab:
         # one spare page so that a page-aligned range of nbytes fits whatever malloc returned
         backing = torch.empty(nbytes + PAGE, dtype=torch.uint8)
         skip = -backing.data_ptr() % PAGE
-        self.tensor = backing[skip:skip + nbytes]
+        self.tensor = backing[skip : skip + nbytes]
         self.registered = False
 
     def register(self) -> None:
-        _check(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, PORTABLE),
-               f"cudaHostRegister of {self.nbytes} bytes")
+        _check(
+            torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, PORTABLE),
+            f"cudaHostRegister of {self.nbytes} bytes",
+        )
         self.registered = True
 
     def unregister(self) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -87,8 +87,9 @@ class PinnedSession(StorageSession):
             ) from None
         base = len(pins.slabs)
         pins.slabs += added
-        pins.spots.update({key: None if spot is None else Spot(spot.slab + base, spot.offset)
-                           for key, spot in spots.items()})
+        pins.spots.update(
+            {key: None if spot is None else Spot(spot.slab + base, spot.offset) for key, spot in spots.items()}
+        )
 
     def put(self, key: str, tensors: Tensors, readable: frozenset[str] = frozenset()) -> Tensors:
         if key not in self._pins.spots:
@@ -104,7 +105,7 @@ class PinnedSession(StorageSession):
         self._pins.groups[key] = kept
         return kept
 
-    def fetch(self, key: str, device: torch.device, stream: "torch.cuda.Stream | None" = None) -> Tensors:
+    def fetch(self, key: str, device: torch.device, stream: torch.cuda.Stream | None = None) -> Tensors:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             return {name: t.to(device, non_blocking=True) for name, t in self._pins.groups[key].items()}
 
@@ -121,10 +122,16 @@ class PinnedSession(StorageSession):
         self._finalizer()
 
     def stats(self) -> dict[str, int]:
-        pageable = sum(t.numel() * t.element_size() for key, group in self._pins.groups.items()
-                       if self._pins.spots.get(key) is None for t in group.values())
-        return {"pinned_bytes": sum(slab.nbytes for slab in self._pins.slabs if slab.registered),
-                "pageable_bytes": pageable}
+        pageable = sum(
+            t.numel() * t.element_size()
+            for key, group in self._pins.groups.items()
+            if self._pins.spots.get(key) is None
+            for t in group.values()
+        )
+        return {
+            "pinned_bytes": sum(slab.nbytes for slab in self._pins.slabs if slab.registered),
+            "pageable_bytes": pageable,
+        }
 
 
 class PinnedStorage(Storage):
@@ -142,8 +149,13 @@ class PinnedStorage(Storage):
     name = "pinned"
     description = "page-locked CPU memory, exactly sized, for asynchronous copies to a CUDA GPU"
     options = (
-        Option("pinned_limit", None, "pin at most this many bytes (e.g. '24GiB'); the groups beyond it stay in "
-               "pageable memory (default: pin every offloaded group)", byte_size),
+        Option(
+            "pinned_limit",
+            None,
+            "pin at most this many bytes (e.g. '24GiB'); the groups beyond it stay in "
+            "pageable memory (default: pin every offloaded group)",
+            byte_size,
+        ),
     )
 
     def cost(self, device: torch.device) -> StorageCost:
@@ -151,7 +163,11 @@ class PinnedStorage(Storage):
 
     def unavailable_reason(self, device: torch.device | None = None) -> str | None:
         if not torch.cuda.is_available():
-            build = " (this PyTorch is a CPU-only build)" if torch.version.cuda is None and torch.version.hip is None else ""
+            build = (
+                " (this PyTorch is a CPU-only build)"
+                if torch.version.cuda is None and torch.version.hip is None
+                else ""
+            )
             return f"no CUDA device{build}: page-locked memory only speeds up copies to a CUDA GPU"
         if device is not None and device.type != "cuda":
             return f"page-locked memory only speeds up copies to a CUDA GPU, and the compute device is {device}"
