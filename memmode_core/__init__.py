@@ -25,9 +25,7 @@ The modules are layered, one folder per layer, and imports only point down
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from memmode_core.api import Handle, apply, convert, remove
+from memmode_core.applying import apply, convert, remove
 from memmode_core.contracts.costs import StorageCost
 from memmode_core.contracts.errors import (
     CheckpointError,
@@ -45,21 +43,28 @@ from memmode_core.contracts.errors import (
 )
 from memmode_core.contracts.hookspecs import hookimpl
 from memmode_core.contracts.layout import GroupSpec, Policy, block_groups, leaf_groups, whole_component
-from memmode_core.contracts.options import Option
+from memmode_core.contracts.options import Option, Options, option
 from memmode_core.contracts.placement import Placement
+from memmode_core.contracts.resolver import Budgets, Resolver
 from memmode_core.contracts.storage import Storage, StorageSession, Tensors, is_placeholder, placeholder
 from memmode_core.contracts.targets import Target
 from memmode_core.discovery.grammar import Mode, parse_mode
+from memmode_core.discovery.plugins import CORE_VERSION as __version__
 from memmode_core.discovery.plugins import PluginInfo, list_plugins, temporary_plugin
 from memmode_core.engine.ledger import Report
 from memmode_core.engine.reads import placeholder_trap
+from memmode_core.handle import Handle
 from memmode_core.loading.load import load
 from memmode_core.loading.save import save_quantized
 from memmode_core.planning.planner import NoModeFitsError, PlanEntry, plan
+from memmode_core.planning.prepare import prepare
+from memmode_core.planning.prepared import Prepared
 from memmode_core.quantization.quantizer import Quantizer
 
 __all__ = [
     "apply",
+    "prepare",
+    "Prepared",
     "remove",
     "convert",
     "load",
@@ -82,6 +87,10 @@ __all__ = [
     "StorageSession",
     "StorageCost",
     "Option",
+    "Options",
+    "option",
+    "Resolver",
+    "Budgets",
     "GroupSpec",
     "Policy",
     "block_groups",

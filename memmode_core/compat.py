@@ -33,12 +33,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from memmode_core.api import Handle, apply
+from memmode_core.applying import apply
 from memmode_core.builtin.placements import SMALL_TABLES
 from memmode_core.contracts.errors import InvalidOptionError
 from memmode_core.contracts.targets import Target
+from memmode_core.discovery.first_party import DEFAULT_STORAGE
 from memmode_core.discovery.grammar import SEPARATOR, lookup
 from memmode_core.discovery.plugins import current
+from memmode_core.handle import Handle
 
 logger = logging.getLogger("memmode.compat")
 
@@ -202,7 +204,7 @@ def _group_offload_options(
         else:
             options["use_stream"] = use_stream
     if low_cpu_mem_usage and storage is None:
-        storage = "ram"  # diffusers' low_cpu_mem_usage: no pinned copy of the whole model up front
+        storage = DEFAULT_STORAGE  # diffusers' low_cpu_mem_usage: no pinned copy of the whole model up front
     return options, storage
 
 

@@ -31,7 +31,7 @@ LAYERS = [
     ("discovery", ["discovery"]),
     ("planner", ["planning"]),
     ("builtin", ["builtin"]),
-    ("top", ["api", "compat", "loading", "cli", "demo", "__init__", "__main__"]),
+    ("top", ["applying", "handle", "compat", "loading", "cli", "demo", "__init__", "__main__"]),
 ]
 
 
@@ -53,43 +53,59 @@ def layer_of(module: str) -> int:
     return rank
 
 
-def _runtime_imports(tree: ast.AST):
-    """Import nodes, skipping ``if TYPE_CHECKING:`` blocks."""
+def _runtime_imports(tree: ast.AST, type_checking: bool = False):
+    """Import nodes, skipping ``if TYPE_CHECKING:`` blocks (or including them, ``type_checking=True``)."""
     for node in ast.iter_child_nodes(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            yield from (n for child in node.orelse for n in _runtime_imports(child))
+            branches = [*node.body, *node.orelse] if type_checking else node.orelse
+            yield from (n for child in branches for n in _runtime_imports(child, type_checking))
+            if type_checking:
+                yield from (child for child in node.body if isinstance(child, (ast.Import, ast.ImportFrom)))
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        yield from _runtime_imports(node)
+        yield from _runtime_imports(node, type_checking)
 
 
-def import_graph() -> dict[str, set[str]]:
+#: the package itself (``memmode_core/__init__.py``): ``from memmode_core import X`` and ``import memmode_core``
+PACKAGE_MODULE = "__init__"
+
+
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules it imports. ``from memmode_core import X`` is an edge to the package itself
+    (``__init__``), or to the module ``X`` when ``X`` is one; ``type_checking=True`` adds the imports under
+    ``if TYPE_CHECKING:``, which never run but still tie the two modules together."""
     modules = module_names()
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in _runtime_imports(ast.parse(path.read_text())):
+        if name == PACKAGE_MODULE:
+            package = ""
+        for node in _runtime_imports(ast.parse(path.read_text()), type_checking):
             if isinstance(node, ast.ImportFrom):
                 if node.level:
                     base = package.split(".") if package else []
                     base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
                     origin = ".".join([*base, *([node.module] if node.module else [])])
-                elif (node.module or "").startswith("memmode_core"):
+                elif node.module == "memmode_core" or (node.module or "").startswith("memmode_core."):
                     origin = node.module[len("memmode_core") :].lstrip(".")
                 else:
                     continue
                 for alias in node.names:
                     candidate = f"{origin}.{alias.name}".lstrip(".")
-                    target = candidate if candidate in modules else origin
+                    target = candidate if candidate in modules else (origin or PACKAGE_MODULE)
                     if target in modules and target != name:
                         graph[name].add(target)
             else:
                 for alias in node.names:
-                    if alias.name.startswith("memmode_core."):
+                    if alias.name == "memmode_core":
+                        target = PACKAGE_MODULE
+                    elif alias.name.startswith("memmode_core."):
                         target = alias.name[len("memmode_core.") :]
-                        if target in modules and target != name:
-                            graph[name].add(target)
+                    else:
+                        continue
+                    if target in modules and target != name:
+                        graph[name].add(target)
     return graph
 
 
@@ -120,6 +136,15 @@ def test_the_import_graph_of_memmode_core_has_no_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(f"memmode_core.{m}" if m else "memmode_core" for m in cycle)
 
 
+def test_no_cycle_even_through_type_checking_imports():
+    """An import under ``if TYPE_CHECKING:`` never runs, but a cycle through one still means two modules that
+    each need the other: the contract and the mechanics must not know each other both ways."""
+    cycle = find_cycle(import_graph(type_checking=True))
+    assert cycle is None, "import cycle (through TYPE_CHECKING imports): " + " -> ".join(
+        f"memmode_core.{m}" if m else "memmode_core" for m in cycle
+    )
+
+
 def test_imports_only_point_down_the_layers():
     upward = [
         (module, target)
@@ -135,6 +160,17 @@ def test_the_check_sees_imports_inside_functions():
     tree = ast.parse("def f():\n    from .planner import plan\nif TYPE_CHECKING:\n    from .api import Handle\n")
     found = [ast.unparse(n) for n in _runtime_imports(tree)]
     assert found == ["from .planner import plan"]
+    found = [ast.unparse(n) for n in _runtime_imports(tree, type_checking=True)]
+    assert sorted(found) == ["from .api import Handle", "from .planner import plan"]
+
+
+def test_the_check_sees_imports_of_the_package_itself():
+    """The checker itself: ``from memmode_core import X`` inside the package is an edge to the package (its
+    ``__init__`` imports every layer, so a module below the top must not), or to ``X`` when it is a module."""
+    graph = import_graph()
+    assert all(PACKAGE_MODULE not in targets for module, targets in graph.items() if layer_of(module) < 5)
+    tree = ast.parse("from memmode_core import apply\nfrom memmode_core import engine\nimport memmode_core\n")
+    assert len(list(_runtime_imports(tree))) == 3
 
 
 def test_the_folders_are_the_layers():

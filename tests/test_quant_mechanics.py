@@ -342,7 +342,7 @@ def test_another_quantizer_is_refused_before_anything_is_touched():
     state = {n: t.clone() for n, t in pipe.transformer.state_dict().items()}
     with pytest.raises(IncompatibleModeError, match="already quantized with qfloat8"):
         memmode.apply(pipe, "model_group_offload_and_qfloat4")
-    assert handle.active and memmode.api.handle_of(pipe) is handle
+    assert handle.active and memmode.handle.handle_of(pipe) is handle
     torch.testing.assert_close(pipe.transformer.state_dict(), state, rtol=0, atol=0, equal_nan=True)
     assert torch.equal(run(pipe, "wan22", 1), expected[1])
 

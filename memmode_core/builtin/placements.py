@@ -5,18 +5,26 @@ Each one only describes groups (see :mod:`memmode_core.contracts.layout`); the e
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from memmode_core.builtin.auto import Auto
 from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError
 from memmode_core.contracts.hookspecs import hookimpl
 from memmode_core.contracts.layout import GroupSpec, Policy, block_groups, leaf_groups, whole_component
-from memmode_core.contracts.options import Option, boolean, boolean_or_none, byte_size, names_list, one_of, positive_int
+from memmode_core.contracts.options import (
+    Options,
+    boolean,
+    boolean_or_none,
+    names_list,
+    one_of,
+    option,
+    positive_int,
+)
 from memmode_core.contracts.placement import Placement
 from memmode_core.contracts.targets import Target, is_fsdp_wrapped
-from memmode_core.planning.planner import DEFAULT_STEPS
 
 TEXT_ENCODER_PREFIX = "text_encoder"
 
@@ -30,8 +38,18 @@ class ModelFullLoad(Placement):
     description = "every component on the device, all the time (the fastest, and the most memory)"
     offloads = False
 
-    def layout(self, target: Target, options: Mapping[str, object]) -> list[GroupSpec]:
+    def layout(self, target: Target, options: Options) -> list[GroupSpec]:
         return [whole_component(name, module, Policy.RESIDENT) for name, module in target.components.items()]
+
+
+@dataclass(frozen=True)
+class CpuOffloadOptions(Options):
+    keep_last_on_device: bool = option(
+        False,
+        "leave the last component a pipeline call used on the device after the call returns (the next call starts "
+        "without onloading it)",
+        boolean,
+    )
 
 
 class ModelCpuOffload(Placement):
@@ -40,68 +58,65 @@ class ModelCpuOffload(Placement):
         "one whole component on the device at a time; it stays until another one is called, and "
         "leaves when the pipeline call returns"
     )
-    options = (
-        Option(
-            "keep_last_on_device",
-            False,
-            "leave the last component a pipeline call used on the device after the "
-            "call returns (the next call starts without onloading it)",
-            boolean,
-        ),
-    )
+    options = CpuOffloadOptions
 
-    def offloads_after_call(self, options: Mapping[str, object]) -> bool:
-        return not options["keep_last_on_device"]
+    def offloads_after_call(self, options: CpuOffloadOptions) -> bool:
+        return not options.keep_last_on_device
 
-    def layout(self, target: Target, options: Mapping[str, object]) -> list[GroupSpec]:
+    def layout(self, target: Target, options: Options) -> list[GroupSpec]:
         return [whole_component(name, module, Policy.EXCLUSIVE) for name, module in target.components.items()]
+
+
+def _block_module_names(value: object) -> tuple[str, ...] | None:
+    return None if value is None else names_list(value)
+
+
+@dataclass(frozen=True)
+class GroupOffloadOptions(Options):
+    offload_type: str = option(
+        "block_level",
+        "'block_level' (runs of blocks) or 'leaf_level' (single modules)",
+        one_of("block_level", "leaf_level"),
+    )
+    num_blocks_per_group: int = option(1, "blocks that move together at block level", positive_int)
+    block_modules: tuple[str, ...] | None = option(
+        None,
+        "submodule names treated as block containers (default: the component's _group_offload_block_modules, e.g. "
+        "a VAE's encoder and decoder)",
+        _block_module_names,
+    )
+    use_stream: bool | None = option(
+        None,
+        "copy the next group on a CUDA side stream while the current one computes (default: on when computing on CUDA)",
+        boolean_or_none,
+    )
 
 
 class ModelGroupOffload(Placement):
     name = "model_group_offload"
     description = "every component streamed in groups of blocks (or leaf modules), prefetched on CUDA"
-    options = (
-        Option(
-            "offload_type",
-            "block_level",
-            "'block_level' (runs of blocks) or 'leaf_level' (single modules)",
-            one_of("block_level", "leaf_level"),
-        ),
-        Option("num_blocks_per_group", 1, "blocks that move together at block level", positive_int),
-        Option(
-            "block_modules",
-            None,
-            "submodule names treated as block containers (default: the "
-            "component's _group_offload_block_modules, e.g. a VAE's encoder and decoder)",
-            lambda v: None if v is None else names_list(v),
-        ),
-        Option(
-            "use_stream",
-            None,
-            "copy the next group on a CUDA side stream while the current one computes "
-            "(default: on when computing on CUDA)",
-            boolean_or_none,
-        ),
-    )
+    options = GroupOffloadOptions
+    #: the planner prices both granularities
+    plan_variants = ({"offload_type": "block_level"}, {"offload_type": "leaf_level"})
 
-    def check(self, target: Target, options: Mapping[str, object], device: torch.device) -> None:
-        if options["use_stream"] and device.type != "cuda":
+    def check(self, target: Target, options: GroupOffloadOptions, device: torch.device) -> None:
+        if options.use_stream and device.type != "cuda":
             raise InvalidOptionError(f"use_stream=True needs a CUDA device; the compute device is {device}")
 
-    def prefetch(self, options: Mapping[str, object], device: torch.device) -> bool:
-        return device.type == "cuda" if options["use_stream"] is None else bool(options["use_stream"])
+    def prefetch(self, options: GroupOffloadOptions, device: torch.device) -> bool:
+        return device.type == "cuda" if options.use_stream is None else bool(options.use_stream)
 
-    def layout(self, target: Target, options: Mapping[str, object]) -> list[GroupSpec]:
+    def layout(self, target: Target, options: GroupOffloadOptions) -> list[GroupSpec]:
         specs: list[GroupSpec] = []
         for name, module in target.components.items():
-            if options["offload_type"] == "leaf_level":
+            if options.offload_type == "leaf_level":
                 specs += leaf_groups(name, module)
             else:
-                block_modules = options["block_modules"]
+                block_modules = options.block_modules
                 if block_modules is None:
                     block_modules = default_block_modules(module)
                 specs += block_groups(
-                    name, module, num_blocks_per_group=options["num_blocks_per_group"], block_modules=block_modules
+                    name, module, num_blocks_per_group=options.num_blocks_per_group, block_modules=block_modules
                 )
         return specs
 
@@ -125,20 +140,22 @@ def _small_table_filter(fragments: tuple[str, ...]):
     return keep
 
 
+@dataclass(frozen=True)
+class SequentialOptions(Options):
+    keep_resident: tuple[str, ...] = option(
+        SMALL_TABLES,
+        "name fragments of small tables kept on the device (RoPE frequencies, modulation / scale-shift tables)",
+        names_list,
+    )
+
+
 class SequentialCpuOffload(Placement):
     name = "sequential_cpu_offload"
     description = "one leaf module on the device at a time, synchronously (the least memory, the slowest)"
-    options = (
-        Option(
-            "keep_resident",
-            SMALL_TABLES,
-            "name fragments of small tables kept on the device (RoPE frequencies, modulation / scale-shift tables)",
-            names_list,
-        ),
-    )
+    options = SequentialOptions
 
-    def layout(self, target: Target, options: Mapping[str, object]) -> list[GroupSpec]:
-        keep = _small_table_filter(tuple(options["keep_resident"]))
+    def layout(self, target: Target, options: SequentialOptions) -> list[GroupSpec]:
+        keep = _small_table_filter(tuple(options.keep_resident))
         return [g for name, module in target.components.items() for g in leaf_groups(name, module, keep)]
 
 
@@ -149,7 +166,7 @@ class TextEncoderOffload(Placement):
     def _encoders(self, target: Target) -> dict[str, nn.Module]:
         return {n: m for n, m in target.components.items() if n.startswith(TEXT_ENCODER_PREFIX)}
 
-    def check(self, target: Target, options: Mapping[str, object], device: torch.device) -> None:
+    def check(self, target: Target, options: Options, device: torch.device) -> None:
         encoders = self._encoders(target)
         if not encoders:
             raise IncompatibleModeError(
@@ -164,7 +181,7 @@ class TextEncoderOffload(Placement):
                     f"own CPU offload and use model_full_load for the rest"
                 )
 
-    def layout(self, target: Target, options: Mapping[str, object]) -> list[GroupSpec]:
+    def layout(self, target: Target, options: Options) -> list[GroupSpec]:
         encoders = self._encoders(target)
         specs: list[GroupSpec] = []
         for name, module in target.components.items():
@@ -175,69 +192,11 @@ class TextEncoderOffload(Placement):
         return specs
 
 
-class Auto(Placement):
-    """Chooses, with the planner, the fastest placement × storage whose predicted peak fits the budgets.
-
-    It never places anything itself: ``apply`` asks :meth:`choose` and applies the choice, so
-    ``handle.mode`` names what was chosen. Alone it never changes numerics (every placement is
-    lossless); ``auto_and_<quantizer>`` chooses among placements with that quantizer.
-    """
-
-    name = "auto"
-    description = "the fastest placement x storage whose predicted memory fits vram_budget / ram_budget"
-    delegates = True
-    options = (
-        Option(
-            "vram_budget",
-            None,
-            "most weight bytes on the device (bytes or '8GiB'; default: 80% of the free "
-            "device memory on CUDA, no limit on a CPU device)",
-            byte_size,
-        ),
-        Option("ram_budget", None, "most bytes of offloaded weights in RAM (default: 90% of MemAvailable)", byte_size),
-        Option("steps", DEFAULT_STEPS, "denoising steps the choice is optimised for", positive_int),
-    )
-
-    def layout(self, target: Target, options: Mapping[str, object]) -> list[GroupSpec]:
-        raise TypeError("auto chooses another placement; apply() asks choose(), never layout()")
-
-    def choose(
-        self,
-        target: Target,
-        options: Mapping[str, object],
-        *,
-        device: torch.device,
-        quantizer: str | None,
-        storage: str | None,
-        weight_dtype,
-        components,
-        exclude,
-    ):
-        from memmode_core.planning.planner import choose, default_ram_budget, default_vram_budget, plan
-
-        vram = options["vram_budget"] if options["vram_budget"] is not None else default_vram_budget(device)
-        ram = options["ram_budget"] if options["ram_budget"] is not None else default_ram_budget()
-        left_alone = [name for name in Target.of(target.obj).components if name not in target.components]
-        entries = plan(
-            target.obj,
-            device=device,
-            vram_budget=vram,
-            ram_budget=ram,
-            quantizer=quantizer,
-            storage=storage,
-            weight_dtype=weight_dtype,
-            components=components,
-            exclude=exclude,
-            steps=options["steps"],
-            exclude_components=left_alone,
-        )
-        return choose(entries, vram, ram)
-
-
-PLACEMENTS = (ModelFullLoad, ModelCpuOffload, ModelGroupOffload, SequentialCpuOffload, TextEncoderOffload, Auto)
+PLACEMENTS = (ModelFullLoad, ModelCpuOffload, ModelGroupOffload, SequentialCpuOffload, TextEncoderOffload)
 
 
 @hookimpl
 def memmode_register_placements(register):
     for placement in PLACEMENTS:
         register(placement())
+    register(Auto())

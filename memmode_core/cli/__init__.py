@@ -209,8 +209,6 @@ def _refuse_undeclared(options: dict) -> None:
     if not options:
         return
     declared = _declared_option_names()
-    if declared is None:
-        return
     unknown = sorted(set(options) - declared)
     if unknown:
         raise memmode.InvalidOptionError(
@@ -220,20 +218,18 @@ def _refuse_undeclared(options: dict) -> None:
         )
 
 
-def _declared_option_names() -> set[str] | None:
-    """The option names of every loaded plugin; None when the plugin set cannot be read this way."""
-    try:
-        from memmode_core.discovery import plugins  # memmode_core has no public listing of declared options yet
+def _declared_option_names() -> set[str]:
+    """The option names of every loaded plugin."""
+    from memmode_core.contracts.options import declared_options
+    from memmode_core.discovery import plugins
 
-        registrations = plugins.current().registrations
-        return {
-            option.name
-            for by_name in registrations.values()
-            for registration in by_name.values()
-            for option in getattr(registration.obj, "options", ())
-        }
-    except (ImportError, AttributeError, TypeError):  # laid out differently: apply still refuses unknown options
-        return None
+    registrations = plugins.current().registrations
+    return {
+        option.name
+        for by_name in registrations.values()
+        for registration in by_name.values()
+        for option in declared_options(getattr(registration.obj, "options", ()))
+    }
 
 
 def _describe_options(options: dict) -> str:

@@ -32,8 +32,8 @@ from collections.abc import Mapping
 
 import torch
 
-from memmode_core.contracts.costs import StorageCost, probe
-from memmode_core.contracts.options import Option
+from memmode_core.contracts.costs import StorageCost
+from memmode_core.contracts.options import Option, Options
 
 Tensors = dict[str, torch.Tensor]
 
@@ -78,7 +78,8 @@ class Storage:
 
     name: str = ""
     description: str = ""
-    options: tuple[Option, ...] = ()
+    #: an :class:`Options` dataclass, or a tuple of :class:`Option`; ``open`` receives the typed instance
+    options: tuple[Option, ...] | type[Options] = ()
     #: whether ``apply(..., offload_dir=...)`` means something to this storage
     uses_offload_dir: bool = False
 
@@ -86,16 +87,16 @@ class Storage:
         """Why this storage cannot be used (for ``device`` if given), or None when it can."""
         return None
 
-    def cost(self, device: torch.device) -> StorageCost:
+    def cost(self, device: torch.device) -> StorageCost | None:
         """What holding and fetching offloaded weights costs on ``device`` (see :mod:`memmode_core.contracts.costs`).
 
         The planner and ``auto`` price this storage with it. Declare it when you know it (a storage
-        that compresses holds fewer bytes and fetches at its decompression speed); by default the
-        storage is measured once per process by :func:`memmode_core.contracts.costs.probe`.
+        that compresses holds fewer bytes and fetches at its decompression speed); the default, None,
+        has the planner measure the storage once per process (:func:`memmode_core.planning.costs.probe`).
         """
-        return probe(self, device)
+        return None
 
-    def open(self, *, device: torch.device, offload_dir: str | None, options: Mapping[str, object]) -> StorageSession:
+    def open(self, *, device: torch.device, offload_dir: str | None, options: Options) -> StorageSession:
         raise NotImplementedError
 
     def __repr__(self) -> str:

@@ -20,6 +20,8 @@ from memmode_core.contracts.errors import (
     StorageUnavailableError,
     UnknownModeError,
 )
+from memmode_core.discovery.first_party import ACCELERATOR_STORAGE, DEFAULT_STORAGE
+from memmode_core.discovery.first_party import DISTRIBUTIONS as FIRST_PARTY
 from memmode_core.discovery.plugins import (
     AUTOLOAD_ENV,
     DISABLE_ENV,
@@ -34,28 +36,6 @@ from memmode_core.discovery.plugins import (
 )
 
 SEPARATOR = "_and_"
-
-#: First-party names and the distribution that provides each.
-FIRST_PARTY: dict[tuple[str, str], str] = {
-    ("quantizer", "qfloat8"): "memmode-qfloat8",
-    ("quantizer", "qfloat8_preconverted"): "memmode-qfloat8",
-    ("quantizer", "qfloat4"): "memmode-qfloat4",
-    ("storage", "pinned"): "memmode-storage-pinned",
-    ("storage", "disk"): "memmode-storage-disk",
-    ("storage", "mmap"): "memmode-storage-mmap",
-    **{
-        ("placement", name): "memmode-core"
-        for name in (
-            "model_full_load",
-            "model_cpu_offload",
-            "model_group_offload",
-            "sequential_cpu_offload",
-            "text_encoder_offload",
-            "auto",
-        )
-    },
-    ("storage", "ram"): "memmode-core",
-}
 
 
 @dataclass(frozen=True)
@@ -115,10 +95,10 @@ def resolve(
 
 def default_storage(device: torch.device, plugins: PluginSet) -> str:
     """``pinned`` when computing on CUDA and that plugin is installed and usable, else ``ram``."""
-    pinned = plugins.get("storage", "pinned")
+    pinned = plugins.get("storage", ACCELERATOR_STORAGE)
     if device.type == "cuda" and pinned is not None and pinned.obj.unavailable_reason(device) is None:
-        return "pinned"
-    return "ram"
+        return ACCELERATOR_STORAGE
+    return DEFAULT_STORAGE
 
 
 def lookup(plugins: PluginSet, kind: str, name: str, *, mode: str | None) -> Registration:

@@ -35,6 +35,7 @@ import pluggy
 from memmode_core.contracts import hookspecs
 from memmode_core.contracts.errors import DuplicatePluginError
 from memmode_core.contracts.placement import Placement
+from memmode_core.contracts.resolver import Resolver
 from memmode_core.contracts.storage import Storage
 from memmode_core.quantization.quantizer import Quantizer
 
@@ -42,9 +43,12 @@ ENTRY_POINT_GROUP = "memmode"
 AUTOLOAD_ENV = "MEMMODE_DISABLE_PLUGIN_AUTOLOAD"
 DISABLE_ENV = "MEMMODE_DISABLE_PLUGINS"
 CORE_DISTRIBUTION = "memmode-core"
+#: this source tree's version (``memmode_core.__version__``; pyproject.toml says the same)
+CORE_VERSION = "0.1.0"
 
 KINDS = ("placement", "quantizer", "storage")
-_BASES = {"placement": Placement, "quantizer": Quantizer, "storage": Storage}
+#: what each kind's register() takes; the placement slot of a mode also takes resolvers (``auto``)
+_BASES = {"placement": (Placement, Resolver), "quantizer": (Quantizer,), "storage": (Storage,)}
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -143,9 +147,7 @@ def core_version() -> str:
     try:
         return metadata.version(CORE_DISTRIBUTION)
     except metadata.PackageNotFoundError:
-        from memmode_core import __version__
-
-        return __version__
+        return CORE_VERSION
 
 
 #: The plugins built into memmode-core: plugin name -> module. They are loaded by name, exactly as an
@@ -384,13 +386,12 @@ def _check_hooks(manager: pluggy.PluginManager, obj: Any) -> None:
 
 
 def _registrar(kind: str, source: PluginSource, staged: list[Registration]):
-    base = _BASES[kind]
+    bases = _BASES[kind]
 
     def register(obj: Any) -> None:
-        if not isinstance(obj, base):
-            raise TypeError(
-                f"register() in the {kind} hook takes a memmode_core.{base.__name__}, got {type(obj).__name__}"
-            )
+        if not isinstance(obj, bases):
+            expected = " or a ".join(f"memmode_core.{base.__name__}" for base in bases)
+            raise TypeError(f"register() in the {kind} hook takes a {expected}, got {type(obj).__name__}")
         name = getattr(obj, "name", "")
         if not isinstance(name, str) or not _NAME.match(name):
             raise ValueError(f"{kind} name {name!r} must be lowercase letters, digits and underscores")

@@ -27,19 +27,19 @@ from typing import Any
 
 import torch
 
-from memmode_core.api import Handle, apply
-from memmode_core.contracts.devices import resolve_device
+from memmode_core.applying import execute
 from memmode_core.contracts.errors import CheckpointError, IncompatibleModeError, InvalidOptionError
-from memmode_core.contracts.options import resolve_options
-from memmode_core.contracts.targets import MODULE_COMPONENT, Target
-from memmode_core.discovery.grammar import resolve
+from memmode_core.contracts.targets import MODULE_COMPONENT
 from memmode_core.discovery.plugins import current
 from memmode_core.files.borrowed import lending, source_of_mapping
 from memmode_core.files.checkpoint import Checkpoint
+from memmode_core.handle import Handle
 from memmode_core.loading.binding import BindPlan, bind, plan_binding
 from memmode_core.loading.skeleton import Skeleton, build, is_weight_module_class, model_class, pipeline_index
+from memmode_core.planning.prepare import prepare_request
+from memmode_core.planning.prepared import make_request, overrides
 from memmode_core.quantization import saved
-from memmode_core.quantization.layers import check_component, component_bytes, install_forward
+from memmode_core.quantization.layers import component_bytes, install_forward
 
 logger = logging.getLogger("memmode")
 
@@ -102,18 +102,19 @@ def load(
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such folder (load() takes a folder saved with save_pretrained)")
-    dev = resolve_device(device)
+    request = make_request(
+        mode,
+        device=device,
+        weight_dtype=weight_dtype,
+        storage=storage,
+        offload_dir=offload_dir,
+        components=components,
+        exclude=exclude,
+        exclude_components=exclude_components,
+        options=options,
+    )
     plugins = current()
-    resolved = resolve(mode, storage=storage, device=dev, plugins=plugins, storage_given=storage is not None)
-    quantizer = resolved.quantizer.obj if resolved.quantizer else None
-    storage_obj = resolved.storage.obj if resolved.storage else None
-    declared = [(f"placement {resolved.placement.name}", resolved.placement.obj.options)]
-    if storage_obj is not None:
-        declared.append((f"storage {storage_obj.name}", storage_obj.options))
-    if quantizer is not None:
-        declared.append((f"quantizer {quantizer.name}", quantizer.options))
-    routed = resolve_options(declared, options)
-    quantizer_options = routed.get(f"quantizer {quantizer.name}", {}) if quantizer is not None else {}
+    quantizer = request.quantizer.obj if request.quantizer is not None else None
     staging = staging_dir if staging_dir is not None else offload_dir
 
     # -- check everything: configs, headers, formats -------------------------------------------------
@@ -139,14 +140,10 @@ def load(
     if index is None:
         _say_how_to_hand_it_to_its_pipeline(folder)
 
-    # -- what apply's quantizer will touch, as apply selects it ----------------------------------------
-    selected = {}
-    if quantizer is not None:
-        whole = Target.of(target)
-        names = None if components is None else ((components,) if isinstance(components, str) else tuple(components))
-        selected = (whole if names is not None else whole.without(tuple(exclude_components or ()))).select(names)
+    # -- the plan apply executes: laid out, claimed and planned once ----------------------------------------
+    prepared = prepare_request(target, request)
     for item in loads:  # saved quantized, and no quantizer of the mode will install their forward: do it here
-        if item.reader is not None and item.name not in selected:
+        if item.reader is not None and item.name not in prepared.quantization:
             for layer in item.saved_layers:
                 install_forward(
                     item.skeleton.module.get_submodule(layer.path),
@@ -154,20 +151,18 @@ def load(
                     weight_dtype or layer.compute_dtype or layer.dtype,
                 )
 
-    # -- quantize while streaming, as apply would quantize ------------------------------------------
-    summaries_fix = {}
+    # -- quantize while streaming, as the plan says --------------------------------------------------------
     if quantizer is not None:
-        excluded = tuple(exclude or ())
-        if _uses_default_quantize(quantizer):
-            for name, module in selected.items():
-                plan = check_component(quantizer, name, module, exclude=excluded, options=quantizer_options)
+        if not overrides(quantizer, "quantize") and getattr(quantizer, "packs", True):
+            for name, plan in prepared.quantization.items():
                 if plan.packs_anything:
-                    before = component_bytes(module)
+                    before = component_bytes(plan.component)
                     packed = saved.stream_pack(plan, staging_dir=staging, mappings=mappings)
-                    summaries_fix[name] = (packed, before)
+                    prepared.packed_ahead[name] = (packed, before)
         else:
             logger.info(
-                "memmode: quantizer %s has its own quantize(); it quantizes the loaded model in memory", quantizer.name
+                "memmode: quantizer %s has its own quantize(); it quantizes the loaded model in memory",
+                quantizer.name,
             )
 
     # the checkpoint's mappings and the streamed files are lent to file storages, which store the groups
@@ -188,34 +183,11 @@ def load(
     )
     try:
         with lending(sources):
-            handle = apply(
-                target,
-                mode,
-                device=device,
-                weight_dtype=weight_dtype,
-                storage=storage,
-                offload_dir=offload_dir,
-                components=components,
-                exclude=exclude,
-                exclude_components=exclude_components,
-                **options,
-            )
+            handle = execute(prepared)
     finally:
         for item in loads:
             item.checkpoint.release()
-    for name, (packed, before) in summaries_fix.items():
-        summary = handle.quantized.get(name)
-        if summary is not None and dataclasses.is_dataclass(summary):
-            handle.quantized[name] = dataclasses.replace(
-                summary, packed_layers=packed, already_packed_layers=0, bytes_before=before
-            )
     return handle
-
-
-def _uses_default_quantize(quantizer) -> bool:
-    from memmode_core.quantization.quantizer import Quantizer
-
-    return type(quantizer).quantize is Quantizer.quantize and getattr(quantizer, "packs", True)
 
 
 def _plan_components(folder: Path, index: dict | None, torch_dtype, variant, plugins, quantizer) -> list[ComponentLoad]:

@@ -1,12 +1,13 @@
-"""What each mode would cost, predicted from the same groups the engine builds, without running.
+"""What each mode would cost, predicted from the plan ``apply`` would execute, without running.
 
-For every installed placement × storage (× quantizer, when asked), the planner asks the placement
-for its layout, claims the tensors exactly as the engine does (:func:`claim_groups`), sizes the
-groups (with the quantizer's packed sizes when one is asked for, from
-:func:`memmode_core.quantization.layers.plan_quantization`), and replays a call through the engine's
-policies: which groups are onloaded when, what stays, what is prefetched. That gives the peak
-weight bytes on the device, the bytes moved per call, and the host memory and disk each storage
-holds — the quantities the ledger of a real call reports.
+For every installed placement x storage (x quantizer, when asked), the planner prepares the target
+exactly as ``apply`` would (:func:`~memmode_core.planning.prepared.prepare_target`: the placement's
+layout as core adjusts it, the claimed groups, the quantization plans, the sizes) and prices that
+:class:`~memmode_core.planning.prepared.Prepared` (:func:`price`): it replays a call through the
+engine's policies — which groups are onloaded when, what stays, what is prefetched — for the peak
+weight bytes on the device and the bytes moved per call, and multiplies the stored bytes by each
+storage's cost (:mod:`memmode_core.planning.costs`) for the host memory and disk it holds: the
+quantities the ledger of a real call reports. A resolver (``auto``) executes the candidate it chose.
 
 A *call* is a profile of component calls: counts, ``calls={"text_encoder": 1, "transformer": 30}``
 (run in the pipeline's component order), or the exact sequence, ``calls=["text_encoder",
@@ -18,7 +19,7 @@ steady-state call, as the second call of a run moves them. For an exact comparis
 call, pass that call's own sequence: ``plan(pipe, calls=handle.report().call_sequence)``.
 
 The cost model behind ``auto`` — documented in docs/planner.md — is bytes moved per call over the
-bandwidth of the storage (measured once per process on CUDA; defaults below otherwise), plus a
+bandwidth of the storage (measured once per process on CUDA; declared defaults otherwise), plus a
 latency per synchronous onload; a prefetching placement hides most of its copies behind compute.
 """
 
@@ -27,21 +28,34 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 from torch import nn
 
-from memmode_core.contracts.costs import StorageCost, probe
+from memmode_core.contracts.costs import StorageCost
 from memmode_core.contracts.devices import resolve_device
 from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError
-from memmode_core.contracts.layout import GroupSpec, Policy
-from memmode_core.contracts.options import byte_size, resolve_options
-from memmode_core.contracts.placement import lay_out
+from memmode_core.contracts.layout import Policy
+from memmode_core.contracts.options import byte_size
+from memmode_core.contracts.resolver import Resolver
 from memmode_core.contracts.targets import Target
-from memmode_core.discovery.plugins import PluginSet, current
-from memmode_core.engine.runtime import Group, claim_groups
+from memmode_core.contracts.units import format_bytes
+from memmode_core.discovery.first_party import STORAGE_TIE_ORDER
+from memmode_core.discovery.grammar import Mode, lookup
+from memmode_core.discovery.plugins import Registration, current
+from memmode_core.engine.runtime import Group
+from memmode_core.planning.costs import storage_cost
+from memmode_core.planning.prepared import (
+    CANDIDATES,
+    Prepared,
+    Request,
+    candidate_request,
+    plan_components,
+    prepare_target,
+    quantize_targets,
+)
 
 #: Share of a prefetching placement's copy time hidden behind compute.
 PREFETCH_OVERLAP = 0.9
@@ -51,10 +65,6 @@ DEFAULT_STEPS = 20
 DEFAULT_VRAM_SHARE = 0.8
 #: Share of available RAM ``auto`` may fill with offloaded weights by default.
 DEFAULT_RAM_SHARE = 0.9
-
-#: Among equally fast entries, storages that write no files come first: writing and hashing the model
-#: is a cost at ``apply`` that the per-call model does not count.
-_STORAGE_PREFERENCE = {None: 0, "ram": 1, "pinned": 2, "mmap": 3, "disk": 4}
 
 _DENOISER = re.compile(r"^(transformer|unet|prior|decoder_transformer)(_\d+)?$")
 
@@ -82,23 +92,21 @@ class PlanEntry:
     fits: bool = True
     reason: str | None = None
     chosen: bool = False
+    #: the plan this entry prices: what ``apply`` executes when a resolver chooses the entry
+    prepared: Prepared | None = field(default=None, repr=False, compare=False)
 
     @property
     def host_bytes(self) -> int:
         return self.pageable_bytes + self.pinned_bytes
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "prepared"} | {
+            "options": dict(self.options)
+        }
 
     def label(self) -> str:
         extra = ",".join(f"{k}={v}" for k, v in self.options.items())
         return f"{self.mode}[{extra}]" if extra else self.mode
-
-
-#: The placement options each built-in placement is planned with (third-party ones: their defaults).
-VARIANTS: dict[str, list[dict[str, Any]]] = {
-    "model_group_offload": [{"offload_type": "block_level"}, {"offload_type": "leaf_level"}],
-}
 
 
 # -- the call profile --------------------------------------------------------------------------------
@@ -156,56 +164,19 @@ class _Sized:
     idle: bool
 
 
-def _size_groups(
-    target: Target,
-    groups: list[Group],
-    quantizer,
-    quantized: Mapping[str, nn.Module],
-    exclude: tuple[str, ...],
-    quantizer_options: Mapping[str, object],
-) -> list[_Sized]:
-    from memmode_core.quantization.layers import plan_quantization
-
-    plans = (
-        {
-            name: plan_quantization(quantizer, module, exclude=exclude, options=quantizer_options)
-            for name, module in quantized.items()
-        }
-        if quantizer is not None
-        else {}
-    )
+def _sized(prepared: Prepared) -> list[_Sized]:
+    """The prepared groups with their bytes once quantized, and whether a default call leaves them idle."""
     idle_ids: dict[str, set[int]] = {}
-    for name, component in target.components.items():
-        ids: set[int] = set()
-        for root in idle_roots(component):
-            ids.update(id(m) for m in root.modules())
-        idle_ids[name] = ids
-    sized = []
-    for group in groups:
-        plan = plans.get(group.component)
-        if plan is None:
-            nbytes = group.nbytes
-        else:
-            owners = {id(slot.owner): slot.owner for slot in group.slots}
-            nbytes = sum(plan.direct_bytes(m) for m in owners.values())
-        idle = bool(group.slots) and all(id(slot.owner) in idle_ids[group.component] for slot in group.slots)
-        sized.append(_Sized(group, nbytes, idle))
-    return sized
-
-
-def stored_sizes(
-    target: Target,
-    specs: list[GroupSpec],
-    quantizer=None,
-    quantized: Mapping[str, nn.Module] = {},
-    exclude: tuple[str, ...] = (),
-    quantizer_options: Mapping[str, object] = {},
-) -> dict[str, int]:
-    """Bytes of each group a storage will hold, once quantized: what ``apply`` reserves before it
-    quantizes, so that a storage without room refuses while nothing has been touched."""
-    groups = claim_groups(target.components, specs)
-    sized = _size_groups(target, groups, quantizer, quantized, exclude, quantizer_options)
-    return {s.group.key: s.nbytes for s in sized if s.group.policy is not Policy.RESIDENT}
+    for name, component in prepared.target.components.items():
+        idle_ids[name] = {id(m) for root in idle_roots(component) for m in root.modules()}
+    return [
+        _Sized(
+            group,
+            prepared.group_bytes[group.key],
+            bool(group.slots) and all(id(slot.owner) in idle_ids[group.component] for slot in group.slots),
+        )
+        for group in prepared.groups
+    ]
 
 
 # -- replaying a call ---------------------------------------------------------------------------------
@@ -281,15 +252,98 @@ def _owners(group: Group) -> list[nn.Module]:
     return [slot.owner for slot in group.slots]
 
 
-# -- bandwidth ------------------------------------------------------------------------------------------
+# -- pricing --------------------------------------------------------------------------------------------
 
 
-def _seconds(cost: StorageCost | None, moved: int, onloads: int, device: torch.device, prefetch: bool) -> float:
+def _seconds(cost: StorageCost | None, moved: int, onloads: int, prefetch: bool) -> float:
     """Estimated seconds a call spends moving weights (the quantity ``auto`` minimises)."""
     if cost is None:  # nothing offloaded: nothing moves
         return 0.0
     seconds = cost.fetch_seconds(moved, onloads)
     return seconds * (1 - PREFETCH_OVERLAP) if prefetch else seconds
+
+
+def price(prepared: Prepared, sequence: list[str], *, replayed: _Replay | None = None) -> PlanEntry:
+    """The predicted cost of executing ``prepared`` for the component calls ``sequence``. ``replayed``: the
+    replay of the same layout (one layout is priced with every storage)."""
+    sized = _sized(prepared)
+    state = replayed or replay(sized, sequence, prepared.prefetch, prepared.target.components)
+    storage = prepared.storage
+    cost = storage_cost(storage, prepared.device) if storage is not None else None
+    offloaded = sum(s.nbytes for s in sized if s.group.policy is not Policy.RESIDENT)
+    held = {"pageable": 0, "pinned": 0, "disk": 0}
+    if cost is not None:
+        held = {
+            "pageable": round(offloaded * cost.pageable_per_byte),
+            "pinned": round(offloaded * cost.pinned_per_byte),
+            "disk": round(offloaded * cost.disk_per_byte),
+        }
+    if prepared.device.type == "cpu":  # the device is the RAM: resident weights are host memory too
+        held["pageable"] += sum(s.nbytes for s in sized if s.group.policy is Policy.RESIDENT)
+    request = prepared.request
+    return PlanEntry(
+        mode=prepared.mode,
+        placement=request.placement.name,
+        quantizer=request.quantizer.name if request.quantizer else None,
+        storage=request.storage.name if request.storage else None,
+        options=dict(prepared.variant),
+        peak_device_bytes=state.peak,
+        transfer_bytes_per_call=state.moved,
+        onloads_per_call=state.onloads,
+        pageable_bytes=held["pageable"],
+        pinned_bytes=held["pinned"],
+        disk_bytes=held["disk"],
+        seconds_per_call=_seconds(cost, state.moved, state.onloads, prepared.prefetch),
+        prepared=prepared,
+    )
+
+
+# -- candidates ---------------------------------------------------------------------------------------------
+
+
+def candidates(target: Any, base: Request) -> list[Prepared]:
+    """Every installed placement x storage prepared for ``target`` with ``base``'s quantizer and arguments:
+    each placement's layout once per variant it declares (``Placement.plan_variants``), priced with every
+    usable storage (``base.storage_given`` only, when one was named). A placement that refuses the target
+    is left out; the quantizer's refusal is an error (no candidate could quantize)."""
+    plugins = current()
+    whole = Target.of(target)
+    shared = None
+    if base.quantizer is not None:
+        placed = whole.without(base.exclude_components)
+        shared = plan_components(base.quantizer.obj, quantize_targets(whole, placed, base), base)
+    found: list[Prepared] = []
+    for preg in plugins.registrations["placement"].values():
+        if isinstance(preg.obj, Resolver) or preg.unavailable_reason():
+            continue
+        storages = _storages(plugins, preg, base)
+        if not storages:
+            continue
+        for variant in getattr(preg.obj, "plan_variants", None) or ({},):
+            try:
+                first = candidate_request(base, preg, storages[0], variant)
+                prepared = prepare_target(target, first, quantization=shared, variant=variant)
+            except (IncompatibleModeError, InvalidOptionError):
+                continue
+            found.append(prepared)
+            for sreg in storages[1:]:
+                found.append(prepared.with_storage(sreg, candidate_request(base, preg, sreg, variant).storage_options))
+    return found
+
+
+def _storages(plugins, preg: Registration, base: Request) -> list[Registration | None]:
+    """The storages a candidate placement is priced with: none for a placement that offloads nothing (and
+    none at all if ``offload_dir`` asks for a storage that writes files); else every usable one, or the
+    one named."""
+    if not getattr(preg.obj, "offloads", True):
+        return [] if base.offload_dir is not None else [None]
+    found = []
+    for reg in plugins.registrations["storage"].values():
+        if base.storage_given is not None and reg.name != base.storage_given:
+            continue
+        if reg.obj.unavailable_reason(base.device) is None:
+            found.append(reg)
+    return found
 
 
 # -- budgets --------------------------------------------------------------------------------------------
@@ -335,44 +389,45 @@ def plan(
     """Predict every installed placement × storage (× ``quantizer``) for ``target``; see the module docstring.
 
     ``vram_budget`` / ``ram_budget`` (bytes or strings such as ``"8GiB"``) decide ``fits``; the
-    entry ``auto`` would choose has ``chosen=True``. ``options`` are placement options applied to
-    every candidate that accepts them (e.g. ``num_blocks_per_group=2``).
+    entry ``auto`` would choose has ``chosen=True``. ``options`` are options applied to every
+    candidate whose placement, storage or quantizer declares them (e.g. ``num_blocks_per_group=2``).
     """
     tgt = Target.of(target).without(exclude_components or ())
     dev = resolve_device(device)
     vram = _budget("vram_budget", vram_budget)
     ram = _budget("ram_budget", ram_budget)
     plugins = current()
-    quantizers = _quantizers(plugins, quantizer)
     sequence = call_sequence(tgt, calls if calls is not None else default_calls(tgt, steps))
-    excluded = tuple(exclude or ())
     entries: list[PlanEntry] = []
-    for qname, qreg in quantizers:
-        qobj = qreg.obj if qreg is not None else None
-        quantized = tgt.select(components) if qobj is not None else {}
-        qopts = resolve_options([(qname, qobj.options)], {})[qname] if qobj is not None else {}
-        if qobj is not None:
-            qobj.check(quantized, weight_dtype=weight_dtype, exclude=excluded, options=qopts)
-        for preg in plugins.registrations["placement"].values():
-            if preg.name == "auto" or preg.unavailable_reason():
-                continue
-            placement = preg.obj
-            for variant in VARIANTS.get(preg.name, [{}]):
-                given = {k: v for k, v in {**options, **variant}.items() if k in {o.name for o in placement.options}}
-                popts = resolve_options([(preg.name, placement.options)], given)[preg.name]
-                try:
-                    specs = lay_out(placement, tgt, popts, dev).specs
-                except (IncompatibleModeError, InvalidOptionError):
-                    continue
-                groups = claim_groups(tgt.components, specs)
-                sized = _size_groups(tgt, groups, qobj, quantized, excluded, qopts)
-                prefetch = placement.prefetch(popts, dev)
-                state = replay(sized, sequence, prefetch, tgt.components)
-                storages = _storages(plugins, placement, dev, storage)
-                mode = preg.name if qname is None else f"{preg.name}_and_{qname}"
-                for sreg in storages:
-                    entries.append(_entry(mode, preg.name, qname, sreg, variant, sized, state, dev, prefetch))
-    _judge(entries, vram, ram)
+    for qreg in _quantizers(plugins, quantizer):
+        base = Request(
+            mode=Mode(CANDIDATES, qreg.name if qreg is not None else None),
+            placement=None,
+            quantizer=qreg,
+            storage=None,
+            device=dev,
+            weight_dtype=weight_dtype,
+            components=tuple(components) if components is not None else None,
+            exclude=tuple(exclude or ()),
+            exclude_components=tuple(exclude_components or ()),
+            storage_given=storage,
+            given=dict(options),
+        )
+        entries += price_all(candidates(target, base), sequence)
+    judge(entries, vram, ram)
+    return entries
+
+
+def price_all(prepared: list[Prepared], sequence: list[str]) -> list[PlanEntry]:
+    """Price each candidate; candidates sharing one layout (one per storage) share its replay."""
+    entries = []
+    replays: dict[int, _Replay] = {}
+    for one in prepared:
+        key = id(one.groups)
+        entry = price(one, sequence, replayed=replays.get(key))
+        if key not in replays:
+            replays[key] = replay(_sized(one), sequence, one.prefetch, one.target.components)
+        entries.append(entry)
     return entries
 
 
@@ -383,69 +438,22 @@ def _budget(name: str, value: Any) -> int | None:
         raise InvalidOptionError(f"{name}={value!r}: {exc}") from None
 
 
-def _quantizers(plugins: PluginSet, quantizer) -> list[tuple[str | None, Any]]:
-    from memmode_core.discovery.grammar import lookup
-
+def _quantizers(plugins, quantizer) -> list[Registration | None]:
     if quantizer is None:
-        return [(None, None)]
-    names = [quantizer] if isinstance(quantizer, str) else list(quantizer)
-    return [(name, lookup(plugins, "quantizer", name, mode=None)) for name in names]
-
-
-def _storages(plugins: PluginSet, placement, device: torch.device, only: str | None) -> list:
-    if not placement.offloads:
         return [None]
-    found = []
-    for reg in plugins.registrations["storage"].values():
-        if only is not None and reg.name != only:
-            continue
-        if reg.obj.unavailable_reason(device) is None:
-            found.append(reg)
-    return found
+    names = [quantizer] if isinstance(quantizer, str) else list(quantizer)
+    return [lookup(plugins, "quantizer", name, mode=None) for name in names]
 
 
-def _entry(mode, placement, quantizer, sreg, variant, sized, state: _Replay, device, prefetch) -> PlanEntry:
-    cost = _cost(sreg.obj, device) if sreg is not None else None
-    offloaded = sum(s.nbytes for s in sized if s.group.policy is not Policy.RESIDENT)
-    held = {"pageable": 0, "pinned": 0, "disk": 0}
-    if cost is not None:
-        held = {
-            "pageable": round(offloaded * cost.pageable_per_byte),
-            "pinned": round(offloaded * cost.pinned_per_byte),
-            "disk": round(offloaded * cost.disk_per_byte),
-        }
-    if device.type == "cpu":  # the device is the RAM: resident weights are host memory too
-        held["pageable"] += sum(s.nbytes for s in sized if s.group.policy is Policy.RESIDENT)
-    return PlanEntry(
-        mode=mode,
-        placement=placement,
-        quantizer=quantizer,
-        storage=sreg.name if sreg is not None else None,
-        options=dict(variant),
-        peak_device_bytes=state.peak,
-        transfer_bytes_per_call=state.moved,
-        onloads_per_call=state.onloads,
-        pageable_bytes=held["pageable"],
-        pinned_bytes=held["pinned"],
-        disk_bytes=held["disk"],
-        seconds_per_call=_seconds(cost, state.moved, state.onloads, device, prefetch),
-    )
+def _tie_rank(storage: str | None) -> int:
+    if storage is None:
+        return -1
+    return STORAGE_TIE_ORDER.index(storage) if storage in STORAGE_TIE_ORDER else len(STORAGE_TIE_ORDER)
 
 
-def _cost(storage, device: torch.device) -> StorageCost:
-    """The storage's declared or measured cost; a storage whose ``cost`` fails is measured instead."""
-    try:
-        cost = storage.cost(device)
-        if isinstance(cost, StorageCost):
-            return cost
-    except Exception:  # noqa: BLE001 - a plugin's cost() must not break planning
-        pass
-    return probe(storage, device)
-
-
-def _judge(entries: list[PlanEntry], vram: int | None, ram: int | None) -> None:
-    from memmode_core.contracts.units import format_bytes
-
+def judge(entries: list[PlanEntry], vram: int | None, ram: int | None) -> None:
+    """Mark what fits the budgets, and the entry ``auto`` chooses: the fastest that fits (ties: least on the
+    device, then storages that write nothing, then least host memory)."""
     for e in entries:
         reasons = []
         if vram is not None and e.peak_device_bytes > vram:
@@ -457,20 +465,13 @@ def _judge(entries: list[PlanEntry], vram: int | None, ram: int | None) -> None:
     if fitting:
         best = min(
             fitting,
-            key=lambda e: (
-                e.seconds_per_call,
-                e.peak_device_bytes,
-                _STORAGE_PREFERENCE.get(e.storage, 9),
-                e.host_bytes,
-            ),
+            key=lambda e: (e.seconds_per_call, e.peak_device_bytes, _tie_rank(e.storage), e.host_bytes),
         )
         best.chosen = True
 
 
 def choose(entries: list[PlanEntry], vram: int | None, ram: int | None) -> PlanEntry:
     """The entry ``auto`` picks, or :class:`NoModeFitsError` saying what the smallest one needs."""
-    from memmode_core.contracts.units import format_bytes
-
     for e in entries:
         if e.chosen:
             return e
@@ -487,4 +488,4 @@ def choose(entries: list[PlanEntry], vram: int | None, ram: int | None) -> PlanE
     )
 
 
-__all__ = ["PlanEntry", "plan", "choose", "NoModeFitsError", "default_calls"]
+__all__ = ["PlanEntry", "plan", "choose", "judge", "price", "candidates", "NoModeFitsError", "default_calls"]

@@ -1089,6 +1089,7 @@ def quantize_component(
     exclude: Iterable[str] = (),
     options: Mapping[str, object] | None = None,
     name: str = "module",
+    plan: QuantizationPlan | None = None,
 ) -> QuantizationSummary:
     """Pack what :func:`plan_quantization` says and install the forward on every packed layer.
 
@@ -1098,7 +1099,8 @@ def quantize_component(
     Otherwise each layer computes in ``weight_dtype``, or in its own dtype before packing.
     """
     check_weight_dtype(weight_dtype)
-    plan = check_component(quantizer, name, component, exclude=exclude, options=options)
+    if plan is None:
+        plan = check_component(quantizer, name, component, exclude=exclude, options=options)
     before = component_bytes(component)
     packed_now = _pack_all(plan) if plan.packs_anything else 0
     for module in component.modules():

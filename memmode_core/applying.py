@@ -1,0 +1,257 @@
+"""``apply`` and ``remove``: executing a prepared plan on its target, and taking it off again.
+
+``apply(target, mode, **kw)`` is ``execute(prepare(target, mode, **kw))``: everything is resolved,
+checked, laid out and sized by :func:`~memmode_core.planning.prepare.prepare` while the target is
+untouched, then :func:`execute` acts in the order of the contract — make room in the storage, take
+the old mode off, quantize, place. Applying a mode to a target that already has one replaces the
+placement cleanly: the old one is removed (weights back in ordinary memory) only after the new one
+has been fully validated, and if the new one fails after that, the old one is put back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from memmode_core.contracts.errors import IncompatibleModeError
+from memmode_core.contracts.targets import Target
+from memmode_core.discovery.grammar import lookup
+from memmode_core.discovery.plugins import current
+from memmode_core.engine.ledger import Ledger
+from memmode_core.engine.runtime import Runtime
+from memmode_core.handle import HANDLE_ATTRIBUTE, Handle, handle_of
+from memmode_core.planning.prepare import prepare
+from memmode_core.planning.prepared import Prepared, overrides
+from memmode_core.quantization import layers as quantization
+
+logger = logging.getLogger("memmode")
+
+
+def apply(
+    target: Any,
+    mode: str | None = None,
+    *,
+    device: Any = None,
+    weight_dtype: torch.dtype | None = None,
+    storage: str | None = None,
+    offload_dir: str | None = None,
+    components: Iterable[str] | None = None,
+    exclude: Iterable[str] | None = None,
+    exclude_components: Iterable[str] | None = None,
+    strict: bool = False,
+    **options: Any,
+) -> Handle:
+    """Put ``target`` (a diffusers pipeline or an ``nn.Module``) into ``mode``; see the user guide.
+
+    ``apply(prepared)`` executes a plan made by :func:`memmode_core.prepare` (inspected first, say).
+
+    ``exclude_components`` names pipeline components the placement leaves exactly where they are
+    (diffusers' ``exclude_modules``): no hooks, nothing stored, nothing moved.
+
+    ``strict=True``: refuse (``IncompatibleModeError``) rather than adjust the placement's layout where
+    the model or the pipeline declares it must be (a component with ``_supports_group_offloading =
+    False`` moved whole, one in the pipeline's ``_exclude_from_cpu_offload`` kept on the device; each
+    adjustment is otherwise logged and noted in ``report().placement_notes``).
+    """
+    if isinstance(target, Prepared) and mode is None:
+        return execute(target)
+    prepared = prepare(
+        target,
+        mode,
+        device=device,
+        weight_dtype=weight_dtype,
+        storage=storage,
+        offload_dir=offload_dir,
+        components=components,
+        exclude=exclude,
+        exclude_components=exclude_components,
+        strict=strict,
+        **options,
+    )
+    return execute(prepared)
+
+
+def execute(prepared: Prepared) -> Handle:
+    """Act on a prepared plan: make room in the storage, take the old mode off, quantize, place."""
+    obj = prepared.whole.obj
+    previous = handle_of(obj)
+    _refuse_foreign_handles(prepared.target, previous)
+    session = prepared.open_session()
+    try:  # room for what will be stored, before quantizing: a refusal leaves the target untouched
+        if session is not None:
+            session.reserve(prepared.stored_sizes)
+    except BaseException:
+        session.close()
+        raise
+
+    quantized: dict[str, Any] = {}
+    try:
+        if previous is not None:
+            previous.remove()
+        quantized = _quantize(prepared)
+        runtime, ledger = install(prepared, session, prepared.stored_sizes)
+    except BaseException as exc:
+        if session is not None:
+            session.close()
+        if previous is not None:
+            _revive(previous, exc, quantized)
+        raise
+    if quantized:
+        logger.info(
+            "memmode: %s quantized %s with %s", prepared.target.label, ", ".join(quantized), prepared.quantizer.name
+        )
+    handle = Handle(prepared, runtime, ledger, quantized)
+    handle._attach()
+    return handle
+
+
+def _quantize(prepared: Prepared) -> dict[str, Any]:
+    """Quantize each component as planned; a component quantized already (``load`` packs while streaming)
+    only gets its dequantizing forward."""
+    quantizer = prepared.quantizer
+    if quantizer is None:
+        return {}
+    request = prepared.request
+    done: dict[str, Any] = {}
+    targets = prepared.whole.components
+    for name, plan in prepared.quantization.items():
+        module = targets[name]
+        if name in prepared.packed_ahead:
+            packed_now, bytes_before = prepared.packed_ahead[name]
+            _install_forwards(module, quantizer, request.weight_dtype)
+            done[name] = quantization._summary(quantizer, plan, packed_now, bytes_before)
+        elif overrides(quantizer, "quantize"):
+            done[name] = quantizer.quantize(
+                module, weight_dtype=request.weight_dtype, exclude=request.exclude, options=request.quantizer_options
+            )
+        else:
+            done[name] = quantization.quantize_component(
+                quantizer,
+                module,
+                weight_dtype=request.weight_dtype,
+                exclude=request.exclude,
+                options=request.quantizer_options,
+                name=name,
+                plan=plan,
+            )
+    return done
+
+
+def _install_forwards(component: nn.Module, quantizer: Any, weight_dtype: torch.dtype | None) -> None:
+    """The dequantizing forward on every packed layer of ``component`` (packed while it was loaded)."""
+    for module in component.modules():
+        record = quantization.packed_record(module)
+        if record is not None:
+            quantization.install_forward(module, quantizer, weight_dtype or record.compute_dtype or record.dtype)
+
+
+def install(prepared: Prepared, session, reserved: dict[str, int] | None = None) -> tuple[Runtime, Ledger]:
+    """Install the engine for ``prepared``'s placement on its (quantized) target."""
+    target = prepared.target
+    ledger = Ledger()
+    runtime = Runtime(
+        target.components,
+        prepared.layout.specs,
+        device=prepared.device,
+        session=session,
+        ledger=ledger,
+        prefetch=prepared.prefetch,
+        offload_after_call=prepared.offload_after_call,
+        relayout=prepared.relayout,
+        pipeline=target.obj if target.is_pipeline else None,
+        refuse_edit=_refuse_fusing_packed,
+    )
+    runtime.install(reserved)
+    return runtime, ledger
+
+
+def _revive(previous: Handle, failure: BaseException, quantized: dict) -> None:
+    """A re-apply failed after the old mode was removed: put the old mode back, so that a refused
+    apply changes nothing. The old handle becomes active again."""
+    if not previous._removed:
+        return
+    try:
+        prepared = previous.prepared.refreshed()  # the weights may have changed since it was prepared
+        session = prepared.open_session()
+        try:
+            runtime, ledger = install(prepared, session)
+        except BaseException:
+            if session is not None:
+                session.close()
+            raise
+    except BaseException as again:
+        logger.error(
+            "memmode: the new mode failed (%s) and the previous mode %s could not be put back (%s); "
+            "the weights are in ordinary memory",
+            failure,
+            previous.mode,
+            again,
+        )
+        return
+    previous.prepared = prepared
+    previous._runtime, previous._ledger, previous._removed = runtime, ledger, False
+    previous._attach()
+    if quantized:
+        logger.warning(
+            "memmode: the new mode failed after quantizing %s; the previous mode %s is back, on the quantized weights",
+            ", ".join(quantized),
+            previous.mode,
+        )
+
+
+#: edits that add a delta into the existing weights
+FUSING_METHODS = ("fuse_lora", "fuse_qkv_projections")
+
+
+def _refuse_fusing_packed(method: str, components: dict[str, nn.Module]) -> None:
+    """Fusing into a quantized weight would add to packed codes. memmode refuses rather than
+    dequantize-add-requantize: the unfused adapter runs at ``weight_dtype`` on top of the dequantized
+    base, exactly, at the cost of its two small matmuls (docs/quantizers.md has the measurements)."""
+    if method not in FUSING_METHODS:
+        return
+    for name, component in components.items():
+        for path, module in component.named_modules():
+            base = getattr(module, "base_layer", None) if method == "fuse_lora" else module
+            if isinstance(base, nn.Module) and quantization.packed_record(base) is not None:
+                what = "LoRA adapters" if method == "fuse_lora" else "projections"
+                raise IncompatibleModeError(
+                    f"{method}: {name}.{path} is quantized, and fusing {what} into packed weights would corrupt them. "
+                    f"Keep the adapter unfused (it runs at weight_dtype on the dequantized weight), or fuse before "
+                    f"applying the quantizer."
+                )
+
+
+def _refuse_foreign_handles(tgt: Target, previous: Handle | None) -> None:
+    """A component placed through another target (a pipeline sharing it) cannot be placed twice."""
+    for name, module in tgt.components.items():
+        other = getattr(module, HANDLE_ATTRIBUTE, None)
+        if isinstance(other, Handle) and other.active and other is not previous:
+            owner = other.target
+            raise IncompatibleModeError(
+                f"component {name!r} is already placed by memmode mode {other.mode!r} applied to "
+                f"{type(owner).__name__}; call remove() on that first"
+            )
+
+
+def convert(quantizer: Any, module: nn.Module, **kwargs: Any):
+    """Pack ``module``'s layers in a quantizer's format ahead of ``apply`` (the order FSDP2 needs).
+
+    ``quantizer``: a registered name (``"qfloat4"``) or a ``Quantizer``; see
+    :func:`memmode_core.quantization.layers.convert` for the rest.
+    """
+    if isinstance(quantizer, str):
+        quantizer = lookup(current(), "quantizer", quantizer, mode=None).obj
+    return quantization.convert(quantizer, module, **kwargs)
+
+
+def remove(target: Any) -> bool:
+    """Remove memmode from ``target``; returns whether there was anything to remove."""
+    handle = handle_of(target)
+    if handle is None:
+        return False
+    handle.remove()
+    return True

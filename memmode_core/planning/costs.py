@@ -1,0 +1,125 @@
+"""What a storage costs, as the planner prices it: declared, refined by measurement, or measured.
+
+A storage declares its :class:`~memmode_core.contracts.costs.StorageCost` or answers None
+(:meth:`Storage.cost`). :func:`storage_cost` is the figure the planner uses:
+
+- a declared copy from host memory (pageable or page-locked) to CUDA at the default bandwidth is
+  priced at the bandwidth measured there once per process (:func:`measured_bandwidth`);
+- a storage that declares nothing, or whose ``cost`` fails, is **measured** (:func:`probe`): a
+  session stores a weight-like group (random normal bfloat16, which compresses about as real
+  weights do), reports what it holds (``stats()``), and fetches of a large and of a tiny group are
+  timed. The result is cached per storage class and device, so the probe costs a fraction of a
+  second once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+
+import torch
+
+from memmode_core.contracts.costs import DEFAULT_BANDWIDTH, StorageCost, onload_latency
+from memmode_core.contracts.options import resolve_options
+from memmode_core.contracts.storage import Storage
+
+#: Bytes of the group :func:`probe` stores and fetches to measure bandwidth.
+PROBE_BYTES = 8 << 20
+#: where a declared copy's bandwidth is measured instead of taken from the defaults
+_MEASURED_KINDS = ("pageable", "pinned")
+
+
+def storage_cost(storage: Storage, device: torch.device) -> StorageCost:
+    """The storage's cost on ``device`` for the planner (see the module docstring)."""
+    try:
+        cost = storage.cost(device)
+    except Exception:  # noqa: BLE001 - a plugin's cost() must not break planning
+        cost = None
+    if not isinstance(cost, StorageCost):
+        return probe(storage, device)
+    if (
+        not cost.measured
+        and device.type == "cuda"
+        and cost.kind in _MEASURED_KINDS
+        and cost.fetch_bytes_per_second == DEFAULT_BANDWIDTH[cost.kind]
+    ):
+        return dataclasses.replace(cost, fetch_bytes_per_second=measured_bandwidth(device.type, cost.kind))
+    return cost
+
+
+@functools.cache
+def measured_bandwidth(device_type: str, kind: str) -> float:
+    """Host-to-device bytes/s, measured once per process on CUDA for pageable and pinned memory."""
+    if device_type != "cuda" or kind not in _MEASURED_KINDS or not torch.cuda.is_available():
+        return DEFAULT_BANDWIDTH[kind]
+    nbytes = 256 << 20
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    if kind == "pinned":
+        host = host.pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev.copy_(host)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    dev.copy_(host, non_blocking=kind == "pinned")
+    end.record()
+    end.synchronize()
+    return nbytes / (start.elapsed_time(end) / 1e3)
+
+
+_probed: dict[tuple[type, str], StorageCost] = {}
+
+
+def probe(storage: Storage, device: torch.device) -> StorageCost:
+    """Measure ``storage`` on ``device`` (cached per storage class and device; see the module docstring)."""
+    key = (type(storage), str(device))
+    if key not in _probed:
+        _probed[key] = _probe(storage, device)
+    return _probed[key]
+
+
+def _probe(storage: Storage, device: torch.device) -> StorageCost:
+    (options,) = resolve_options([(f"storage {storage.name}", storage.options)], {})
+    session = storage.open(device=device, offload_dir=None, options=options)
+    generator = torch.Generator().manual_seed(0)
+    big = {"probe.weight": torch.randn(PROBE_BYTES // 2, generator=generator).to(torch.bfloat16)}
+    small = {"probe.bias": torch.randn(16, generator=generator)}
+    try:
+        session.reserve({"probe/big": PROBE_BYTES, "probe/small": 64})
+        session.put("probe/big", big)
+        session.put("probe/small", small)
+        held = session.stats()
+        zero_copy = session.zero_copy(device)
+        latency = _best_time(lambda: session.fetch("probe/small", device), repeat=30, device=device)
+        if zero_copy:
+            bandwidth = None
+        else:
+            seconds = _best_time(lambda: session.fetch("probe/big", device), repeat=7, device=device)
+            bandwidth = PROBE_BYTES / max(seconds - latency, 1e-9)
+    finally:
+        session.close()
+    stored = PROBE_BYTES + 64
+    per_byte = {place: held.get(f"{place}_bytes", 0) / stored for place in ("pageable", "pinned", "disk")}
+    if not held:  # a storage that reports nothing is taken to keep plain copies in RAM
+        per_byte["pageable"] = 1.0
+    return StorageCost(
+        "measured",
+        per_byte["pageable"],
+        per_byte["pinned"],
+        per_byte["disk"],
+        bandwidth,
+        max(latency, onload_latency(device)) if not zero_copy else onload_latency(device),
+        measured=True,
+    )
+
+
+def _best_time(run, *, repeat: int, device: torch.device) -> float:
+    best = math.inf
+    for _ in range(repeat):
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
