@@ -311,7 +311,7 @@ class Prepared:
             where = f", offload_dir={str(request.offload_dir)!r}" if request.offload_dir is not None else ""
             lines.append(f"  storage {self.storage.name}{_options_text(request.storage_options)}{where}")
         if self.quantizer is not None:
-            dtype = str(request.weight_dtype).replace("torch.", "") if request.weight_dtype else "the model's"
+            dtype = str(request.weight_dtype).replace("torch.", "") if request.weight_dtype else "each layer's dtype"
             lines.append(
                 f"  quantizer {self.quantizer.name}{_options_text(request.quantizer_options)}, computing in {dtype}"
             )
@@ -322,18 +322,25 @@ class Prepared:
                 )
         for name in self.target.components:
             mine = [g for g in self.groups if g.component == name]
+            counts = {policy: sum(g.policy is policy for g in mine) for policy in Policy}
+            kinds = ", ".join(f"{n} {_POLICY_WORDS[policy]}" for policy, n in counts.items() if n)
             resident = sum(self.group_bytes[g.key] for g in mine if g.policy is Policy.RESIDENT)
             stored = sum(self.group_bytes[g.key] for g in mine if g.policy is not Policy.RESIDENT)
-            policies = sorted({g.policy.value for g in mine})
-            lines.append(
-                f"  {name}: {len(mine)} group{'s' if len(mine) != 1 else ''} ({', '.join(policies)}), "
-                f"{format_bytes(resident)} resident, {format_bytes(stored)} stored"
-            )
+            held = [f"{format_bytes(resident)} resident"] if resident else []
+            held += [f"{format_bytes(stored)} stored"] if stored else []
+            lines.append(f"  {name}: {len(mine)} group{'s' if len(mine) != 1 else ''} ({kinds}), {', '.join(held)}")
         for name in self.whole.components:
             if name not in self.target.components:
                 lines.append(f"  {name}: left where it is (exclude_components)")
         for name, note in self.layout.notes.items():
             lines.append(f"  note: {name} {note}")
+        if self.choice is not None:
+            entry = self.choice
+            lines.append(
+                f"  predicted: {format_bytes(entry.peak_device_bytes)} peak on the device, "
+                f"{format_bytes(entry.transfer_bytes_per_call)} moved per call, "
+                f"{entry.seconds_per_call:.3g} s per call moving weights"
+            )
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -343,6 +350,9 @@ class Prepared:
             f"device={self.device} groups={len(self.groups)} stored={format_bytes(stored)}"
             f"{' quantizes ' + ','.join(self.quantization) if self.quantization else ''}>"
         )
+
+
+_POLICY_WORDS = {Policy.RESIDENT: "resident", Policy.STREAM: "streamed", Policy.EXCLUSIVE: "moved whole"}
 
 
 def _options_text(options: Options | None) -> str:

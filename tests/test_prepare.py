@@ -1,0 +1,161 @@
+"""``prepare(target, mode) -> Prepared``: one plan, computed once, that ``apply``, the planner, ``load`` and
+``auto`` reuse instead of computing it again.
+
+The expensive steps are counted with the profiler, which counts calls of a function however it is
+referenced: resolving the mode, routing the options, laying the target out, claiming the groups,
+planning each quantized component and sizing the groups each happen once per ``apply``.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import dataclasses
+import pstats
+from collections import Counter
+
+import pytest
+import torch
+from tiny_pipelines import FAMILIES, make_pipeline, run
+
+import memmode_core as memmode
+from memmode_core.builtin.placements import GroupOffloadOptions
+from memmode_core.contracts.options import Option, Options, options_type, resolve_options
+
+#: function name -> what the step is; each must run once per apply (plans: once per quantized component)
+STEPS = {
+    "resolve": "resolving the mode's names",
+    "resolve_options": "building the typed options",
+    "lay_out": "laying the target out",
+    "claim_groups": "claiming the groups' tensors",
+    "group_bytes": "sizing the groups",
+    "plan_layers": "planning a component's quantization",
+}
+
+
+def counted(function, *args, **kwargs):
+    """``function(*args, **kwargs)`` and how many times each memmode function in ``STEPS`` ran meanwhile."""
+    profiler = cProfile.Profile()
+    result = profiler.runcall(function, *args, **kwargs)
+    calls: Counter[str] = Counter()
+    for (path, _, name), (_, total, *_rest) in pstats.Stats(profiler).stats.items():
+        if name in STEPS and "memmode_core" in path:
+            calls[name] += total
+    return result, calls
+
+
+MODES = [
+    ("model_cpu_offload", {}),
+    ("model_group_offload", {"offload_type": "leaf_level"}),
+    ("model_group_offload_and_qfloat8", {}),
+    ("sequential_cpu_offload_and_qfloat4", {}),
+]
+
+
+@pytest.mark.parametrize("mode, options", MODES, ids=[m for m, _ in MODES])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_apply_does_each_expensive_step_once(family, mode, options):
+    pipe = make_pipeline(family)
+    handle, calls = counted(memmode.apply, pipe, mode, device="cpu", **options)
+    quantized = len(handle.quantized)
+    expected = {name: 1 for name in STEPS if name != "plan_layers"}
+    expected["plan_layers"] = quantized
+    assert quantized == (2 if family == "wan22" else 1) if "_and_" in mode else quantized == 0
+    assert {name: calls[name] for name in STEPS} == expected
+    handle.remove()
+
+
+def test_executing_a_prepared_plan_computes_nothing_again():
+    pipe = make_pipeline("wan22")
+    prepared, calls = counted(memmode.prepare, pipe, "model_group_offload_and_qfloat8", device="cpu")
+    assert all(calls[name] for name in STEPS)
+    handle, calls = counted(memmode.apply, prepared)
+    assert not any(calls[name] for name in STEPS), dict(calls)
+    assert handle.prepared is prepared and handle.mode == "model_group_offload_and_qfloat8"
+    handle.remove()
+
+
+def test_prepare_touches_nothing_and_apply_of_it_equals_apply():
+    reference = make_pipeline("flux")
+    expected = memmode.apply(reference, "model_group_offload", device="cpu")
+    want = [run(reference, "flux", 0), run(reference, "flux", 1)]
+    expected.remove()
+    pipe = make_pipeline("flux")
+    state = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+    prepared = memmode.prepare(pipe, "model_group_offload", device="cpu")
+    assert not hasattr(pipe, "_memmode_handle") and "forward" not in vars(pipe.transformer)
+    torch.testing.assert_close(pipe.transformer.state_dict(), state, rtol=0, atol=0)
+    handle = memmode.apply(prepared)
+    got = [run(pipe, "flux", 0), run(pipe, "flux", 1)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    handle.remove()
+
+
+def test_a_prepared_plan_says_what_it_will_do():
+    pipe = make_pipeline("wan22")
+    prepared = memmode.prepare(pipe, "model_group_offload_and_qfloat8", device="cpu", offload_type="leaf_level")
+    text = prepared.describe()
+    assert "model_group_offload_and_qfloat8 for WanPipeline on cpu" in text
+    assert "offload_type='leaf_level'" in text and "storage ram" in text
+    assert "transformer: 20 layers to pack" in text and "transformer_2: 20 layers to pack" in text
+    assert "text_encoder:" in text and "streamed" in text
+    assert repr(prepared).startswith("<memmode.Prepared model_group_offload_and_qfloat8 storage=ram device=cpu")
+    assert set(prepared.stored_sizes) == {g.key for g in prepared.groups}
+
+
+def test_auto_resolves_to_a_prepared_candidate_and_executes_it_as_prepared():
+    pipe = make_pipeline("wan22")
+    prepared = memmode.prepare(pipe, "auto", device="cpu", vram_budget="130KB")
+    assert prepared.mode == "model_group_offload" and prepared.requested_mode == "auto"
+    assert prepared.choice.chosen and prepared.choice.prepared is prepared
+    assert "chosen by auto" in prepared.describe()
+    handle, calls = counted(memmode.apply, prepared)
+    assert not any(calls[name] for name in STEPS)
+    assert handle.requested_mode == "auto" and handle.choice is prepared.choice
+    assert handle.report().peak_device_bytes <= 130_000
+    handle.remove()
+
+
+def test_auto_is_a_resolver_not_a_placement():
+    from memmode_core.discovery.plugins import current
+
+    auto = current().get("placement", "auto").obj
+    assert isinstance(auto, memmode.Resolver) and not isinstance(auto, memmode.Placement)
+    assert not hasattr(auto, "layout")
+
+
+def test_the_planner_prices_prepared_plans():
+    pipe = make_pipeline("ltx")
+    entries = memmode.plan(pipe, device="cpu", quantizer="qfloat8")
+    assert entries and all(isinstance(e.prepared, memmode.Prepared) for e in entries)
+    assert all(e.prepared.mode == e.mode and e.prepared.storage.name == e.storage for e in entries if e.storage)
+    assert "prepared" not in entries[0].as_dict()
+    plans = {id(e.prepared.quantization["transformer"]) for e in entries}
+    assert len(plans) == 1, "one quantization plan, shared by every candidate"
+
+
+# -- typed options ------------------------------------------------------------------------------------------
+
+
+def test_options_are_a_frozen_dataclass_built_once():
+    prepared = memmode.prepare(make_pipeline("flux"), "model_group_offload", device="cpu", num_blocks_per_group=2)
+    options = prepared.request.placement_options
+    assert isinstance(options, GroupOffloadOptions) and dataclasses.is_dataclass(options)
+    assert options.num_blocks_per_group == 2 and options["num_blocks_per_group"] == 2
+    assert dict(options) == {
+        "offload_type": "block_level",
+        "num_blocks_per_group": 2,
+        "block_modules": None,
+        "use_stream": None,
+    }
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.num_blocks_per_group = 3
+
+
+def test_a_tuple_of_options_becomes_a_dataclass():
+    declared = (Option("zram_level", 1, "zlib level", int), Option("zram_path", None, "where"))
+    cls = options_type(declared, "storage zram")
+    assert issubclass(cls, Options) and options_type(declared, "storage zram") is cls
+    (built,) = resolve_options([("storage zram", declared)], {"zram_level": "3"})
+    assert isinstance(built, cls) and built.zram_level == 3 and built["zram_path"] is None
+    with pytest.raises(memmode.InvalidOptionError, match="unexpected option level"):
+        resolve_options([("storage zram", declared)], {"level": 3})
