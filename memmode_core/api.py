@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memmode_core import quantization
 from memmode_core.contracts.devices import resolve_device
 from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError
 from memmode_core.contracts.options import resolve_options
@@ -27,7 +28,6 @@ from memmode_core.discovery.plugins import current
 from memmode_core.engine import pipeline_hooks
 from memmode_core.engine.ledger import Ledger, Report, clock
 from memmode_core.engine.runtime import Runtime
-from memmode_core.quantization import layers as quantization
 
 logger = logging.getLogger("memmode")
 
@@ -314,7 +314,9 @@ def apply(
     layout = lay_out(placement, tgt, placement_options, dev, strict=strict)
     specs = layout.specs
     if quantizer is not None:
-        quantizer.check(quantize_targets, weight_dtype=weight_dtype, exclude=excluded, options=quantizer_options)
+        quantization.check(
+            quantizer, quantize_targets, weight_dtype=weight_dtype, exclude=excluded, options=quantizer_options
+        )
     placing = Placing(tgt, placement, placement_options, storage_obj, storage_options, dev, offload_dir, strict)
     session = placing.open_session()
     reserved = None
@@ -335,8 +337,8 @@ def apply(
             previous.remove()
         if quantizer is not None:
             for name, module in quantize_targets.items():
-                quantized[name] = quantizer.quantize(
-                    module, weight_dtype=weight_dtype, exclude=excluded, options=quantizer_options
+                quantized[name] = quantization.quantize(
+                    quantizer, module, weight_dtype=weight_dtype, exclude=excluded, options=quantizer_options, name=name
                 )
         runtime, ledger = placing.install(specs, session, reserved)
     except BaseException as exc:
@@ -496,7 +498,7 @@ def _refuse_fusing_packed(method: str, components: dict[str, nn.Module]) -> None
     base, exactly, at the cost of its two small matmuls (docs/quantizers.md has the measurements)."""
     if method not in FUSING_METHODS:
         return
-    from memmode_core.quantization.layers import packed_record
+    from memmode_core.quantization import packed_record
 
     for name, component in components.items():
         for path, module in component.named_modules():

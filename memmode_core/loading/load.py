@@ -38,8 +38,7 @@ from memmode_core.files.borrowed import lending, source_of_mapping
 from memmode_core.files.checkpoint import Checkpoint
 from memmode_core.loading.binding import BindPlan, bind, plan_binding
 from memmode_core.loading.skeleton import Skeleton, build, is_weight_module_class, model_class, pipeline_index
-from memmode_core.quantization import saved
-from memmode_core.quantization.layers import check_component, component_bytes, install_forward
+from memmode_core.quantization import check_component, component_bytes, install_forward, saved
 
 logger = logging.getLogger("memmode")
 
@@ -213,7 +212,7 @@ def load(
 
 
 def _uses_default_quantize(quantizer) -> bool:
-    from memmode_core.quantization.quantizer import Quantizer
+    from memmode_core.contracts.quantizer import Quantizer
 
     return type(quantizer).quantize is Quantizer.quantize and getattr(quantizer, "packs", True)
 

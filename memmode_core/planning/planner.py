@@ -42,6 +42,7 @@ from memmode_core.contracts.placement import lay_out
 from memmode_core.contracts.targets import Target
 from memmode_core.discovery.plugins import PluginSet, current
 from memmode_core.engine.runtime import Group, claim_groups
+from memmode_core.quantization import check as check_quantizer
 
 #: Share of a prefetching placement's copy time hidden behind compute.
 PREFETCH_OVERLAP = 0.9
@@ -164,7 +165,7 @@ def _size_groups(
     exclude: tuple[str, ...],
     quantizer_options: Mapping[str, object],
 ) -> list[_Sized]:
-    from memmode_core.quantization.layers import plan_quantization
+    from memmode_core.quantization import plan_quantization
 
     plans = (
         {
@@ -352,7 +353,7 @@ def plan(
         quantized = tgt.select(components) if qobj is not None else {}
         qopts = resolve_options([(qname, qobj.options)], {})[qname] if qobj is not None else {}
         if qobj is not None:
-            qobj.check(quantized, weight_dtype=weight_dtype, exclude=excluded, options=qopts)
+            check_quantizer(qobj, quantized, weight_dtype=weight_dtype, exclude=excluded, options=qopts)
         for preg in plugins.registrations["placement"].values():
             if preg.name == "auto" or preg.unavailable_reason():
                 continue
