@@ -75,7 +75,7 @@ def fused(model, lora: dict[str, torch.Tensor]):
 
 def requantized_fuse(model, lora, quantizer):
     """The quantized model, then for every adapted layer: dequantize, add the delta, quantize again."""
-    from memmode_core.quantization.layers import packed_record
+    from memmode_core.quantization import packed_record
 
     with torch.no_grad():
         for key, a in lora.items():

@@ -133,7 +133,7 @@ class Row:
 def _memmode(name: str, **options) -> Callable[[nn.Module], Callable[[], None]]:
     def method(model: nn.Module):
         from memmode_core.discovery.plugins import current
-        from memmode_core.quantization.layers import packed_record, quantize_component
+        from memmode_core.quantization import packed_record, quantize_component
 
         quantizer = current().get("quantizer", name)
         if quantizer is None:
@@ -153,7 +153,7 @@ def _memmode(name: str, **options) -> Callable[[nn.Module], Callable[[], None]]:
 def _plain_cast(model: nn.Module):
     """The reference implementation's qfloat8: every Linear weight cast to float8, upcast per forward."""
     from memmode_core import Quantizer
-    from memmode_core.quantization.layers import packed_record, quantize_component
+    from memmode_core.quantization import packed_record, quantize_component
 
     class PlainCast(Quantizer):
         name = "plain_float8_cast"
@@ -269,7 +269,7 @@ def time_all(
 
 
 def layer_group(path: str, blocks: list[str]) -> str:
-    from memmode_core.quantization.layers import _inside
+    from memmode_core.quantization.selection import _inside
 
     if _inside(path, blocks):
         return "all blocks"
@@ -285,7 +285,8 @@ def layer_group(path: str, blocks: list[str]) -> str:
 def ablation(reference_model: nn.Module, inputs: list[dict], reference: list[torch.Tensor]) -> list[dict]:
     """Quantize one group of layers at a time; report its share of the bytes and the noise it adds."""
     from memmode_core.discovery.plugins import current
-    from memmode_core.quantization.layers import _block_paths, plan_quantization, quantize_component
+    from memmode_core.quantization import plan_quantization, quantize_component
+    from memmode_core.quantization.selection import _block_paths
 
     total = state_bytes(reference_model)
     blocks = _block_paths(reference_model)
@@ -322,7 +323,7 @@ def predicted_at_full_size() -> dict[str, float]:
     from diffusers import WanTransformer3DModel
 
     from memmode_core.discovery.plugins import current
-    from memmode_core.quantization.layers import plan_quantization
+    from memmode_core.quantization import plan_quantization
 
     with torch.device("meta"):
         model = WanTransformer3DModel(

@@ -12,11 +12,12 @@ Placements, quantizers and storages are plugins (entry-point group ``memmode``);
 The modules are layered, one folder per layer, and imports only point down
 (``tests/test_import_layers.py`` checks it):
 
-0. ``contracts/``: errors, options, hookspecs, devices, costs, storage, placement, targets, layout (groups
-   and policies), packing;
+0. ``contracts/``: errors, options, hookspecs, devices, costs, storage, placement, quantizer, targets, layout
+   (groups and policies), packing;
 1. mechanics: ``engine/`` (runtime, hooks, reads outside forward, ledger, staging, pipeline hooks), ``files/``
    (group files) and
-   ``quantization/`` (packed layers, and the ``Quantizer`` base class whose defaults use them);
+   ``quantization/`` (everything a quantizer does besides packing one weight: which layers, the packed
+   layer and its forward, sizes, the checks, and the ``check``/``quantize`` entry points);
 2. ``discovery/``: plugins, grammar (built-in plugins are loaded by module name, like entry points);
 3. ``planning/``: the planner;
 4. ``builtin/``: the built-in plugins (the placements, ``auto`` among them, and the ``ram`` storage);
@@ -45,6 +46,7 @@ from memmode_core.contracts.hookspecs import hookimpl
 from memmode_core.contracts.layout import GroupSpec, Policy, block_groups, leaf_groups, whole_component
 from memmode_core.contracts.options import Option, Options, option
 from memmode_core.contracts.placement import Placement
+from memmode_core.contracts.quantizer import Quantizer
 from memmode_core.contracts.resolver import Budgets, Resolver
 from memmode_core.contracts.storage import Storage, StorageSession, Tensors, is_placeholder, placeholder
 from memmode_core.contracts.targets import Target
@@ -59,7 +61,6 @@ from memmode_core.loading.save import save_quantized
 from memmode_core.planning.planner import NoModeFitsError, PlanEntry, plan
 from memmode_core.planning.prepare import prepare
 from memmode_core.planning.prepared import Prepared
-from memmode_core.quantization.quantizer import Quantizer
 
 __all__ = [
     "apply",

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memmode_core import quantization
 from memmode_core.contracts.errors import IncompatibleModeError
 from memmode_core.contracts.targets import Target
 from memmode_core.discovery.grammar import lookup
@@ -25,8 +26,7 @@ from memmode_core.engine.ledger import Ledger
 from memmode_core.engine.runtime import Runtime
 from memmode_core.handle import HANDLE_ATTRIBUTE, Handle, handle_of
 from memmode_core.planning.prepare import prepare
-from memmode_core.planning.prepared import Prepared, overrides
-from memmode_core.quantization import layers as quantization
+from memmode_core.planning.prepared import Prepared
 
 logger = logging.getLogger("memmode")
 
@@ -123,13 +123,9 @@ def _quantize(prepared: Prepared) -> dict[str, Any]:
         if name in prepared.packed_ahead:
             packed_now, bytes_before = prepared.packed_ahead[name]
             _install_forwards(module, quantizer, request.weight_dtype)
-            done[name] = quantization._summary(quantizer, plan, packed_now, bytes_before)
-        elif overrides(quantizer, "quantize"):
-            done[name] = quantizer.quantize(
-                module, weight_dtype=request.weight_dtype, exclude=request.exclude, options=request.quantizer_options
-            )
+            done[name] = quantization.summarize(quantizer, plan, packed_now, bytes_before)
         else:
-            done[name] = quantization.quantize_component(
+            done[name] = quantization.quantize(
                 quantizer,
                 module,
                 weight_dtype=request.weight_dtype,
@@ -241,7 +237,7 @@ def convert(quantizer: Any, module: nn.Module, **kwargs: Any):
     """Pack ``module``'s layers in a quantizer's format ahead of ``apply`` (the order FSDP2 needs).
 
     ``quantizer``: a registered name (``"qfloat4"``) or a ``Quantizer``; see
-    :func:`memmode_core.quantization.layers.convert` for the rest.
+    :func:`memmode_core.quantization.convert` for the rest.
     """
     if isinstance(quantizer, str):
         quantizer = lookup(current(), "quantizer", quantizer, mode=None).obj

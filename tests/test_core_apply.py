@@ -17,6 +17,7 @@ from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionEr
 from memmode_core.contracts.targets import Target
 from memmode_core.engine.hooks import is_wrapped
 from memmode_core.engine.pipeline_hooks import ExecutionDeviceHook
+from memmode_core.quantization import quantize_component
 
 
 def snapshot(target, data: bool = True) -> dict:
@@ -65,7 +66,7 @@ class RecordingQuantizer(Int8Rows):
     def quantize(self, component, *, weight_dtype, exclude, options):
         hooks = sum(is_wrapped(m) for m in component.modules())
         self.calls.append((component, hooks, weight_dtype, exclude))
-        return super().quantize(component, weight_dtype=weight_dtype, exclude=exclude, options=options)
+        return quantize_component(self, component, weight_dtype=weight_dtype, exclude=exclude, options=options)
 
 
 @pytest.fixture

@@ -97,7 +97,7 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         import memmode_core as memmode
-        from memmode_core.quantization import layers as quantization
+        from memmode_core import quantization
         from memmode_qfloat8 import convert
 
         mesh = init_device_mesh("cpu", (WORLD,))

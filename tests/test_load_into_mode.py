@@ -25,7 +25,7 @@ from tiny_pipelines import FAMILIES, make_pipeline, run
 
 import memmode_core as memmode
 from memmode_core import CheckpointError, IncompatibleModeError
-from memmode_core.quantization.layers import packed_record
+from memmode_core.quantization import packed_record
 
 PLACEMENTS = [
     ("model_full_load", {}),

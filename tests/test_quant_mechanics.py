@@ -12,7 +12,7 @@ from torch import nn
 
 import memmode_core as memmode
 from memmode_core import IncompatibleModeError, InvalidOptionError, QuantizedWeightWriteError, Quantizer
-from memmode_core.quantization.layers import (
+from memmode_core.quantization import (
     QuantizedLinear,
     packed_record,
     plan_quantization,

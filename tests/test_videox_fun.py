@@ -17,7 +17,7 @@ from torch import nn
 import memmode_core as memmode
 from memmode_core.compat import _component_names, apply_gpu_memory_mode
 from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError, QuantizedWeightWriteError
-from memmode_core.quantization.layers import WeightStandIn, is_quantized, packed_record
+from memmode_core.quantization import WeightStandIn, is_quantized, packed_record
 
 LOSSLESS = ("model_full_load", "model_cpu_offload", "model_group_offload", "sequential_cpu_offload")
 QFLOAT8 = ("model_full_load_and_qfloat8", "model_cpu_offload_and_qfloat8")

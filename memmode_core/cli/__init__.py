@@ -325,7 +325,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     load, _, description = _pipeline_source(args)
     if args.model is not None:  # from config files and checkpoint headers: no weight is read
         from memmode_core.loading.load import skeleton
-        from memmode_core.quantization.layers import SIZES_ONLY
+        from memmode_core.quantization import SIZES_ONLY
 
         pipe = skeleton(args.model, torch_dtype=_dtype(args.dtype))
         sizes_only = SIZES_ONLY.set(True)

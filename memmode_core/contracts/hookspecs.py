@@ -1,7 +1,7 @@
 """The three hooks a memmode plugin implements, one per kind of thing it can provide.
 
 Each hook receives a ``register`` callback and calls it once per object it provides: a
-:class:`~memmode_core.contracts.placement.Placement`, a :class:`~memmode_core.quantization.quantizer.Quantizer` or a
+:class:`~memmode_core.contracts.placement.Placement`, a :class:`~memmode_core.contracts.quantizer.Quantizer` or a
 :class:`~memmode_core.contracts.storage.Storage`. Built-in plugins use the same hooks as installed ones.
 """
 

@@ -35,9 +35,9 @@ import pluggy
 from memmode_core.contracts import hookspecs
 from memmode_core.contracts.errors import DuplicatePluginError
 from memmode_core.contracts.placement import Placement
+from memmode_core.contracts.quantizer import Quantizer
 from memmode_core.contracts.resolver import Resolver
 from memmode_core.contracts.storage import Storage
-from memmode_core.quantization.quantizer import Quantizer
 
 ENTRY_POINT_GROUP = "memmode"
 AUTOLOAD_ENV = "MEMMODE_DISABLE_PLUGIN_AUTOLOAD"

@@ -37,9 +37,8 @@ from memmode_core.handle import Handle
 from memmode_core.loading.binding import BindPlan, bind, plan_binding
 from memmode_core.loading.skeleton import Skeleton, build, is_weight_module_class, model_class, pipeline_index
 from memmode_core.planning.prepare import prepare_request
-from memmode_core.planning.prepared import make_request, overrides
-from memmode_core.quantization import saved
-from memmode_core.quantization.layers import component_bytes, install_forward
+from memmode_core.planning.prepared import make_request
+from memmode_core.quantization import component_bytes, install_forward, overrides, saved
 
 logger = logging.getLogger("memmode")
 

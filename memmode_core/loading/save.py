@@ -21,8 +21,7 @@ from memmode_core.contracts.errors import InvalidOptionError
 from memmode_core.contracts.storage import is_placeholder
 from memmode_core.contracts.targets import Target
 from memmode_core.files.streamed import write_pieces
-from memmode_core.quantization import saved
-from memmode_core.quantization.layers import is_quantized
+from memmode_core.quantization import is_quantized, saved
 
 
 def save_quantized(target: Any, path: str | os.PathLike) -> Path:

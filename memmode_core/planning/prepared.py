@@ -40,13 +40,13 @@ from memmode_core.discovery.plugins import Registration, current
 from memmode_core.engine.pipeline_hooks import refuse_foreign_offloading
 from memmode_core.engine.runtime import Group, claim_groups
 from memmode_core.planning.layout import Layout, lay_out
-from memmode_core.quantization.layers import (
+from memmode_core.quantization import (
     QuantizationPlan,
     check_component,
     check_weight_dtype,
+    overrides,
     plan_quantization,
 )
-from memmode_core.quantization.quantizer import Quantizer
 
 #: the placement name of a request that stands for every candidate (the planner's template)
 CANDIDATES = "<candidates>"
@@ -425,7 +425,8 @@ def quantize_targets(whole: Target, placed: Target, request: Request) -> dict[st
 
 def plan_components(quantizer: Any, targets: Mapping[str, nn.Module], request: Request) -> dict[str, QuantizationPlan]:
     """Check that each component can be quantized and plan it: once per component (the plan says which
-    layers are packed and what they will weigh; quantizing follows it)."""
+    layers are packed and what they will weigh; quantizing follows it). A quantizer with its own ``check``
+    checks instead of core's refusals; the plan still sizes what it will store."""
     options = request.quantizer_options
     if overrides(quantizer, "check"):
         quantizer.check(targets, weight_dtype=request.weight_dtype, exclude=request.exclude, options=options)
@@ -438,11 +439,6 @@ def plan_components(quantizer: Any, targets: Mapping[str, nn.Module], request: R
         name: check_component(quantizer, name, module, exclude=request.exclude, options=options)
         for name, module in targets.items()
     }
-
-
-def overrides(quantizer: Any, method: str) -> bool:
-    """Whether ``quantizer`` replaces core's ``method`` (``check`` or ``quantize``) with its own."""
-    return getattr(type(quantizer), method) is not getattr(Quantizer, method)
 
 
 def group_bytes(groups: list[Group], plans: Mapping[str, QuantizationPlan]) -> dict[str, int]:

@@ -1,5 +1,89 @@
-"""Layer 1, quantization mechanics: packed layers and their dequantizing forward (``layers``), and the
-``Quantizer`` base class (``quantizer``) whose default ``check`` and ``quantize`` are those mechanics.
+"""Layer 1, quantization mechanics: everything a quantizer does besides packing and unpacking one weight.
 
-Beside the engine, above the contracts; neither imports the other.
+The ``Quantizer`` contract (``pack``, ``unpack``, ``skip_reason``) is in
+:mod:`memmode_core.contracts.quantizer`; core does the rest, the same way for every format, in modules with
+one job each (lowest first; each imports only those before it):
+
+- ``packed``: a packed layer's state — the packed tensors in place of ``weight`` and the record that says how
+  to read them (``PackedLayer``, ``packed_record``, ``is_quantized``, ``attach_packed``);
+- ``sizes``: sizes of tensors and of packed tensors, learned from ``pack`` on meta tensors, and the check that
+  a real ``pack`` keeps to them (``PackedSizes``, ``pack_checked``, ``component_bytes``);
+- ``standin``: what ``layer.weight`` reads as on a quantized layer, and in-place writes into it carried
+  through to the packed tensors (``WeightStandIn``);
+- ``forward``: the class a packed layer takes to run, whose forward unpacks at call time
+  (``QuantizedLinear``, ``install_forward``);
+- ``selection``: which layers are packed, which are kept at full precision and why, and the sizes that leads
+  to (``plan_quantization``, ``QuantizationPlan``);
+- ``quantizing``: the checks, packing a component, converting ahead, the summary, and the entry points
+  ``check`` and ``quantize`` that run a quantizer's override or these mechanics;
+- ``saved``: packed layers in files (a quantized checkpoint's metadata, quantizing while streaming).
+
+Callers import from this package. Beside the engine, above the contracts; neither imports the other.
 """
+
+from memmode_core.contracts.quantizer import DEFAULT_EXCLUDE, OUTSIDE_BLOCKS, PAYLOAD
+from memmode_core.quantization.forward import QuantizedLinear, install_forward, quantized_class
+from memmode_core.quantization.packed import COMPUTE_DTYPES, PackedLayer, attach_packed, is_quantized, packed_record
+from memmode_core.quantization.quantizing import (
+    SIZES_ONLY,
+    QuantizationSummary,
+    check,
+    check_component,
+    check_components,
+    check_weight_dtype,
+    convert,
+    overrides,
+    quantize,
+    quantize_component,
+    summarize,
+)
+from memmode_core.quantization.selection import (
+    LayerPlan,
+    QuantizationPlan,
+    plan_layers,
+    plan_quantization,
+    quantized_direct_bytes,
+)
+from memmode_core.quantization.sizes import PackedSizes, component_bytes, pack_checked, tensor_bytes
+from memmode_core.quantization.standin import WeightStandIn
+
+__all__ = [
+    # entry points: a quantizer's override, or core's mechanics
+    "check",
+    "quantize",
+    "overrides",
+    # the mechanics
+    "check_component",
+    "check_components",
+    "check_weight_dtype",
+    "quantize_component",
+    "convert",
+    "summarize",
+    "QuantizationSummary",
+    "SIZES_ONLY",
+    # which layers
+    "plan_quantization",
+    "plan_layers",
+    "QuantizationPlan",
+    "LayerPlan",
+    "quantized_direct_bytes",
+    # sizes
+    "PackedSizes",
+    "pack_checked",
+    "component_bytes",
+    "tensor_bytes",
+    # the packed layer
+    "PackedLayer",
+    "packed_record",
+    "is_quantized",
+    "attach_packed",
+    "QuantizedLinear",
+    "quantized_class",
+    "install_forward",
+    "WeightStandIn",
+    "COMPUTE_DTYPES",
+    # the contract's vocabulary, re-exported for convenience (it lives in memmode_core.contracts.quantizer)
+    "DEFAULT_EXCLUDE",
+    "OUTSIDE_BLOCKS",
+    "PAYLOAD",
+]

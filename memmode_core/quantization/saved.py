@@ -9,7 +9,7 @@ installed quantizer reads is refused by name rather than guessed at.
 
 Quantizing while streaming packs one layer at a time from a checkpoint mapping straight into a file
 (:mod:`memmode_core.files.streamed`): peak memory is one layer in full precision plus its packed form,
-where :func:`~memmode_core.quantization.layers.quantize_component` holds every packed layer at once.
+where :func:`~memmode_core.quantization.quantizing.quantize_component` holds every packed layer at once.
 """
 
 from __future__ import annotations
@@ -22,16 +22,11 @@ import torch
 from torch import nn
 
 from memmode_core.contracts.errors import CheckpointError
+from memmode_core.contracts.quantizer import PAYLOAD, Quantizer
 from memmode_core.files.streamed import write_pieces
-from memmode_core.quantization.layers import (
-    PAYLOAD,
-    PackedSizes,
-    QuantizationPlan,
-    attach_packed,
-    pack_checked,
-    packed_record,
-)
-from memmode_core.quantization.quantizer import Quantizer
+from memmode_core.quantization.packed import attach_packed, packed_record
+from memmode_core.quantization.selection import QuantizationPlan
+from memmode_core.quantization.sizes import PackedSizes, pack_checked
 
 FORMAT_KEY = "memmode.format"
 LAYERS_KEY = "memmode.layers"

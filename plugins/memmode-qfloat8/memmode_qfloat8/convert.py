@@ -19,8 +19,8 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from memmode_core.quantization import layers as quantization
-from memmode_core.quantization.quantizer import DEFAULT_EXCLUDE
+from memmode_core import quantization
+from memmode_core.contracts.quantizer import DEFAULT_EXCLUDE
 
 from .format import QFloat8
 

@@ -6,12 +6,17 @@ A quantizer plugin contributes only what is specific to its format:
 - :meth:`Quantizer.unpack` turns those tensors back into a weight of the compute dtype,
 - optionally :meth:`Quantizer.skip_reason`, for weight shapes the format cannot hold.
 
-Everything else is core mechanics, in :mod:`memmode_core.quantization.layers`: which layers of a component
-are quantized (the exclusion filter), replacing a layer's weight by the packed tensors, the forward
-that unpacks them at call time, the checks that refuse a misuse before anything is touched, the
-summary ``handle.report().quantization`` shows, and the size predictions of the planner. Because
-the predictions run the same :meth:`pack` on meta tensors, a plugin cannot make them drift from
-what a real quantization stores.
+Everything else is core mechanics, in :mod:`memmode_core.quantization`: which layers of a component are
+quantized (the exclusion filter), replacing a layer's weight by the packed tensors, the forward that unpacks
+them at call time, the checks that refuse a misuse before anything is touched, the summary
+``handle.report().quantization`` shows, and the size predictions of the planner. Because the predictions run
+the same :meth:`pack` on meta tensors, a plugin cannot make them drift from what a real quantization stores.
+
+A quantizer that works differently — one that replaces whole modules, say — overrides :meth:`Quantizer.check`
+and :meth:`Quantizer.quantize`; core calls them in place of its layer-by-layer mechanics
+(:func:`memmode_core.quantization.check` and :func:`memmode_core.quantization.quantize` are the entry
+points that decide). This module is the vocabulary only: it imports nothing from the mechanics, which sit
+above it.
 
 A complete third-party quantizer is therefore a page::
 
@@ -35,18 +40,23 @@ A complete third-party quantizer is therefore a page::
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from memmode_core.contracts.options import Option, names_list
-from memmode_core.quantization.layers import (
-    DEFAULT_EXCLUDE,
-    OUTSIDE_BLOCKS,
-    QuantizationSummary,
-    check_components,
-    quantize_component,
-)
+
+#: the key of :meth:`Quantizer.pack`'s result that takes the place of the layer's ``weight`` parameter
+PAYLOAD = "weight_packed"
+
+#: The default-exclusion rule "layers outside the repeated blocks" (a rule, not a name fragment).
+OUTSIDE_BLOCKS = "<outside blocks>"
+
+#: What every quantizer leaves at full precision unless told otherwise: the layers outside the repeated
+#: blocks, measured in docs/quantizers.md ("Default exclusions, measured"). ``exclude=`` adds to it; the
+#: ``default_exclude`` option replaces it.
+DEFAULT_EXCLUDE: tuple[str, ...] = (OUTSIDE_BLOCKS,)
 
 #: The option every quantizer accepts. A plugin that declares options of its own extends
 #: ``Quantizer.options`` (``options = Quantizer.options + (Option(...),)``) rather than replacing it.
@@ -62,7 +72,7 @@ DEFAULT_EXCLUDE_OPTION = Option(
 
 class Quantizer:
     """Base class of every quantizer. Subclasses set ``name`` and ``description`` and implement
-    :meth:`pack` and :meth:`unpack`; the rest is inherited."""
+    :meth:`pack` and :meth:`unpack`; the rest is core's."""
 
     name: str = ""
     description: str = ""
@@ -74,7 +84,7 @@ class Quantizer:
     format: str = ""
 
     #: False for a quantizer that only installs the dequantizing forward on layers converted
-    #: beforehand (see :func:`memmode_core.quantization.layers.convert`); it refuses a component that holds
+    #: beforehand (see :func:`memmode_core.quantization.convert`); it refuses a component that holds
     #: no layer in its format instead of converting it.
     packs: bool = True
 
@@ -83,12 +93,12 @@ class Quantizer:
     def pack(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """Pack a 2-D ``(out_features, in_features)`` weight into plain tensors.
 
-        The result maps attribute names to tensors on the weight's device. ``"weight_packed"`` is
-        required: it takes the ``weight`` parameter's place and must have an *integer* dtype (see
-        :mod:`memmode_core.quantization.layers` for why). Every other entry becomes a buffer of the layer
-        under its key, which must start with ``"weight_"``. ``weight`` may be of any floating dtype
-        and may live on the meta device: the planner calls ``pack`` on meta tensors to learn the
-        packed sizes, so use only tensor operations (no ``.item()``, no data-dependent shapes).
+        The result maps attribute names to tensors on the weight's device. ``"weight_packed"``
+        (:data:`PAYLOAD`) is required: it takes the ``weight`` parameter's place and must have an
+        *integer* dtype (docs/quantizers.md, "How it works", says why). Every other entry becomes a
+        buffer of the layer under its key, which must start with ``"weight_"``. ``weight`` may be of any
+        floating dtype and may live on the meta device: the planner calls ``pack`` on meta tensors to
+        learn the packed sizes, so use only tensor operations (no ``.item()``, no data-dependent shapes).
         """
         raise NotImplementedError
 
@@ -110,11 +120,11 @@ class Quantizer:
         """Why this quantizer cannot run in this environment, or None when it can."""
         return None
 
-    # -- what ``apply`` calls (core mechanics; plugins normally inherit these) ------------------------
-
     @property
     def format_name(self) -> str:
         return self.format or self.name
+
+    # -- optional overrides: without them, core quantizes layer by layer --------------------------------
 
     def check(
         self,
@@ -124,8 +134,16 @@ class Quantizer:
         exclude: tuple[str, ...],
         options: Mapping[str, object],
     ) -> None:
-        """Raise ``IncompatibleModeError`` before anything is touched if these components cannot be quantized."""
-        check_components(self, components, weight_dtype=weight_dtype, exclude=exclude, options=options)
+        """Override only to replace core's checks: raise ``IncompatibleModeError`` before anything is
+        touched if these components cannot be quantized.
+
+        Not overridden, core checks layer by layer with :meth:`pack`, :meth:`skip_reason` and the
+        exclusions; callers go through :func:`memmode_core.quantization.check`, which decides.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not override check(): core checks layer by layer; "
+            f"call memmode_core.quantization.check(quantizer, components, ...)"
+        )
 
     def quantize(
         self,
@@ -134,9 +152,18 @@ class Quantizer:
         weight_dtype: torch.dtype | None,
         exclude: tuple[str, ...],
         options: Mapping[str, object],
-    ) -> QuantizationSummary:
-        """Quantize ``component`` in place and return a summary of what was done."""
-        return quantize_component(self, component, weight_dtype=weight_dtype, exclude=exclude, options=options)
+    ) -> Any:
+        """Override only to replace core's quantizing: quantize ``component`` in place and return a summary
+        of what was done (``handle.report().quantization`` shows it: a
+        :class:`memmode_core.quantization.QuantizationSummary`, or any object with ``as_dict()``).
+
+        Not overridden, core packs layer by layer with :meth:`pack` and installs the forward that calls
+        :meth:`unpack`; callers go through :func:`memmode_core.quantization.quantize`, which decides.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not override quantize(): core quantizes layer by layer; "
+            f"call memmode_core.quantization.quantize(quantizer, component, ...)"
+        )
 
     def __repr__(self) -> str:
         return f"<quantizer {self.name}>"
