@@ -80,6 +80,7 @@ def execute(prepared: Prepared) -> Handle:
     obj = prepared.whole.obj
     previous = handle_of(obj)
     _refuse_foreign_handles(prepared.target, previous)
+    _refuse_stale_quantization(prepared)
     session = prepared.open_session()
     try:  # room for what will be stored, before quantizing: a refusal leaves the target untouched
         if session is not None:
@@ -135,6 +136,20 @@ def _quantize(prepared: Prepared) -> dict[str, Any]:
                 plan=plan,
             )
     return done
+
+
+def _refuse_stale_quantization(prepared: Prepared) -> None:
+    """A plan says which layers to pack; one of them packed since (the plan executed already, or the model
+    quantized another way) would be packed twice. Refused before anything changes: prepare again."""
+    for name, plan in prepared.quantization.items():
+        if name in prepared.packed_ahead or not plan.packs_anything:
+            continue
+        done = [layer.path for layer in plan.to_pack if quantization.packed_record(layer.module) is not None]
+        if done:
+            raise IncompatibleModeError(
+                f"this plan of {prepared.mode} was prepared before {name}.{done[0]} was quantized (it was executed "
+                f"already, or the model was quantized since); prepare it again"
+            )
 
 
 def _install_forwards(component: nn.Module, quantizer: Any, weight_dtype: torch.dtype | None) -> None:

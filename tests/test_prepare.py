@@ -90,6 +90,19 @@ def test_prepare_touches_nothing_and_apply_of_it_equals_apply():
     handle.remove()
 
 
+def test_a_plan_whose_layers_were_packed_since_is_refused_before_anything_changes():
+    pipe = make_pipeline("wan22")
+    prepared = memmode.prepare(pipe, "model_cpu_offload_and_qfloat8", device="cpu")
+    handle = memmode.apply(prepared)
+    reference = [run(pipe, "wan22", 0)]
+    with pytest.raises(memmode.IncompatibleModeError, match="prepare it again"):
+        memmode.apply(prepared)
+    assert handle.active and torch.equal(run(pipe, "wan22", 0), reference[0])
+    again = memmode.apply(pipe, "model_group_offload_and_qfloat8", device="cpu")  # prepared afresh: a no-op quantize
+    assert not handle.active and again.quantized["transformer"].no_op
+    again.remove()
+
+
 def test_a_prepared_plan_says_what_it_will_do():
     pipe = make_pipeline("wan22")
     prepared = memmode.prepare(pipe, "model_group_offload_and_qfloat8", device="cpu", offload_type="leaf_level")
