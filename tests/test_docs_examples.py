@@ -34,6 +34,7 @@ import shlex
 import shutil
 import sys
 import traceback
+import types
 from pathlib import Path
 
 import pytest
@@ -370,10 +371,17 @@ def run_python(block: Block, substitution: Substitution, namespace: dict) -> Non
     filename = str(block.page)
     linecache.cache[filename] = (0, None, block.page.read_text().splitlines(True), filename)
     code = compile("\n" * block.line + substitution.source(block.text), filename, "exec")
+    # as a script the page runs as a module (dataclasses look their module up in sys.modules)
+    module = types.ModuleType(namespace["__name__"])
+    module.__dict__.update(namespace)
+    sys.modules[module.__name__] = module
     try:
-        exec(code, namespace)
+        exec(code, module.__dict__)
     except Exception:
         pytest.fail(f"{block.name}: the block raised:\n{block.text}\n{traceback.format_exc(limit=-8)}")
+    finally:
+        namespace.update(module.__dict__)
+        sys.modules.pop(module.__name__, None)
 
 
 def pages_to_run() -> list[Path]:
