@@ -30,6 +30,12 @@ from torch import nn
 MARKER = "__memmode_wrapper__"
 
 
+def not_traced(function):
+    """The engine's bookkeeping runs eagerly under torch.compile: its Python state (books, flags,
+    swapped ``.data``) is not something to trace, and guards on it would fail at every call."""
+    return torch.compiler.disable(function, recursive=True)
+
+
 class MethodWrapper:
     """One wrapped method of one module. ``make(original, wrapper) -> function`` builds the wrapping function."""
 
