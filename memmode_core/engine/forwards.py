@@ -1,20 +1,26 @@
-"""The forward wrappers: what runs around the forwards (and other entry methods) of placed modules.
+"""The forward wrappers: the hooks that onload a placed module's groups around its forward.
 
 The :class:`Forwards` part of the :class:`~memmode_core.engine.runtime.Runtime` installs, for each
-component, one wrapper (:mod:`~memmode_core.engine.hooks`) per module that enters or exits one of its
-groups: inside a component it onloads the groups the module enters before its forward and offloads the
-streamed groups it exits after; on a component's root it is a call of the component (one at a time, the
-groups rebuilt first if its weights changed, the call counted, and on return whatever it left on the
-device offloaded); on the component's other entry points (:func:`entry_methods`) it enters the component
-when called from outside. The weight-editing methods of the pipeline and the components get a wrapper
-that offloads before and rebuilds after (see ``Changes.editing``).
+component, one hook per module that enters or exits one of its groups (see
+:mod:`~memmode_core.engine.hooks` for what every hook guarantees):
+
+* ``memmode.groups`` (:class:`GroupHook`, :class:`GroupsHook`) on a module inside a component:
+  onload the groups it enters before its forward, offload the streamed groups it exits after;
+* ``memmode.component_entry`` (:class:`ComponentEntryHook`) on a component's root: one call of the
+  component at a time (the runtime's lock), its groups rebuilt first if its weights changed, the call
+  counted, and on return whatever it left on the device offloaded (its own exit is that leave step);
+* ``memmode.entry_method:<name>`` (:class:`EntryMethodHook`) on the component's other entry points
+  (:func:`entry_methods`): called from outside the component it enters it as the forward does,
+  called from inside it is the method itself;
+* ``memmode.weight_edit:<name>`` (:class:`WeightEditHook`) on the weight-editing methods of the
+  pipeline and the components: offload before, rebuild after (see :meth:`Changes.editing`).
 
 Threads: calls of one runtime's components, the edit methods it wraps, ``refresh`` and ``remove``
 hold one re-entrant lock, so two threads calling one placed pipeline run one call at a time and
 never see each other's half-done onloads (the group bookkeeping is not thread-safe by itself).
 
 A forward that computed with a weight left on the offload side (read outside the forward of the
-module that owns it) fails on CUDA with a device mismatch, which the wrappers turn into
+module that owns it) fails on CUDA with a device mismatch, which the hooks turn into
 :class:`OffloadedWeightReadError` (:meth:`Forwards.offloaded_read`).
 """
 
@@ -41,21 +47,206 @@ COMPONENT_METHODS = ("encode", "decode")
 MAX_RECORDED_CALLS = 100_000
 
 
+def _keys(groups: Iterable[Group], shown: int = 4) -> str:
+    keys = [group.key for group in groups]
+    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
+    return (", ".join(keys[:shown]) + more) or "nothing"
+
+
+class GroupsHook(MethodWrapper):
+    """``memmode.groups``: onload the groups ``owner`` enters before its forward, offload those it exits after
+    (the streamed ones: a resident group stays)."""
+
+    kind = "memmode.groups"
+    default_method = "forward"
+    __slots__ = ("runtime", "enters", "exits", "ensure", "offload", "move", "device")
+
+    def __init__(self, runtime, module: nn.Module, enters: list[Group], exits: list[Group], method: str = "forward"):
+        super().__init__(module, method)
+        self.runtime = runtime
+        self.enters = enters
+        self.exits = exits
+        self.ensure = runtime.ensure
+        self.offload = runtime.offload
+        self.move = runtime.device.type != "cpu"  # on a CPU device every input already is where it computes
+        self.device = runtime.device
+
+    def __call__(self, *args, **kwargs):
+        if not self.active:
+            return self.passthrough()(*args, **kwargs)
+        return self._step(args, kwargs)
+
+    def _step(self, args, kwargs):
+        try:
+            for group in self.enters:
+                if not group.resident or group.ready_event is not None:
+                    self.ensure(group)
+            if self.move and (moved := move_inputs(args, kwargs, self.device)) is not None:
+                args, kwargs = moved
+            return self.original(*args, **kwargs)
+        except RuntimeError as exc:
+            if is_device_mismatch(exc):
+                raise self.runtime.offloaded_read(self.owner, exc) from exc
+            raise
+        finally:
+            for group in self.exits:
+                if group.resident and group.ready_event is None:
+                    self.offload(group)
+
+    def where(self) -> str:
+        return module_path(self.runtime.components, self.owner)
+
+    def describe(self) -> str:
+        return f"onloads {_keys(self.enters)} before, offloads {_keys(self.exits)} after"
+
+
+class GroupHook(GroupsHook):
+    """``memmode.groups`` in the common case (a leaf, or a single block): one group, entered and exited by
+    ``owner``; one frame, a few attribute reads per call."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, runtime, module: nn.Module, enters: list[Group], exits: list[Group], method: str = "forward"):
+        super().__init__(runtime, module, enters, exits, method)
+        (self.group,) = enters
+
+    def __call__(self, *args, **kwargs):
+        if not self.active:
+            return self.passthrough()(*args, **kwargs)
+        group = self.group
+        if not group.resident or group.ready_event is not None:
+            self.ensure(group)
+        if self.move and (moved := move_inputs(args, kwargs, self.device)) is not None:
+            args, kwargs = moved
+        try:
+            return self.original(*args, **kwargs)
+        except RuntimeError as exc:
+            if is_device_mismatch(exc):
+                raise self.runtime.offloaded_read(self.owner, exc) from exc
+            raise
+        finally:
+            if group.resident and group.ready_event is None:
+                self.offload(group)
+
+
+class ComponentEntryHook(GroupsHook):
+    """``memmode.component_entry``, on a component's root: a call of the component (see the module docstring)."""
+
+    kind = "memmode.component_entry"
+    __slots__ = ("component", "depth", "calls", "lock", "leave")
+
+    def __init__(self, runtime, module: nn.Module, enters: list[Group], component: str, method: str = "forward"):
+        super().__init__(runtime, module, enters, [], method)  # its exit is the leave step
+        self.component = component
+        self.depth = runtime._depth
+        self.calls = runtime.calls
+        self.lock = runtime.lock
+        self.leave = runtime._leave
+
+    def enter(self, *args, **kwargs):
+        if not self.active:
+            return self.passthrough()(*args, **kwargs)
+        runtime, component, depth = self.runtime, self.component, self.depth
+        with self.lock:  # one call of this handle's components at a time (see the module docstring)
+            if depth[component] == 0 and not runtime._editing and runtime.changed(component):
+                runtime.rebuild(component)
+                return getattr(self.owner, self.method)(*args, **kwargs)  # through the rebuilt wrappers
+            depth[component] += 1
+            if depth[component] == 1 and len(self.calls) < MAX_RECORDED_CALLS:
+                self.calls.append(component)
+            try:
+                result = self._step(args, kwargs)
+            finally:
+                self.leave(component)
+            if (
+                runtime._check_results
+                and not depth[component]
+                and not runtime._diagnosing
+                and component in runtime._placeholdered
+                and non_finite(result)
+            ):
+                runtime.explain_non_finite(component, self.owner, self.method, args, kwargs)
+            return result
+
+    __call__ = enter
+
+    def where(self) -> str:
+        return self.component
+
+    def describe(self) -> str:
+        return (
+            f"enters component {self.component!r}: rebuilds its groups if its weights changed, onloads "
+            f"{_keys(self.enters)}; on return offloads the streamed groups it left on the device"
+        )
+
+
+class EntryMethodHook(ComponentEntryHook):
+    """``memmode.entry_method:<name>``: a component's entry method other than ``forward``. Called from outside
+    the component it enters it as the forward does; called from inside (the component is entered) it is the
+    method itself, traceable by torch.compile without a graph break (so only the entering path is eager)."""
+
+    kind = "memmode.entry_method"
+    default_method = None
+    eager = False
+    __slots__ = ("_enter",)
+
+    def install(self) -> EntryMethodHook:
+        self._enter = torch.compiler.disable(self.enter, recursive=False)
+        return super().install()
+
+    def __call__(self, *args, **kwargs):
+        if not self.active:
+            return self.passthrough()(*args, **kwargs)
+        if self.depth[self.component]:
+            return self.original(*args, **kwargs)
+        return self._enter(*args, **kwargs)
+
+    def describe(self) -> str:
+        return (
+            f"called from outside component {self.component!r}, enters it as its forward does (onloads "
+            f"{_keys(self.enters)}); from inside, calls the method itself"
+        )
+
+
+class WeightEditHook(MethodWrapper):
+    """``memmode.weight_edit:<name>``, on a method that adds, removes or rewrites weights (``watch.EDIT_METHODS``):
+    runs it inside :meth:`Changes.editing` of ``components``."""
+
+    kind = "memmode.weight_edit"
+    __slots__ = ("runtime", "components")
+
+    def __init__(self, runtime, owner: object, method: str, components: list[str]):
+        super().__init__(owner, method)
+        self.runtime = runtime
+        self.components = components
+
+    def __call__(self, *args, **kwargs):
+        if not self.active:
+            return self.passthrough()(*args, **kwargs)
+        runtime = self.runtime
+        with runtime.lock, runtime.editing(self.components, self.method):
+            return self.original(*args, **kwargs)
+
+    def describe(self) -> str:
+        its = "its" if len(self.components) == 1 else "their"
+        return f"offloads {', '.join(self.components)} before the edit, rebuilds {its} groups after"
+
+
 class Forwards:
-    """Installing and removing the wrappers of each component, and of the weight-editing methods; part of the
+    """Installing and removing the hooks of each component, and of the weight-editing methods; part of the
     runtime (its components, groups, moving and change detection)."""
 
     def _init_forwards(self, pipeline: object | None) -> None:
         self._pipeline = pipeline
-        #: component -> the wrappers on its modules (forwards and other entry methods)
-        self._wrappers: dict[str, list[MethodWrapper]] = {name: [] for name in self.components}
-        #: the wrappers on the weight-editing methods of the pipeline and the components
-        self._edit_wrappers: list[MethodWrapper] = []
+        #: component -> the hooks on its modules (forwards and other entry methods)
+        self._wrappers: dict[str, list[GroupsHook]] = {name: [] for name in self.components}
+        #: the hooks on the weight-editing methods of the pipeline and the components
+        self._edit_wrappers: list[WeightEditHook] = []
 
     def _install_hooks(self, component: str, retired: Iterable[MethodWrapper] = ()) -> None:
         """One forward wrapper per module that enters or exits a group of ``component`` or is its root.
 
-        ``retired``: the wrappers a rebuild took off; a caller holding one (a method bound before the rebuild)
+        ``retired``: the hooks a rebuild took off; a caller holding one (a method bound before the rebuild)
         reaches its successor.
         """
         plans: dict[int, tuple[nn.Module, list[Group], list[Group], str | None]] = {}
@@ -77,23 +268,23 @@ class Forwards:
         plans[id(root)] = (root, entry[1], [], component)
         wrappers = self._wrappers[component]
         for module, enters, exits, root_of in plans.values():
-            wrappers.append(MethodWrapper(module, self._forward_maker(module, "forward", enters, exits, root_of)))
-            if root_of is not None:
-                # a component's other entry points: a VAE's decode() never calls its forward(), a prior's
-                # post_process_latents() reads the prior's statistics (see entry_methods)
-                for method in entry_methods(module):
-                    wrappers.append(
-                        MethodWrapper(module, self._method_maker(module, method, enters, root_of), method, eager=False)
-                    )
-
-        successors = {(id(w.module), w.method): w for w in wrappers}
+            if root_of is None:
+                single = len(enters) == 1 and exits == enters
+                wrappers.append((GroupHook if single else GroupsHook)(self, module, enters, exits).install())
+                continue
+            wrappers.append(ComponentEntryHook(self, module, enters, root_of).install())
+            # a component's other entry points: a VAE's decode() never calls its forward(), a prior's
+            # post_process_latents() reads the prior's statistics (see entry_methods)
+            for method in entry_methods(module):
+                wrappers.append(EntryMethodHook(self, module, enters, root_of, method).install())
+        successors = {(id(w.owner), w.method): w for w in wrappers}
         for wrapper in retired:  # a caller holding a retired wrapper (bound before the rebuild) reaches the new one,
-            successor = successors.get((id(wrapper.module), wrapper.method))  # unless a hook installed since
+            successor = successors.get((id(wrapper.owner), wrapper.method))  # unless a hook installed since
             if successor is not None and successor.original == wrapper.original:  # calls the retired one itself
                 wrapper.successor = successor
 
-    def _remove_hooks(self, component: str) -> list[MethodWrapper]:
-        """Take ``component``'s wrappers off; returns them (retired)."""
+    def _remove_hooks(self, component: str) -> list[GroupsHook]:
+        """Take ``component``'s hooks off; returns them (retired)."""
         retired = list(self._wrappers[component])
         for wrapper in retired:
             wrapper.remove()
@@ -104,120 +295,22 @@ class Forwards:
         """Whether a hook was installed around one of ``component``'s since (diffusers' layerwise casting)."""
         return any(not wrapper.on_top() for wrapper in self._wrappers[component])
 
+    def _install_edit_wrappers(self) -> None:
+        """Wrap the weight-editing methods of the pipeline (all components) and of each component."""
+        owners: list[tuple[object, list[str]]] = [(m, [n]) for n, m in self.components.items()]
+        if self._pipeline is not None:
+            owners.insert(0, (self._pipeline, list(self.components)))
+        for owner, names in owners:
+            for method in watch.EDIT_METHODS:
+                if callable(getattr(type(owner), method, None)):
+                    self._edit_wrappers.append(WeightEditHook(self, owner, method, names).install())
+
     def _remove_all_hooks(self) -> None:
         for wrapper in self._edit_wrappers:
             wrapper.remove()
         self._edit_wrappers.clear()
         for component in self._wrappers:
             self._remove_hooks(component)
-
-    def _method_maker(self, module: nn.Module, method: str, enters: list[Group], component: str):
-        """A component's entry method other than ``forward``: called from outside the component it enters
-        it as the forward does; called from inside (the component is entered) it is the method itself,
-        traceable by torch.compile without a graph break."""
-        depth = self._depth
-        root_path = self._forward_maker(module, method, enters, [], component)
-
-        def make(original, wrapper: MethodWrapper):
-            enter = torch.compiler.disable(root_path(original, wrapper), recursive=False)
-
-            def entry(*args, **kwargs):
-                if not wrapper.active:
-                    return wrapper.passthrough()(*args, **kwargs)
-                if depth[component]:
-                    return original(*args, **kwargs)
-                return enter(*args, **kwargs)
-
-            return entry
-
-        return make
-
-    def _forward_maker(
-        self, module: nn.Module, method: str, enters: list[Group], exits: list[Group], component: str | None
-    ):
-        ensure, offload, leave = self.ensure, self.offload, self._leave
-        depth, calls = self._depth, self.calls
-        move = self.device.type != "cpu"  # on a CPU device every input already is where it computes
-        device = self.device
-        runtime = self
-        lock = self.lock
-
-        def make(original, wrapper: MethodWrapper):
-            if component is None and len(enters) == 1 and exits == enters:
-                (group,) = enters  # the common case (a leaf or a single block): one group in and out
-
-                def forward(*args, **kwargs):
-                    if not wrapper.active:
-                        return wrapper.passthrough()(*args, **kwargs)
-                    if not group.resident or group.ready_event is not None:
-                        ensure(group)
-                    if move and (moved := move_inputs(args, kwargs, device)) is not None:
-                        args, kwargs = moved
-                    try:
-                        return original(*args, **kwargs)
-                    except RuntimeError as exc:
-                        if is_device_mismatch(exc):
-                            raise runtime.offloaded_read(module, exc) from exc
-                        raise
-                    finally:
-                        if group.resident and group.ready_event is None:
-                            offload(group)
-
-                return forward
-
-            def step(args, kwargs):
-                try:
-                    for group in enters:
-                        if not group.resident or group.ready_event is not None:
-                            ensure(group)
-                    if move and (moved := move_inputs(args, kwargs, device)) is not None:
-                        args, kwargs = moved
-                    return original(*args, **kwargs)
-                except RuntimeError as exc:
-                    if is_device_mismatch(exc):
-                        raise runtime.offloaded_read(module, exc) from exc
-                    raise
-                finally:
-                    for group in exits:
-                        if group.resident and group.ready_event is None:
-                            offload(group)
-
-            if component is None:
-
-                def forward(*args, **kwargs):
-                    if not wrapper.active:
-                        return wrapper.passthrough()(*args, **kwargs)
-                    return step(args, kwargs)
-
-                return forward
-
-            def forward(*args, **kwargs):
-                if not wrapper.active:
-                    return wrapper.passthrough()(*args, **kwargs)
-                with lock:  # one call of this handle's components at a time (see the module docstring)
-                    if depth[component] == 0 and not runtime._editing and runtime.changed(component):
-                        runtime.rebuild(component)
-                        return getattr(module, method)(*args, **kwargs)  # through the rebuilt wrappers
-                    depth[component] += 1
-                    if depth[component] == 1 and len(calls) < MAX_RECORDED_CALLS:
-                        calls.append(component)
-                    try:
-                        result = step(args, kwargs)
-                    finally:
-                        leave(component)
-                    if (
-                        runtime._check_results
-                        and not depth[component]
-                        and not runtime._diagnosing
-                        and component in runtime._placeholdered
-                        and non_finite(result)
-                    ):
-                        runtime.explain_non_finite(component, module, method, args, kwargs)
-                    return result
-
-            return forward
-
-        return make
 
     def offloaded_read(self, module: nn.Module, error: RuntimeError) -> OffloadedWeightReadError:
         """The clear error for a forward that computed with a weight left on the offload side (on
@@ -234,28 +327,6 @@ class Forwards:
             f"(groups offloaded at that moment: {shown or 'none'}). Move this component whole (model_cpu_offload) "
             f"or leave it out with exclude_components=[{component!r}]. Original error: {error}"
         )
-
-    def _install_edit_wrappers(self) -> None:
-        """Wrap the weight-editing methods of the pipeline (all components) and of each component."""
-        owners: list[tuple[object, list[str]]] = [(m, [n]) for n, m in self.components.items()]
-        if self._pipeline is not None:
-            owners.insert(0, (self._pipeline, list(self.components)))
-        for owner, names in owners:
-            for method in watch.EDIT_METHODS:
-                if callable(getattr(type(owner), method, None)):
-                    self._edit_wrappers.append(MethodWrapper(owner, self._edit_maker(names, method), method))
-
-    def _edit_maker(self, components: list[str], method: str):
-        def make(original, wrapper: MethodWrapper):
-            def edit(*args, **kwargs):
-                if not wrapper.active:
-                    return wrapper.passthrough()(*args, **kwargs)
-                with self.lock, self.editing(components, method):
-                    return original(*args, **kwargs)
-
-            return edit
-
-        return make
 
 
 def entry_methods(module: nn.Module) -> list[str]:

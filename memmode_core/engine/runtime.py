@@ -9,8 +9,8 @@ on ``remove``. It is the composition of one part per job, each in its own module
 * :class:`~memmode_core.engine.moving.Moving` — onloading, offloading, prefetching, the end of a call;
 * :class:`~memmode_core.engine.changes.Changes` — noticing changed weights and rebuilding, edits,
   placeholders;
-* :class:`~memmode_core.engine.forwards.Forwards` — the wrappers around forwards and entry methods (see
-  :mod:`~memmode_core.engine.hooks`).
+* :class:`~memmode_core.engine.forwards.Forwards` — the hooks around forwards and entry methods (named
+  objects, see :mod:`~memmode_core.engine.hooks`).
 
 The parts share this object's state (components, groups, storage session, lock); each part's
 ``_init_*`` sets the state it owns.
