@@ -214,7 +214,10 @@ class HookRegistry:
 
 
 def hooks_of(obj: Any) -> HookRegistry:
-    """The memmode hooks installed on ``obj`` (a module, a pipeline): empty if it has none."""
+    """The memmode hooks installed on ``obj`` (a module, a pipeline): empty if it has none.
+
+    The registry is the object's own while it has hooks; once its last hook is removed it is detached (a
+    removed mode leaves nothing on the object), so ask again after installing."""
     registry = getattr(obj, "__dict__", {}).get(REGISTRY_ATTRIBUTE)
     return registry if registry is not None else HookRegistry()
 
