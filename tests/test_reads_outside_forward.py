@@ -8,7 +8,7 @@ never called, so no forward of its own onloads them), and whose null embedding t
 ``scale``/``unscale`` read ``mean``/``std`` and whose ``to()`` override builds new parameters from the values it
 holds at that moment (``StableUnCLIPImageNormalizer``). The pipeline declares no ``_exclude_from_cpu_offload``,
 so what makes them work is memmode's general rules, under every placement and storage: every method of a
-component's own classes enters it (``memmode_core.engine.runtime.entry_methods``); a module that is never
+component's own classes enters it (``memmode_core.engine.forwards.entry_methods``); a module that is never
 called rests with the group of the nearest module that is; a component's own loose parameters, like its
 buffers, keep real values at rest. ``poison`` runs inside the placeholder trap, so any placeholder reaching any
 computation fails.
@@ -28,7 +28,7 @@ from torch import nn
 
 import memmode_core as memmode
 from memmode_core import OffloadedWeightReadError
-from memmode_core.engine import runtime as engine_runtime
+from memmode_core.engine import forwards
 from memmode_core.engine.reads import PlaceholderTrap
 
 WIDTH = 8
@@ -169,11 +169,11 @@ def test_a_module_that_is_never_called_rests_with_its_caller_and_own_parameters_
 
 
 def test_entry_methods_are_the_model_classes_own_methods():
-    assert engine_runtime.entry_methods(StatsPrior()) == ["post_process_latents"]
-    assert engine_runtime.entry_methods(Normalizer()) == ["to", "scale", "unscale"]
+    assert forwards.entry_methods(StatsPrior()) == ["post_process_latents"]
+    assert forwards.entry_methods(Normalizer()) == ["to", "scale", "unscale"]
     from diffusers import AutoencoderKL
 
-    methods = engine_runtime.entry_methods(AutoencoderKL(block_out_channels=(4,), norm_num_groups=2))
+    methods = forwards.entry_methods(AutoencoderKL(block_out_channels=(4,), norm_num_groups=2))
     assert {"encode", "decode", "tiled_decode"} <= set(methods)
     assert not {"save_pretrained", "enable_group_offload", "state_dict", "fuse_qkv_projections"} & set(methods)
 
@@ -188,9 +188,9 @@ def test_without_the_rule_a_read_is_a_typed_error_and_no_weight_is_lost(placemen
     and ``remove()`` gives every weight back."""
     mode, options = placement
     monkeypatch.setattr(
-        engine_runtime,
+        forwards,
         "entry_methods",
-        lambda module: [m for m in engine_runtime.COMPONENT_METHODS if callable(getattr(type(module), m, None))],
+        lambda module: [m for m in forwards.COMPONENT_METHODS if callable(getattr(type(module), m, None))],
     )
     pipe = build()
     before = state(pipe)

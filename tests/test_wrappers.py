@@ -36,11 +36,15 @@ class Kinds(nn.Module):
         return args, kwargs
 
 
-def _pass_through(original, wrapper):
-    def call(*args, **kwargs):
-        return original(*args, **kwargs)
+class PassThrough(MethodWrapper):
+    kind = "tests.pass_through"
 
-    return call
+    def __call__(self, *args, **kwargs):
+        return self.original(*args, **kwargs)
+
+
+class LazyPassThrough(PassThrough):
+    eager = False
 
 
 @pytest.mark.parametrize("eager", [True, False])
@@ -48,7 +52,7 @@ def _pass_through(original, wrapper):
 def test_a_method_wrapper_keeps_signature_name_docstring_and_wrapped(method, eager):
     module = Kinds()
     original = getattr(module, method)
-    wrapper = MethodWrapper(module, _pass_through, method, eager=eager)
+    wrapper = (PassThrough if eager else LazyPassThrough)(module, method).install()
     wrapped = getattr(module, method)
     assert wrapped is not original and wrapped is wrapper.function
     assert inspect.signature(wrapped) == inspect.signature(original)
@@ -118,10 +122,10 @@ def test_every_wrapper_a_placement_installs_keeps_the_signature(placement):
     assert watches_call_end(type(pipe))
     assert inspect.signature(pipe.__call__) == inspect.signature(call.__wrapped__.__get__(pipe))
     for wrapper in wrappers:
-        unbound = getattr(type(wrapper.module), wrapper.method)
-        expected = inspect.signature(unbound.__get__(wrapper.module, type(wrapper.module)))
-        current = getattr(wrapper.module, wrapper.method)
-        assert inspect.signature(current) == expected, f"{type(wrapper.module).__name__}.{wrapper.method}"
+        unbound = getattr(type(wrapper.owner), wrapper.method)
+        expected = inspect.signature(unbound.__get__(wrapper.owner, type(wrapper.owner)))
+        current = getattr(wrapper.owner, wrapper.method)
+        assert inspect.signature(current) == expected, f"{type(wrapper.owner).__name__}.{wrapper.method}"
         assert current.__name__ == wrapper.method
     handle.remove()
 

@@ -1,1 +1,3 @@
-"""The group engine: layouts (what moves together), the runtime (moving it), input handling."""
+"""The group engine: what moves together (``groups``), moving it (``runtime``: ``moving``, ``changes``,
+``forwards``), the named hooks it installs (``hooks``, ``pipeline_hooks``), and its helpers (``inputs``,
+``reads``, ``watch``, ``ledger``, ``staging``)."""

@@ -14,10 +14,14 @@ Two more guards, on the pipeline and its components (:func:`install_guards`):
   returns, unless the placement keeps it. ``__call__`` is looked up on the class (Python calls
   ``type(pipe).__call__``), so the class gets one wrapper, shared by its placed instances and removed
   with the last of them; an instance memmode does not place calls straight through. (diffusers' own
-  ``maybe_free_model_hooks`` is not the end: AudioLDM 2 runs its vocoder after it.)
+  ``maybe_free_model_hooks`` is not the end: AudioLDM 2 runs its vocoder after it.) Each placed pipeline's
+  registration with that wrapper is its ``memmode.call_end`` hook (:class:`CallEndGuard`).
 * diffusers' own offloading (``enable_model_cpu_offload``, ``enable_sequential_cpu_offload``,
   ``enable_group_offload``, on the pipeline or a component) would fight memmode over the weights: it is
-  refused at that call with :class:`IncompatibleModeError`, before anything changes.
+  refused at that call with :class:`IncompatibleModeError`, before anything changes: one
+  ``memmode.offloading_guard:<method>`` hook (:class:`OffloadingGuard`) per such method.
+
+Both are named hooks (:mod:`~memmode_core.engine.hooks`): ``hooks_of(pipe)`` lists them.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import torch
 from torch import nn
 
 from memmode_core.contracts.errors import IncompatibleModeError
-from memmode_core.engine.hooks import MethodWrapper
+from memmode_core.engine.hooks import Hook, MethodWrapper
 
 ATTRIBUTE = "_hf_hook"
 
@@ -99,12 +103,23 @@ _CALL_ENDS: weakref.WeakKeyDictionary[Any, Callable[[], None]] = weakref.WeakKey
 _lock = threading.Lock()
 
 
-class CallEndGuard:
-    """The end of one placed pipeline's calls (see the module docstring); ``remove()`` undoes it."""
+class CallEndGuard(Hook):
+    """``memmode.call_end``: the end of one placed pipeline's calls (see the module docstring).
+
+    Python calls ``type(pipe).__call__``, so what runs is a plain function on the class (:func:`_call_wrapper`,
+    one per class, shared by its placed instances); this hook is the pipeline's registration with it.
+    """
+
+    kind = "memmode.call_end"
+    default_method = "__call__"
+    __slots__ = ("_on_call_end",)
 
     def __init__(self, pipeline: Any, on_call_end: Callable[[], None]) -> None:
-        self._pipeline = weakref.ref(pipeline)
-        self.method = "__call__"
+        super().__init__(pipeline, "__call__")
+        self._on_call_end = on_call_end
+
+    def install(self) -> CallEndGuard:
+        pipeline = self.owner
         cls = type(pipeline)
         with _lock:
             if cls not in _CALL_WRAPPERS:
@@ -112,17 +127,15 @@ class CallEndGuard:
                 original = getattr(cls.__call__, "__memmode_original__", cls.__call__)
                 _CALL_WRAPPERS[cls] = (_call_wrapper(original), "__call__" in vars(cls), cls.__call__)
                 cls.__call__ = _CALL_WRAPPERS[cls][0]
-            _CALL_ENDS[pipeline] = on_call_end
-
-    @property
-    def module(self) -> Any:
-        return self._pipeline()
+            _CALL_ENDS[pipeline] = self._on_call_end
+        self.active = True
+        self._register()
+        return self
 
     def remove(self) -> None:
-        pipeline = self._pipeline()
+        pipeline = self.owner
         with _lock:
-            if pipeline is not None:
-                _CALL_ENDS.pop(pipeline, None)
+            _CALL_ENDS.pop(pipeline, None)
             for cls, (wrapper, own, original) in list(_CALL_WRAPPERS.items()):
                 if any(type(p) is cls for p in list(_CALL_ENDS.keys())):
                     continue
@@ -132,6 +145,40 @@ class CallEndGuard:
                     else:
                         delattr(cls, "__call__")
                 del _CALL_WRAPPERS[cls]
+        self.active = False
+        self._unregister(pipeline)
+
+    def describe(self) -> str:
+        return "when the call returns, offloads what it left on the device (unless the placement keeps it)"
+
+
+class OffloadingGuard(MethodWrapper):
+    """``memmode.offloading_guard:<method>``: refuses diffusers' own offloading (``enable_model_cpu_offload``,
+    ...) while a memmode mode is applied, before anything changes (see the module docstring)."""
+
+    kind = "memmode.offloading_guard"
+    __slots__ = ("label", "mode")
+
+    def __init__(self, owner: Any, method: str, label: str, mode: str) -> None:
+        super().__init__(owner, method)
+        self.label = label
+        self.mode = mode
+
+    def __call__(self, *args, **kwargs):
+        if not self.active:
+            return self.original(*args, **kwargs)
+        raise IncompatibleModeError(
+            f"{self.label}.{self.method}(): memmode mode {self.mode!r} is applied here, and a second offloading "
+            f"scheme would fight it over the weights; nothing was changed. Call memmode.remove(...) "
+            f"(handle.remove()) first, or let memmode place it: memmode.apply(pipe, 'model_cpu_offload' / "
+            f"'sequential_cpu_offload' / 'model_group_offload')"
+        )
+
+    def where(self) -> str:
+        return self.label
+
+    def describe(self) -> str:
+        return f"refuses diffusers' own offloading while memmode mode {self.mode!r} is applied"
 
 
 def _call_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -154,44 +201,29 @@ def watches_call_end(cls: type) -> bool:
     return getattr(vars(cls).get("__call__"), "__memmode_call_end__", False)
 
 
-def install_guards(pipeline: Any, components: dict[str, nn.Module], mode: str, on_call_end: Callable[[], None]) -> list:
+def install_guards(
+    pipeline: Any, components: dict[str, nn.Module], mode: str, on_call_end: Callable[[], None]
+) -> list[Hook]:
     """Watch the end of a pipeline's calls and refuse diffusers' offloading (see the module docstring)."""
-    wrappers: list = []
+    guards: list[Hook] = []
     owners: list[tuple[Any, str, tuple[str, ...]]] = [
         (module, name, FOREIGN_MODEL_OFFLOADING) for name, module in components.items()
     ]
     if pipeline is not None:
         owners.insert(0, (pipeline, type(pipeline).__name__, FOREIGN_PIPELINE_OFFLOADING))
         if callable(type(pipeline)) and not isinstance(pipeline, nn.Module):
-            wrappers.append(CallEndGuard(pipeline, on_call_end))
+            guards.append(CallEndGuard(pipeline, on_call_end).install())
     for owner, label, methods in owners:
         for method in methods:
             if callable(getattr(type(owner), method, None)):
-                wrappers.append(MethodWrapper(owner, _refusal(f"{label}.{method}", mode), method))
-    return wrappers
+                guards.append(OffloadingGuard(owner, method, label, mode).install())
+    return guards
 
 
-def remove_guards(wrappers: list) -> None:
-    for wrapper in wrappers:
-        wrapper.remove()
-    wrappers.clear()
-
-
-def _refusal(where: str, mode: str):
-    def make(original, wrapper: MethodWrapper):
-        def refused(*args, **kwargs):
-            if not wrapper.active:
-                return original(*args, **kwargs)
-            raise IncompatibleModeError(
-                f"{where}(): memmode mode {mode!r} is applied here, and a second offloading scheme would fight it "
-                f"over the weights; nothing was changed. Call memmode.remove(...) (handle.remove()) first, or let "
-                f"memmode place it: memmode.apply(pipe, 'model_cpu_offload' / 'sequential_cpu_offload' / "
-                f"'model_group_offload')"
-            )
-
-        return refused
-
-    return make
+def remove_guards(guards: list[Hook]) -> None:
+    for guard in guards:
+        guard.remove()
+    guards.clear()
 
 
 def install(components: dict[str, nn.Module], device: torch.device, on_detach: Callable[[], None]) -> None:

@@ -1,0 +1,393 @@
+"""Noticing that a component's weights changed, and laying it out again.
+
+The :class:`Changes` part of the :class:`~memmode_core.engine.runtime.Runtime`. When a component's
+tensors changed — an adapter was injected, a parameter replaced (see :mod:`memmode_core.engine.watch`
+for how that is noticed), a hook wrapped around one of the engine's — its groups are rebuilt before
+its next call (:meth:`Changes.changed`, :meth:`Changes.rebuild`). A rebuild lays the component out
+again and keeps every stored part whose tensors did not change, so loading a LoRA stores the
+adapter's weights and nothing else. The weight-editing methods of diffusers and transformers run
+inside :meth:`Changes.editing`: offloaded (and given real values, for those that write into the
+weights) before, rebuilt after.
+
+A storage that keeps nothing of an offloaded tensor in memory leaves a placeholder in it (see
+:mod:`memmode_core.engine.reads`). Nothing computed from a placeholder may become a weight: a
+registration of one is refused (:meth:`Changes.note_registration`), a rebuild and ``remove()`` store
+the real value instead (:meth:`Changes._real_value`), and a non-finite result of a component resting
+on placeholders is explained (:meth:`Changes.explain_non_finite`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from memmode_core.contracts.errors import OffloadedWeightReadError
+from memmode_core.contracts.layout import GroupSpec, Policy
+from memmode_core.contracts.storage import Tensors, is_placeholder
+from memmode_core.engine import watch
+from memmode_core.engine.groups import Group, Part, Slot, claim_groups, module_path
+from memmode_core.engine.hooks import not_traced
+from memmode_core.engine.pipeline_hooks import refuse_foreign_offloading
+from memmode_core.engine.reads import PlaceholderTrap
+
+
+class Changes:
+    """Change detection, rebuilds, edits and placeholders; part of the runtime (its components, groups,
+    storage session, moving and hooks)."""
+
+    def _init_changes(
+        self,
+        device: torch.device,
+        *,
+        relayout: Callable[[str], list[GroupSpec]] | None,
+        refuse_edit: Callable[[str, dict[str, nn.Module]], None] | None,
+    ) -> None:
+        self._relayout = relayout
+        self._refuse_edit = refuse_edit
+        #: components whose modules registered a new parameter, buffer or submodule
+        self._dirty: set[str] = set()
+        #: id(module) -> the component it belongs to
+        self._member_of: dict[int, str] = {}
+        self._editing = 0
+        #: makes the storage keys of rebuilt parts unique
+        self._generation = 0
+        #: on a CPU device a non-finite result of a component whose tensors rest as placeholders is
+        #: explained (see :mod:`memmode_core.engine.reads`); on CUDA the same read is a device mismatch
+        self._check_results = device.type == "cpu"
+        #: components some of whose tensors rest as placeholders (no real value at rest)
+        self._placeholdered: set[str] = set()
+        #: > 0 while a call runs again under the placeholder trap
+        self._diagnosing = 0
+
+    def _mark_changed(self, component: str) -> None:
+        """Rebuild ``component`` before its next call."""
+        self._dirty.add(component)
+
+    def _index_members(self) -> None:
+        self._member_of = {id(m): name for name, root in self.components.items() for m in root.modules()}
+
+    def note_registration(self, module: nn.Module, name: str | None = None, value: object = None) -> None:
+        """Called for every parameter, buffer or submodule registration in the process (see watch).
+
+        A tensor computed from the placeholder it replaces (all NaN, where ``name`` holds an offloaded
+        placeholder now) is refused before it is registered: it would become the weight for good.
+        """
+        component = self._member_of.get(id(module))
+        if component is None or self._editing:
+            return
+        if isinstance(value, torch.Tensor) and name is not None:
+            current = module._parameters.get(name) if name in module._parameters else module._buffers.get(name)
+            if (
+                current is not None
+                and is_placeholder(current)
+                and value.shape == current.shape
+                and derived_from_placeholder(value, current)
+            ):
+                where = module_path(self.components, module, component)
+                raise OffloadedWeightReadError(
+                    f"{where}.{name}: the new value was computed from its offloaded placeholder (it is all NaN), "
+                    f"not from the weight; refused before anything changed. Code that rebuilds a component's "
+                    f"parameters from their values (a to() override, nn.Parameter(self.x.to(...))) must run "
+                    f"inside one of the component's methods, which memmode onloads it for"
+                )
+        self._dirty.add(component)
+
+    def _note_placeholders(self, component: str) -> None:
+        """Remember whether ``component`` has tensors resting as placeholders (what its results are checked for)."""
+        if any(is_placeholder(t) for g in self._groups_of.get(component, ()) for t in g.at_rest.values()):
+            self._placeholdered.add(component)
+        else:
+            self._placeholdered.discard(component)
+
+    def placeholder_name(self, tensor: torch.Tensor) -> str | None:
+        """``"<slot name> (group <key>)"`` if ``tensor`` holds the at-rest placeholder of one of this runtime's
+        slots."""
+        pointer = tensor.data_ptr()
+        for group in self.groups:
+            for slot in group.slots:
+                rest = group.at_rest.get(slot.name)
+                if rest is not None and rest.data_ptr() == pointer and is_placeholder(rest):
+                    qualified = slot.name if len(self.components) > 1 else f"{group.component}.{slot.name}"
+                    return f"{qualified} (group {group.key})"
+        return None
+
+    def explain_non_finite(self, component: str, module: nn.Module, method: str, args, kwargs) -> None:
+        """A call of ``component`` returned NaN or infinity while some of its tensors rest as placeholders:
+        run it again under the :class:`PlaceholderTrap`, which raises naming the placeholder if one was
+        read. If none was, the model itself produced the values, and the caller returns them unchanged."""
+        where = f"{module_path(self.components, module, component)}.{method}"
+        self._diagnosing += 1
+        try:
+            with PlaceholderTrap(self.placeholder_name, where=where):
+                getattr(module, method)(*args, **kwargs)
+        except OffloadedWeightReadError:
+            raise
+        except Exception:  # noqa: BLE001 - the second run is only an explanation; the first run's result stands
+            return
+        finally:
+            self._diagnosing -= 1
+
+    @not_traced
+    def changed(self, component: str) -> bool:
+        """Whether ``component``'s tensors are no longer the ones its groups were built from.
+
+        Runs at each call of the component: a registration was reported, or a tracked tensor is no
+        longer registered where it was, or an offloaded one no longer holds its at-rest data, or a
+        hook was wrapped around one of the engine's (diffusers' ``enable_layerwise_casting`` after
+        ``apply``): the rebuild then installs the engine's wrappers outside it, so weights are
+        onloaded before that hook sees them and offloaded after it is done with them.
+        """
+        if component in self._dirty:
+            return True
+        if self._wrapped_over(component):  # a hook installed after apply wraps ours: rebuild puts ours outside it
+            return True
+        for group in self._groups_of[component]:
+            check_data = not group.resident and group.policy is not Policy.RESIDENT and not self._zero_copy
+            for slot in group.slots:
+                if not slot.registered() or (check_data and slot.tensor.data_ptr() != slot.rest_ptr):
+                    return True
+        return False
+
+    @contextlib.contextmanager
+    def editing(self, components: list[str], method: str):
+        """Around a method that edits weights: offload first (and give writing methods real values),
+        rebuild the groups after."""
+        outermost = self._editing == 0
+        if outermost:
+            if self._refuse_edit is not None:
+                self._refuse_edit(method, {name: self.components[name] for name in components})
+            for name in components:
+                self._offload_component(name)
+                if method in watch.WRITES_WEIGHTS:
+                    self._materialize(name)
+        self._editing += 1
+        try:
+            yield
+        finally:
+            self._editing -= 1
+            if outermost:
+                self._dirty.difference_update(components)
+                for name in components:
+                    self.rebuild(name)
+
+    def _materialize(self, component: str) -> None:
+        """Give every offloaded tensor of ``component`` whose at-rest value is a placeholder its real
+        value, so that a method writing into the weights writes into real memory."""
+        for group in self._groups_of[component]:
+            if group.policy is Policy.RESIDENT:
+                continue
+            if any(is_placeholder(t) for t in group.at_rest.values()):
+                group.assign(self._restore(group))
+
+    def refresh(self) -> None:
+        """Take every weight from the model as it is now (for edits memmode cannot notice).
+
+        A group resident on the device right now may have been edited there: its device copy is
+        what is taken, not the stored one.
+        """
+        with self.lock:
+            self._refresh()
+
+    def _refresh(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        for name in self.components:
+            for group in list(self._resident[name]):
+                group.assign({n: t.to("cpu") for n, t in group.tensors().items()})
+                group.resident = False
+                group.ready_event = None
+                del self._resident[name][group]
+                self.ledger.offloaded(group.nbytes, 0.0)
+            self.rebuild(name, keep_parts=False)
+
+    @not_traced
+    def rebuild(self, component: str, *, keep_parts: bool = True) -> None:
+        """Lay ``component`` out again and store what changed; keep the parts that did not change."""
+        if self._relayout is None:
+            raise RuntimeError("this runtime cannot rebuild: it was built without a layout function")
+        # another offloading scheme installed since apply would fight memmode over the weights; refuse
+        # before anything moves (remove() still gives every weight back from the storage)
+        refuse_foreign_offloading({component: self.components[component]})
+        self._offload_component(component)
+        retired = self._remove_hooks(component)
+        old = self._groups_of[component]
+        new = claim_groups(self.components, self._relayout(component), names=self.components)
+        previous = {id(slot.tensor): (group, slot) for group in old for slot in group.slots}
+        # a tensor registered where an old one was (``_apply`` or a ``to()`` override making new parameters)
+        previous.update({slot.place(): (group, slot) for group in old for slot in group.slots})
+        kept: set[str] = set()
+        for group in new:
+            if group.policy is Policy.RESIDENT:
+                self._onload_resident(group)
+            else:
+                kept.update(self._store_rebuilt(group, previous, keep_parts))
+        for group in old:
+            if group.resident:  # a resident group (full load) is not offloaded: its bytes leave now
+                self.ledger.offloaded(group.nbytes, 0.0)
+            for part in group.parts:
+                if part.key not in kept:
+                    self.session.discard(part.key)
+        self.groups = [g for g in self.groups if g.component != component] + new
+        self._index_groups()
+        self._resident[component].clear()  # resident groups were offloaded above; RESIDENT ones are not tracked
+        if self._prefetch:
+            self._recording[component] = []
+        self._install_hooks(component, retired)
+        self._note_placeholders(component)
+        self._index_members()
+        self._dirty.discard(component)
+
+    def _store_rebuilt(self, group: Group, previous, keep_parts: bool) -> set[str]:
+        """Store a rebuilt group: reuse an old group's parts when all of its tensors are here
+        unchanged, store the rest as a new part. Returns the keys of the parts kept."""
+        sources: dict[int, Group] = {}
+        unchanged: set[int] = set()
+        fresh: list[Slot] = []
+        for slot in group.slots:
+            found = previous.get(id(slot.tensor))
+            if (
+                keep_parts
+                and found is not None
+                and found[0].policy is not Policy.RESIDENT
+                and slot.tensor.data_ptr() == found[1].rest_ptr
+            ):
+                sources[id(found[0])] = found[0]
+                unchanged.add(id(slot.tensor))
+            else:
+                fresh.append(slot)
+        # one old group, every tensor of it here and unchanged: its stored parts are still right
+        reusable = len(sources) == 1 and all(id(o.tensor) in unchanged for o in next(iter(sources.values())).slots)
+        parts: list[Part] = []
+        at_rest: Tensors = {}
+        if reusable:
+            (source,) = sources.values()
+            now = {id(s.tensor): s.name for s in group.slots}
+            renamed = {o.name: now[id(o.tensor)] for o in source.slots}
+            for part in source.parts:
+                stored = {(part.rename or {}).get(n, n): n for n in part.names}  # slot name then -> stored name
+                rename = {stored_name: renamed[then] for then, stored_name in stored.items()}
+                parts.append(Part(part.key, part.names, {k: v for k, v in rename.items() if k != v} or None))
+            at_rest.update({renamed[o.name]: source.at_rest[o.name] for o in source.slots})
+        else:
+            fresh = list(group.slots)
+        if fresh:
+            values = {}
+            for slot in fresh:
+                found = previous.get(id(slot.tensor)) or previous.get(slot.place())
+                current = slot.tensor.data
+                if found is not None and found[0].policy is not Policy.RESIDENT:
+                    current = self._real_value(found[0], found[1], current)
+                values[slot.name] = current
+            self._generation += 1
+            key = f"{group.key}@{self._generation}"
+            readable = frozenset(s.name for s in fresh if s.name in group.readable)
+            self.session.reserve({key: sum(v.numel() * v.element_size() for v in values.values())})
+            at_rest.update(self.session.put(key, values, readable))
+            parts.append(Part(key, tuple(values)))
+        group.parts = parts
+        group.rest(at_rest)
+        return {p.key for p in parts}
+
+    def _real_value(self, group: Group, slot: Slot, current: torch.Tensor) -> torch.Tensor:
+        """What an offloaded tensor really holds now, for storing it again.
+
+        Its at-rest placeholder, still in place: the stored value. A tensor computed *from* the
+        placeholder while the weight was offloaded — ``module.to(dtype)`` by a hook installed after
+        ``apply`` turns the one-element NaN into a full NaN tensor — is the stored value put through
+        the same cast; storing it would lose the weights. Anything else is a real new value.
+        """
+        if is_placeholder(current) or computed_from_placeholder(current, group.at_rest.get(slot.name)):
+            return self._restore_one(group, slot.name).to(current.dtype)
+        return current
+
+    def _restore_one(self, group: Group, name: str) -> torch.Tensor:
+        for part in group.parts:
+            tensors = part.translate(self.session.restore(part.key))
+            if name in tensors:
+                return tensors[name]
+        raise KeyError(name)
+
+    def real_values(self, component: str) -> dict[int, torch.Tensor]:
+        """``id(registered tensor) -> its real value on the CPU`` for every tensor of ``component`` whose
+        registered value is not its real one right now (offloaded: a placeholder or a storage's view).
+
+        For reading a placed model's weights without removing the mode (saving it). Nothing is moved.
+        """
+        with self.lock:
+            found: dict[int, torch.Tensor] = {}
+            for group in self._groups_of.get(component, []):
+                if group.policy is Policy.RESIDENT or group.resident:
+                    continue
+                values = self._restore(group)
+                for slot in group.slots:
+                    if slot.name in values:
+                        found[id(slot.tensor)] = values[slot.name]
+            return found
+
+    def _restore(self, group: Group) -> Tensors:
+        tensors: Tensors = {}
+        for part in group.parts:
+            self.session.check(part.key)
+            tensors.update(part.translate(self.session.restore(part.key)))
+        return tensors
+
+    # -- what remove() gives back ----------------------------------------------------------------------
+
+    def _replaced_since(self, group: Group, restored: Tensors) -> Tensors:
+        """Slots whose data was replaced since it was stored (``param.data = x``, a cast by ``module.to(dtype)``):
+        the newest value is what ``remove()`` gives back. One computed from the at-rest placeholder (all NaN:
+        the cast of a placeholder) is the stored value put through the same cast."""
+        newest: Tensors = {}
+        for slot in group.slots:
+            expected = slot.live_ptr if (group.resident and not self._zero_copy) else slot.rest_ptr
+            current = slot.tensor.data
+            if current.data_ptr() == expected or slot.name not in restored:
+                continue
+            if computed_from_placeholder(current, group.at_rest.get(slot.name)):
+                newest[slot.name] = restored[slot.name].to(dtype=current.dtype)
+            else:
+                newest[slot.name] = current if current.device.type == "cpu" else current.to("cpu")
+        return newest
+
+    def _restore_replacements(self, group: Group, restored: Tensors) -> None:
+        """Tensors registered since the last rebuild in place of this group's ones (a component's ``to()``
+        or ``_apply`` making new parameters) go back to ordinary CPU memory too, and one computed from
+        the at-rest placeholder (all NaN) gets the stored value, in its own dtype: nothing computed from
+        a placeholder outlives ``remove()``."""
+        for slot in group.slots:
+            if slot.registered():
+                continue
+            registry = slot.owner._buffers if slot.is_buffer else slot.owner._parameters
+            now = registry.get(slot.attr)
+            if now is None or slot.name not in restored:
+                continue
+            if computed_from_placeholder(now, group.at_rest.get(slot.name)):
+                now.data = restored[slot.name].to(dtype=now.dtype)
+            elif now.device.type not in ("cpu", "meta"):  # meta: another library's (accelerate's) to give back
+                now.data = now.data.to("cpu")
+
+
+def computed_from_placeholder(current: torch.Tensor, at_rest: torch.Tensor | None) -> bool:
+    """Whether ``current`` holds nothing but what the at-rest placeholder ``at_rest`` gives: that placeholder
+    (or a view of it), or a tensor computed from it (a cast). What stands in for it is the stored value."""
+    return (
+        at_rest is not None
+        and is_placeholder(at_rest)
+        and current.shape == at_rest.shape
+        and (is_placeholder(current) or derived_from_placeholder(current, at_rest))
+    )
+
+
+def derived_from_placeholder(current: torch.Tensor, at_rest: torch.Tensor) -> bool:
+    """Whether ``current`` holds nothing but the placeholder's fill (NaN for floats): a value
+    computed from the placeholder. Real weights are never entirely NaN."""
+    if (
+        not (current.dtype.is_floating_point and at_rest.dtype.is_floating_point)
+        or current.numel() == 0
+        or current.is_meta
+    ):
+        return False
+    return bool(torch.isnan(current).all())

@@ -1,0 +1,219 @@
+"""The group data model: which tensors move together, and where each one is registered.
+
+A *group* (see :class:`~memmode_core.contracts.layout.GroupSpec` for what a placement asks for) is the
+unit the engine onloads and offloads. Here it becomes concrete: :func:`claim_groups` turns a
+placement's specs into :class:`Group` objects holding :class:`Slot` s, one per parameter or buffer,
+each tensor claimed exactly once (tied tensors merge the groups that reach them), and a group's
+stored copy is kept as one or more :class:`Part` s of the storage session.
+
+Everything else in the engine reads this model: moving (:mod:`~memmode_core.engine.moving`) swaps a
+slot's ``.data``, change detection (:mod:`~memmode_core.engine.changes`) compares a slot's
+registration and data address with what was recorded here. Kept apart from the :class:`Runtime`
+so that groups can be claimed (and sized by the planner) without one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from memmode_core.contracts.layout import GroupSpec, Policy
+from memmode_core.contracts.storage import Tensors
+
+
+@dataclass(eq=False)
+class Slot:
+    """One parameter or buffer: the tensor object whose ``.data`` is swapped, a stable name, where it
+    is registered (``owner._parameters[attr]`` or ``owner._buffers[attr]``), and the address of the
+    data it holds at rest (a different address means someone replaced it)."""
+
+    name: str
+    tensor: torch.Tensor
+    is_buffer: bool
+    owner: nn.Module
+    attr: str
+    rest_ptr: int = 0
+    #: the address of the data onloading gave it (a different one at offload: replaced while onloaded)
+    live_ptr: int = 0
+
+    def registered(self) -> bool:
+        registry = self.owner._buffers if self.is_buffer else self.owner._parameters
+        return registry.get(self.attr) is self.tensor
+
+    def place(self) -> tuple[int, str, bool]:
+        """Where the tensor is registered: the same key for whatever tensor is registered there later."""
+        return (id(self.owner), self.attr, self.is_buffer)
+
+
+@dataclass(eq=False)
+class Part:
+    """One entry in the storage session: some of a group's slots, stored under ``key``.
+
+    A part kept through a rebuild may hold tensors under the names they had then (a layer wrapped
+    by an adapter moves from ``to_q.weight`` to ``to_q.base_layer.weight``): ``rename`` maps stored
+    names to the slot names of today.
+    """
+
+    key: str
+    names: tuple[str, ...]
+    rename: dict[str, str] | None = None
+
+    def translate(self, tensors: Tensors) -> Tensors:
+        if not self.rename:
+            return tensors
+        return {self.rename.get(name, name): t for name, t in tensors.items()}
+
+
+class Group:
+    """Tensors that move together: onloaded before any of ``entries`` runs, offloaded after ``exits``
+    (``policy`` says whether it streams or stays resident), stored as ``parts``."""
+
+    __slots__ = (
+        "key",
+        "component",
+        "policy",
+        "entries",
+        "exits",
+        "slots",
+        "nbytes",
+        "resident",
+        "at_rest",
+        "prefetchable",
+        "ready_event",
+        "next",
+        "readable",
+        "parts",
+    )
+
+    def __init__(self, spec: GroupSpec) -> None:
+        self.key = spec.key
+        self.component = spec.component
+        self.policy = spec.policy
+        self.entries = list(spec.entries)
+        self.exits = list(spec.exits)
+        self.prefetchable = spec.prefetchable
+        self.slots: list[Slot] = []
+        self.nbytes = 0
+        #: the device copy is assigned (it may still be in flight: see ``ready_event``)
+        self.resident = False
+        self.at_rest: Tensors = {}
+        #: CUDA event the compute stream must wait on before using a prefetched group
+        self.ready_event: torch.cuda.Event | None = None
+        #: the group that followed this one in the recorded execution order
+        self.next: Group | None = None
+        #: slot names whose at-rest value must stay readable (buffers, a component root's own parameters)
+        self.readable: frozenset[str] = frozenset()
+        #: where the storage keeps the group: usually one part; a rebuilt group may keep old parts
+        self.parts: list[Part] = []
+
+    def tensors(self) -> Tensors:
+        return {slot.name: slot.tensor.data for slot in self.slots}
+
+    def assign(self, tensors: Tensors) -> None:
+        for slot in self.slots:
+            slot.tensor.data = tensors[slot.name]
+
+    def onload(self, tensors: Tensors) -> None:
+        """Assign the onloaded tensors, remembering their addresses for :meth:`offload_at_rest`."""
+        for slot in self.slots:
+            data = tensors[slot.name]
+            slot.tensor.data = data
+            slot.live_ptr = data.data_ptr()
+
+    def offload_at_rest(self) -> list[Slot]:
+        """Give every slot its at-rest tensor again, except those whose tensor was replaced while the group
+        was onloaded (a method of the component setting ``param.data = ...``): those keep their new
+        value, and are returned."""
+        replaced = []
+        for slot in self.slots:
+            if slot.tensor.data_ptr() != slot.live_ptr:
+                replaced.append(slot)
+            else:
+                slot.tensor.data = self.at_rest[slot.name]
+        return replaced
+
+    def rest(self, tensors: Tensors) -> None:
+        """Assign the at-rest tensors and remember their addresses (to notice replacements)."""
+        self.at_rest = tensors
+        for slot in self.slots:
+            data = tensors[slot.name]
+            slot.tensor.data = data
+            slot.rest_ptr = data.data_ptr()
+
+    def __repr__(self) -> str:
+        return f"<group {self.key} {self.policy.value} {self.nbytes}B{' resident' if self.resident else ''}>"
+
+
+def claim_groups(
+    components: dict[str, nn.Module], specs: list[GroupSpec], *, names: dict[str, nn.Module] | None = None
+) -> list[Group]:
+    """Turn specs into groups that hold each tensor exactly once.
+
+    A tensor reachable from several groups (a tied weight, a module shared between two places)
+    must move with all of them at once, so groups that share a tensor are merged. ``names`` are
+    the components slot names are qualified against (default: ``components``).
+    """
+    named = names if names is not None else components
+    paths = {
+        id(m): ".".join(part for part in (comp if len(named) > 1 else "", path) if part)
+        for comp, root in named.items()
+        for path, m in root.named_modules()
+    }
+    owner_of: dict[int, int] = {}
+    parent = list(range(len(specs)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    claimed: list[list[Slot]] = [[] for _ in specs]
+    for index, spec in enumerate(specs):
+        for module in spec.owners:
+            prefix = paths.get(id(module), type(module).__name__)
+            tensors = [(a, t, False) for a, t in module._parameters.items()]
+            tensors += [(a, t, True) for a, t in module._buffers.items()]
+            for attr, tensor, is_buffer in tensors:
+                if tensor is None:
+                    continue
+                first = owner_of.get(id(tensor))
+                if first is None:  # a tied tensor registered twice is claimed once, by its first owner
+                    owner_of[id(tensor)] = index
+                    claimed[index].append(Slot(f"{prefix}.{attr}" if prefix else attr, tensor, is_buffer, module, attr))
+                elif first != index:
+                    parent[find(index)] = find(first)
+    merged: dict[int, Group] = {}
+    order: list[Group] = []
+    for index, spec in enumerate(specs):
+        root = find(index)
+        group = merged.get(root)
+        if group is None:
+            group = merged[root] = Group(spec)
+            order.append(group)
+        else:
+            group.entries += [m for m in spec.entries if m not in group.entries]
+            group.exits += [m for m in spec.exits if m not in group.exits]
+            if Policy.RESIDENT in (spec.policy, group.policy):
+                group.policy = Policy.RESIDENT
+        for slot in claimed[index]:
+            group.slots.append(slot)
+            group.nbytes += slot.tensor.numel() * slot.tensor.element_size()
+    for group in order:  # what pipelines read outside any forward: buffers, and a model's own loose parameters
+        root = components.get(group.component)
+        container = root is not None and next(iter(root.children()), None) is not None
+        group.readable = frozenset(
+            slot.name for slot in group.slots if slot.is_buffer or (container and slot.owner is root)
+        )
+    return [g for g in order if g.slots]
+
+
+def module_path(components: dict[str, nn.Module], module: nn.Module, component: str | None = None) -> str:
+    """``component.path.to.module``, searched in ``component`` or in every component (for messages)."""
+    for name in [component] if component is not None else components:
+        for path, sub in components[name].named_modules():
+            if sub is module:
+                return f"{name}.{path}" if path else name
+    return f"{component}.<{type(module).__name__}>" if component is not None else type(module).__name__
