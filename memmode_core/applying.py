@@ -166,7 +166,7 @@ def install(prepared: Prepared, session, reserved: dict[str, int] | None = None)
     ledger = Ledger()
     runtime = Runtime(
         target.components,
-        prepared.layout.specs,
+        prepared.groups,
         device=prepared.device,
         session=session,
         ledger=ledger,

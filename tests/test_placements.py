@@ -20,6 +20,7 @@ from torch import nn
 import memmode_core as memmode
 from memmode_core.contracts.errors import IncompatibleModeError
 from memmode_core.contracts.layout import Policy, block_groups
+from memmode_core.engine.groups import claim_groups
 from memmode_core.engine.ledger import Ledger
 from memmode_core.engine.runtime import Runtime
 
@@ -138,7 +139,7 @@ def _prefetching_runtime(model: nn.Module) -> tuple[Runtime, PoisonSession]:
     session = PoisonSession()
     runtime = Runtime(
         {"model": model},
-        block_groups("model", model),
+        claim_groups({"model": model}, block_groups("model", model)),
         device=torch.device("cpu"),
         session=session,
         ledger=Ledger(),

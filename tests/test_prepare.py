@@ -20,6 +20,7 @@ from tiny_pipelines import FAMILIES, make_pipeline, run
 import memmode_core as memmode
 from memmode_core.builtin.placements import GroupOffloadOptions
 from memmode_core.contracts.options import Option, Options, options_type, resolve_options
+from memmode_core.engine.groups import claim_groups
 
 #: function name -> what the step is; each must run once per apply (plans: once per quantized component)
 STEPS = {
@@ -61,6 +62,27 @@ def test_apply_does_each_expensive_step_once(family, mode, options):
     expected["plan_layers"] = quantized
     assert quantized == (2 if family == "wan22" else 1) if "_and_" in mode else quantized == 0
     assert {name: calls[name] for name in STEPS} == expected
+    handle.remove()
+
+
+@pytest.mark.parametrize("mode", ["model_group_offload_and_qfloat8", "sequential_cpu_offload_and_qfloat4"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_groups_claimed_before_quantizing_bind_to_what_claiming_now_finds(family, mode):
+    """The groups are claimed once, before quantizing; the runtime binds them to the quantized model. What it
+    binds must be exactly what claiming the quantized model would give: names, order, sizes, readable."""
+    pipe = make_pipeline(family)
+    prepared = memmode.prepare(pipe, mode, device="cpu")
+    handle = memmode.apply(prepared)
+    again = claim_groups(prepared.target.components, prepared.layout.specs)
+
+    def shape(groups):
+        return [
+            (g.key, g.policy, [(s.name, s.owner, s.attr, s.is_buffer) for s in g.slots], g.nbytes, g.readable)
+            for g in groups
+        ]
+
+    assert shape(handle._runtime.groups) == shape(again)
+    assert {g.key: g.nbytes for g in again if g.key in prepared.stored_sizes} == prepared.stored_sizes
     handle.remove()
 
 

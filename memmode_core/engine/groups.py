@@ -85,6 +85,7 @@ class Group:
         "next",
         "readable",
         "parts",
+        "owners",
     )
 
     def __init__(self, spec: GroupSpec) -> None:
@@ -107,6 +108,16 @@ class Group:
         self.readable: frozenset[str] = frozenset()
         #: where the storage keeps the group: usually one part; a rebuilt group may keep old parts
         self.parts: list[Part] = []
+        #: the modules whose tensors it holds, with the name each one's slots are called by, in claiming order
+        self.owners: list[tuple[nn.Module, str]] = []
+
+    def fresh(self) -> Group:
+        """A group of the same claim (key, component, policy, entries, exits, owners) with no slots and no state."""
+        group = Group.__new__(Group)
+        Group.__init__(group, GroupSpec(self.key, self.component, [], self.entries, self.exits, self.policy))
+        group.prefetchable = self.prefetchable
+        group.owners = list(self.owners)
+        return group
 
     def tensors(self) -> Tensors:
         return {slot.name: slot.tensor.data for slot in self.slots}
@@ -171,14 +182,12 @@ def claim_groups(
         return i
 
     claimed: list[list[Slot]] = [[] for _ in specs]
+    owners: list[list[tuple[nn.Module, str]]] = [[] for _ in specs]
     for index, spec in enumerate(specs):
         for module in spec.owners:
             prefix = paths.get(id(module), type(module).__name__)
-            tensors = [(a, t, False) for a, t in module._parameters.items()]
-            tensors += [(a, t, True) for a, t in module._buffers.items()]
-            for attr, tensor, is_buffer in tensors:
-                if tensor is None:
-                    continue
+            owners[index].append((module, prefix))
+            for attr, tensor, is_buffer in _direct_tensors(module):
                 first = owner_of.get(id(tensor))
                 if first is None:  # a tied tensor registered twice is claimed once, by its first owner
                     owner_of[id(tensor)] = index
@@ -198,16 +207,58 @@ def claim_groups(
             group.exits += [m for m in spec.exits if m not in group.exits]
             if Policy.RESIDENT in (spec.policy, group.policy):
                 group.policy = Policy.RESIDENT
+        group.owners += owners[index]
         for slot in claimed[index]:
             group.slots.append(slot)
             group.nbytes += slot.tensor.numel() * slot.tensor.element_size()
-    for group in order:  # what pipelines read outside any forward: buffers, and a model's own loose parameters
-        root = components.get(group.component)
-        container = root is not None and next(iter(root.children()), None) is not None
-        group.readable = frozenset(
-            slot.name for slot in group.slots if slot.is_buffer or (container and slot.owner is root)
-        )
+    for group in order:
+        group.readable = _readable(group, components)
     return [g for g in order if g.slots]
+
+
+def bind_groups(claimed: list[Group], components: dict[str, nn.Module]) -> list[Group]:
+    """Live groups for one runtime from groups claimed beforehand (by ``prepare``): the same keys, policies,
+    entries, exits and owner modules — claiming, which finds the groups that tied tensors merge, is not done
+    again — with each slot taken from the owners as they are now. Quantizing since the claim replaced a
+    layer's ``weight`` by its packed tensors, in the same modules, tied where the weight was tied.
+
+    The claimed groups are left as they are (a prepared plan can be executed again, and the planner reads
+    them); the slots are found, named and ordered exactly as :func:`claim_groups` would find them now.
+    """
+    groups = [group.fresh() for group in claimed]
+    taken: dict[int, Group] = {}
+    for group in groups:
+        for module, prefix in group.owners:
+            for attr, tensor, is_buffer in _direct_tensors(module):
+                holder = taken.get(id(tensor))
+                if holder is None:
+                    taken[id(tensor)] = group
+                    group.slots.append(Slot(f"{prefix}.{attr}" if prefix else attr, tensor, is_buffer, module, attr))
+                    group.nbytes += tensor.numel() * tensor.element_size()
+                elif holder is not group:
+                    raise RuntimeError(
+                        f"{prefix}.{attr} is tied to a tensor of group {holder.key} since the groups were claimed, and "
+                        f"group {group.key} holds it too: prepare the mode again"
+                    )
+        group.readable = _readable(group, components)
+    return [g for g in groups if g.slots]
+
+
+def _direct_tensors(module: nn.Module):
+    """``(attr, tensor, is_buffer)`` for the parameters and buffers ``module`` registers itself."""
+    for attr, tensor in module._parameters.items():
+        if tensor is not None:
+            yield attr, tensor, False
+    for attr, tensor in module._buffers.items():
+        if tensor is not None:
+            yield attr, tensor, True
+
+
+def _readable(group: Group, components: dict[str, nn.Module]) -> frozenset[str]:
+    """What pipelines read outside any forward: buffers, and a model's own loose parameters."""
+    root = components.get(group.component)
+    container = root is not None and next(iter(root.children()), None) is not None
+    return frozenset(slot.name for slot in group.slots if slot.is_buffer or (container and slot.owner is root))
 
 
 def module_path(components: dict[str, nn.Module], module: nn.Module, component: str | None = None) -> str:

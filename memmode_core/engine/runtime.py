@@ -1,7 +1,8 @@
 """The group engine: onloads and offloads groups around forwards, and keeps the ledger.
 
-One :class:`Runtime` serves one ``apply``. It turns the placement's :class:`GroupSpec` list into
-:class:`~memmode_core.engine.groups.Group` objects holding the actual tensors, stores the offloaded
+One :class:`Runtime` serves one ``apply``. It takes the groups ``prepare`` claimed (a placement's
+:class:`GroupSpec` list made into :class:`~memmode_core.engine.groups.Group` objects) and binds them to
+the tensors the model holds now (:func:`~memmode_core.engine.groups.bind_groups`), stores the offloaded
 copies through the storage session, hooks the forwards of entry and exit modules, and undoes all of it
 on ``remove``. It is the composition of one part per job, each in its own module:
 
@@ -33,7 +34,7 @@ from memmode_core.contracts.storage import StorageSession, placeholder
 from memmode_core.engine import watch
 from memmode_core.engine.changes import Changes
 from memmode_core.engine.forwards import Forwards
-from memmode_core.engine.groups import Group, Part, claim_groups
+from memmode_core.engine.groups import Group, Part, bind_groups
 from memmode_core.engine.ledger import Ledger
 from memmode_core.engine.moving import Moving
 
@@ -42,7 +43,7 @@ class Runtime(Forwards, Changes, Moving):
     def __init__(
         self,
         components: dict[str, nn.Module],
-        specs: Iterable[GroupSpec],
+        groups: Iterable[Group],
         *,
         device: torch.device,
         session: StorageSession | None,
@@ -54,7 +55,8 @@ class Runtime(Forwards, Changes, Moving):
         refuse_edit: Callable[[str, dict[str, nn.Module]], None] | None = None,
     ) -> None:
         self.components = components
-        self.groups: list[Group] = claim_groups(components, list(specs))
+        #: live groups of the ones ``prepare`` claimed, their slots taken from the model as it is now
+        self.groups: list[Group] = bind_groups(list(groups), components)
         #: component -> its groups (kept in step with ``groups``)
         self._groups_of: dict[str, list[Group]] = {}
         self._index_groups()

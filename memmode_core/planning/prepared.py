@@ -37,8 +37,8 @@ from memmode_core.contracts.targets import Target, refuse_compiled, refuse_scrip
 from memmode_core.contracts.units import format_bytes
 from memmode_core.discovery.grammar import Mode, resolve
 from memmode_core.discovery.plugins import Registration, current
+from memmode_core.engine.groups import Group, claim_groups
 from memmode_core.engine.pipeline_hooks import refuse_foreign_offloading
-from memmode_core.engine.runtime import Group, claim_groups
 from memmode_core.planning.layout import Layout, lay_out
 from memmode_core.quantization import (
     QuantizationPlan,
