@@ -53,6 +53,7 @@ from memmode_core.contracts.targets import Target
 from memmode_core.discovery.grammar import Mode, parse_mode
 from memmode_core.discovery.plugins import CORE_VERSION as __version__
 from memmode_core.discovery.plugins import PluginInfo, list_plugins, temporary_plugin
+from memmode_core.engine.hooks import hooks_of
 from memmode_core.engine.ledger import Report
 from memmode_core.engine.reads import placeholder_trap
 from memmode_core.handle import Handle
@@ -102,6 +103,7 @@ __all__ = [
     "placeholder",
     "is_placeholder",
     "placeholder_trap",
+    "hooks_of",
     "MemmodeError",
     "UnknownModeError",
     "PluginNotInstalledError",
