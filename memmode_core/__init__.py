@@ -9,19 +9,31 @@ where offloaded weights wait.
 
 Placements, quantizers and storages are plugins (entry-point group ``memmode``); see ``memmode list``.
 
-The modules are layered, one folder per layer, and imports only point down
-(``tests/test_import_layers.py`` checks it):
+``apply`` is ``prepare`` then execute: :func:`prepare` resolves the mode's names, builds each plugin's
+typed options, lays the target out, claims the groups, plans the quantization and sizes what will be
+stored — once, into an inspectable :class:`Prepared` — and executing it quantizes and installs the
+engine. The planner prices such plans, ``load`` streams into one, ``auto`` (a resolver) executes the
+candidate it chose.
 
-0. ``contracts/``: errors, options, hookspecs, devices, costs, storage, placement, quantizer, targets, layout
-   (groups and policies), packing;
-1. mechanics: ``engine/`` (runtime, hooks, reads outside forward, ledger, staging, pipeline hooks), ``files/``
-   (group files) and
-   ``quantization/`` (everything a quantizer does besides packing one weight: which layers, the packed
-   layer and its forward, sizes, the checks, and the ``check``/``quantize`` entry points);
-2. ``discovery/``: plugins, grammar (built-in plugins are loaded by module name, like entry points);
-3. ``planning/``: the planner;
-4. ``builtin/``: the built-in plugins (the placements, ``auto`` among them, and the ``ram`` storage);
-5. top level: ``api`` (apply, remove, convert), ``compat`` (the VideoX-Fun drop-in), ``cli``, ``demo``.
+The modules are layered, one folder per layer, and imports only point down, even through
+``TYPE_CHECKING`` imports and ``from memmode_core import X`` (``tests/test_import_layers.py`` checks it):
+
+0. ``contracts/``: what plugins implement and every layer shares — errors, typed options, hookspecs,
+   devices, costs, the ``Placement``, ``Quantizer``, ``Resolver`` and ``Storage`` contracts, targets, the
+   group vocabulary (``layout``: ``GroupSpec``, ``Policy``), packing;
+1. mechanics: ``engine/`` (``groups``: the group model and claiming; ``runtime``, the composition of
+   ``moving``, ``changes`` and ``forwards``; ``hooks``: named hooks and their registry; ``pipeline_hooks``,
+   ``reads``, ``watch``, ``inputs``, ``ledger``, ``staging``), ``files/`` (group files, checkpoints) and
+   ``quantization/`` (``packed``, ``sizes``, ``standin``, ``forward``, ``selection``, ``quantizing``,
+   ``saved``: everything a quantizer does besides packing one weight);
+2. ``discovery/``: plugins, grammar, the one table of first-party names (built-in plugins are loaded by
+   module name, like entry points);
+3. ``planning/``: ``prepared`` (the request and the prepared plan), ``layout`` (a placement's layout as core
+   adjusts it), ``prepare`` (the public entry, resolvers included), ``planner`` (pricing), ``costs`` (what
+   a storage costs, measured where it is not declared);
+4. ``builtin/``: the built-in plugins (the placements, the ``auto`` resolver, the ``ram`` storage);
+5. top level: ``applying`` (apply, execute, remove, convert), ``handle`` (the ``Handle``), ``loading/``,
+   ``compat`` (the VideoX-Fun drop-in), ``cli/``, ``demo``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,21 @@
-"""memmode_core's modules depend on each other in one direction: no import cycle, and no import from a
-lower layer to a higher one.
+"""memmode_core's modules depend on each other in one direction: no import cycle (not even through
+``TYPE_CHECKING`` imports), and no import from a lower layer to a higher one.
 
 The layers, bottom to top, one folder each (documented in ``memmode_core/__init__.py``):
 
-0. ``contracts/`` — what plugins implement and what every layer shares: errors, options, hookspecs,
-   devices, costs, storage, placement, targets, the group vocabulary (``layout``) and the byte packing;
-1. mechanics — ``engine/`` (runtime, hooks, inputs, watch, ledger, staging, pipeline hooks), ``files/``
-   (group files) and ``quantization/`` (the packed-layer mechanics, then the ``Quantizer`` base class whose
-   default ``check`` and ``quantize`` are those mechanics);
-2. ``discovery/`` — plugins, grammar (it checks registrations against the base classes, ``Quantizer``
-   included);
-3. ``planning/`` — the planner;
-4. ``builtin/`` — the built-in plugins (``auto`` asks the planner);
-5. the top-level modules: apply, the VideoX-Fun drop-in, the CLI and its demo pipeline, the package itself.
+0. ``contracts/`` — interfaces and vocabulary: errors, typed options, hookspecs, devices, costs, the
+   placement, quantizer, resolver and storage contracts, targets, the group vocabulary (``layout``), packing;
+1. mechanics — ``engine/`` (groups, runtime = moving + changes + forwards, hooks, inputs, watch, ledger,
+   staging, pipeline hooks), ``files/`` (group files) and ``quantization/`` (the packed-layer mechanics);
+2. ``discovery/`` — plugins, grammar, the first-party table (it checks registrations against the contracts);
+3. ``planning/`` — the prepared plan, the layout as core adjusts it, the planner, storage costs;
+4. ``builtin/`` — the built-in plugins (``auto`` uses the planner);
+5. the top-level modules: applying, the handle, loading, the VideoX-Fun drop-in, the CLI and its demo
+   pipeline, the package itself.
 
-Every import counts — at module level or inside a function — except those under ``if TYPE_CHECKING:``,
-which never run. Discovery loads the built-in plugins by module name, as it loads entry points.
+Every import counts — at module level or inside a function, and ``from memmode_core import X`` (an edge to
+the package itself, which imports every layer) — except those under ``if TYPE_CHECKING:``, which never run
+and so only count for cycles. Discovery loads the built-in plugins by module name, as it loads entry points.
 """
 
 from __future__ import annotations

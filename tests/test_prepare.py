@@ -150,6 +150,11 @@ def test_auto_resolves_to_a_prepared_candidate_and_executes_it_as_prepared():
     handle.remove()
 
 
+def test_auto_refuses_what_only_a_quantizer_takes_when_it_has_none():
+    with pytest.raises(memmode.InvalidOptionError, match="has no quantizer"):
+        memmode.prepare(make_pipeline("flux"), "auto", device="cpu", components=["transformer"])
+
+
 def test_auto_is_a_resolver_not_a_placement():
     from memmode_core.discovery.plugins import current
 

@@ -142,16 +142,16 @@ def make_request(
         storage_given=storage,
         given=given,
     )
+    if request.quantizer is None and (request.components is not None or request.exclude):
+        raise InvalidOptionError(
+            f"components= and exclude= choose what a quantizer touches, and mode {mode!r} has no quantizer"
+        )
     if request.resolver is not None:
         if offload_dir is not None and storage is None:
             raise InvalidOptionError(
                 "with auto and offload_dir=, name the storage that writes there: storage='disk' or storage='mmap'"
             )
         return request
-    if request.quantizer is None and (request.components is not None or request.exclude):
-        raise InvalidOptionError(
-            f"components= and exclude= choose what a quantizer touches, and mode {mode!r} has no quantizer"
-        )
     if offload_dir is not None and not getattr(request.storage and request.storage.obj, "uses_offload_dir", False):
         raise InvalidOptionError(
             f"offload_dir= is for storages that write files (disk, mmap); storage "
