@@ -50,7 +50,7 @@ def test_the_limit_bounds_what_is_pinned_and_the_rest_stays_pageable():
 
 
 def test_pinned_limit_is_a_size_option():
-    (option,) = PinnedStorage.options
+    (option,) = PinnedStorage.options.declarations()
     assert option.name == "pinned_limit" and option.default is None
     assert option.validate("24GiB") == 24 << 30 and option.validate(1000) == 1000
     with pytest.raises(InvalidOptionError, match="pinned_limit"):

@@ -18,6 +18,7 @@ import sys
 
 import memmode_core as memmode
 from memmode_core.contracts.units import format_bytes
+from memmode_core.discovery.first_party import DEFAULT_RUN_MODE
 
 #: exit status when the reader of stdout went away (128 + SIGPIPE, what a shell reports for ``cmd | head``)
 BROKEN_PIPE_STATUS = 141
@@ -445,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="run a pipeline under a mode and report time and memory")
     _add_pipeline_arguments(run)
-    run.add_argument("--mode", default="model_group_offload", help="the mode (default: model_group_offload)")
+    run.add_argument("--mode", default=DEFAULT_RUN_MODE, help=f"the mode (default: {DEFAULT_RUN_MODE})")
     run.add_argument(
         "--compare",
         nargs="+",

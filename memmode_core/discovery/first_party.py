@@ -31,6 +31,9 @@ DISTRIBUTIONS: dict[tuple[str, str], str] = {
     ("storage", "ram"): CORE,
 }
 
+#: the mode ``memmode run`` uses when none is named
+DEFAULT_RUN_MODE = "model_group_offload"
+
 #: the storage of a mode that names none
 DEFAULT_STORAGE = "ram"
 #: ... when computing on an accelerator and this one is installed and usable (asynchronous copies)

@@ -39,12 +39,13 @@ import os
 import shutil
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from memmode_core.contracts.errors import InvalidOptionError, StorageUnavailableError
-from memmode_core.contracts.options import Option, one_of
+from memmode_core.contracts.options import Options, boolean, one_of, option
 from memmode_core.contracts.storage import Storage, StorageSession, Tensors
 from memmode_core.engine.staging import Fill, StagingRing
 from memmode_core.files import folder as offload_folder
@@ -61,32 +62,27 @@ logger = logging.getLogger("memmode")
 PER_FILE_ALLOWANCE = 8 << 10
 
 
-def _boolean(value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError("must be True or False")
-    return value
-
-
-KEEP_FILES = Option(
-    "keep_files",
-    False,
-    "leave the group files this session wrote in offload_dir after remove() and at exit, so that the "
-    "next apply of the same weights reuses them instead of writing (needs offload_dir)",
-    _boolean,
-)
-
-
 #: how much a group file is checked before each onload and before remove() reads it back
 VERIFY_LEVELS = ("size", "hash", "none")
 
-VERIFY = Option(
-    "verify",
-    "size",
-    "check each group file before it is read back: 'size' (one stat: size, identity and modification time; "
-    "a changed file is then hashed, so a truncated, replaced or edited file is an error), 'hash' (also the "
-    "content digest at every onload, ~0.6 s per GB read), 'none'",
-    one_of(*VERIFY_LEVELS),
-)
+
+@dataclass(frozen=True)
+class GroupFileOptions(Options):
+    """The options of the storages that write group files (``disk``, ``mmap``)."""
+
+    keep_files: bool = option(
+        False,
+        "leave the group files this session wrote in offload_dir after remove() and at exit, so that the next "
+        "apply of the same weights reuses them instead of writing (needs offload_dir)",
+        boolean,
+    )
+    verify: str = option(
+        "size",
+        "check each group file before it is read back: 'size' (one stat: size, identity and modification time; a "
+        "changed file is then hashed, so a truncated, replaced or edited file is an error), 'hash' (also the "
+        "content digest at every onload, ~0.6 s per GB read), 'none'",
+        one_of(*VERIFY_LEVELS),
+    )
 
 
 class GroupFileStore:
@@ -268,7 +264,7 @@ class GroupFileStorage(Storage):
     """Base of the storages that keep each group in a group file (``disk``, ``mmap``)."""
 
     uses_offload_dir = True
-    options = (KEEP_FILES, VERIFY)
+    options = GroupFileOptions
     #: whether an offload folder on tmpfs defeats the storage's purpose (saving RAM), and deserves a warning
     warn_in_ram = False
 
@@ -277,19 +273,19 @@ class GroupFileStorage(Storage):
             return "needs a POSIX system (Linux, macOS): processes sharing an offload folder coordinate with flock"
         return None
 
-    def open(self, *, device: torch.device, offload_dir: str | None, options: Mapping[str, object]) -> StorageSession:
+    def open(self, *, device: torch.device, offload_dir: str | None, options: GroupFileOptions) -> StorageSession:
         if offload_dir is not None:
             check_offload_dir(offload_dir)
-        if options["keep_files"] and offload_dir is None:
+        if options.keep_files and offload_dir is None:
             raise InvalidOptionError(
                 f"keep_files=True needs offload_dir=: without it storage {self.name!r} writes to a private "
                 f"temporary folder that is removed at remove() and at exit"
             )
         store = GroupFileStore(
-            offload_dir, keep_files=bool(options["keep_files"]), owner=self.name, warn_in_ram=self.warn_in_ram
+            offload_dir, keep_files=options.keep_files, owner=self.name, warn_in_ram=self.warn_in_ram
         )
         session = self.session(store, device)
-        session.verify = options["verify"]
+        session.verify = options.verify
         return session
 
     def session(self, store: GroupFileStore, device: torch.device) -> StorageSession:
@@ -303,7 +299,7 @@ class GroupFileSession(StorageSession):
         self.store = store
         self.device = device
         self.files: dict[str, GroupFile] = {}
-        #: see :data:`VERIFY`
+        #: see :class:`GroupFileOptions`
         self.verify = "size"
         #: page-locked bounce buffers for uploads to a CUDA device (allocated on the first upload)
         self.staging = StagingRing() if device.type == "cuda" else None

@@ -15,13 +15,14 @@ import contextlib
 import os
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
 from memmode_core.contracts import packing
 from memmode_core.contracts.costs import StorageCost, copying_cost
 from memmode_core.contracts.errors import StorageUnavailableError
-from memmode_core.contracts.options import Option, byte_size
+from memmode_core.contracts.options import Options, byte_size, option
 from memmode_core.contracts.storage import Storage, StorageSession, Tensors, host_copy
 
 from .slabs import SLAB_BYTES, Slab, Spot, plan
@@ -134,6 +135,16 @@ class PinnedSession(StorageSession):
         }
 
 
+@dataclass(frozen=True)
+class PinnedOptions(Options):
+    pinned_limit: int | None = option(
+        None,
+        "pin at most this many bytes (e.g. '24GiB'); the groups beyond it stay in pageable memory (default: pin "
+        "every offloaded group)",
+        byte_size,
+    )
+
+
 class PinnedStorage(Storage):
     """Offloaded groups wait in page-locked CPU memory and are copied to the GPU asynchronously.
 
@@ -148,15 +159,7 @@ class PinnedStorage(Storage):
 
     name = "pinned"
     description = "page-locked CPU memory, exactly sized, for asynchronous copies to a CUDA GPU"
-    options = (
-        Option(
-            "pinned_limit",
-            None,
-            "pin at most this many bytes (e.g. '24GiB'); the groups beyond it stay in "
-            "pageable memory (default: pin every offloaded group)",
-            byte_size,
-        ),
-    )
+    options = PinnedOptions
 
     def cost(self, device: torch.device) -> StorageCost:
         return copying_cost("pinned", device, pinned=1.0)  # copies run at page-locked bandwidth
@@ -173,5 +176,5 @@ class PinnedStorage(Storage):
             return f"page-locked memory only speeds up copies to a CUDA GPU, and the compute device is {device}"
         return None
 
-    def open(self, *, device: torch.device, offload_dir: str | None, options: Mapping[str, object]) -> StorageSession:
-        return PinnedSession(device, options["pinned_limit"])
+    def open(self, *, device: torch.device, offload_dir: str | None, options: PinnedOptions) -> StorageSession:
+        return PinnedSession(device, options.pinned_limit)
