@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-from conftest import assert_same_outputs, full_load_outputs, two_calls
-from tiny_pipelines import make_pipeline
+from helpers import assert_same_outputs
+from tiny_pipelines import full_load_outputs, make_pipeline, two_calls
 
 from memmode_core.compat import apply_gpu_memory_mode
 from memmode_core.contracts.errors import InvalidOptionError, UnknownModeError

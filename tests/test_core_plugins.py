@@ -10,7 +10,7 @@ import types
 
 import pytest
 import torch
-from fakes import PoisonPlugin
+from fake_plugins import PoisonPlugin
 
 import memmode_core as memmode
 from memmode_core import hookimpl

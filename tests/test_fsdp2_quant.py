@@ -16,6 +16,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import sqnr_db
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
@@ -145,11 +146,6 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def sqnr(reference: torch.Tensor, approximation: torch.Tensor) -> float:
-    noise = (reference.double() - approximation.double()).pow(2).sum()
-    return float("inf") if noise == 0 else float(10 * torch.log10(reference.double().pow(2).sum() / noise))
-
-
 def test_qfloat8_on_an_fsdp2_sharded_transformer(tmp_path):
     import memmode_core as memmode
 
@@ -179,7 +175,7 @@ def test_qfloat8_on_an_fsdp2_sharded_transformer(tmp_path):
         for mode in SUPPORTED:
             assert results[f"{mode} payload"] == ("DTensor", torch.uint8)
             reference = expected["qfloat4" if mode.endswith("qfloat4") else "qfloat8"]
-            assert sqnr(reference, results[mode]) >= 40, (rank, mode)
+            assert sqnr_db(reference, results[mode]) >= 40, (rank, mode)
             summary = results[f"{mode} summary"]
             assert summary["packed_layers"] == 0 and summary["already_packed_layers"] == 20
         for key in ("refused model_full_load_and_qfloat8", "refused model_cpu_offload_and_qfloat4", "refused convert"):

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import placement_id
 from diffusers import DiffusionPipeline
+from helpers import placement_id
 from tiny_pipelines import FAMILIES, make_pipeline, run
 
 import memmode_core as memmode

@@ -25,12 +25,23 @@ from __future__ import annotations
 
 import inspect
 import sys
-from itertools import chain
 
 import pytest
 import torch
-from conftest import OFFLOADING_PLACEMENTS, placement_id
-from pipeline_families import FAMILIES, SLICES, full_matrix, rotation
+from helpers import (
+    OFFLOADING_PLACEMENTS,
+    SLICES,
+    STORAGES,
+    assert_bit_equal,
+    assert_same_tensors,
+    full_matrix,
+    module_components,
+    placement_id,
+    rotation,
+    sqnr_db,
+    tensors_of,
+)
+from pipeline_families import FAMILIES
 
 import memmode_core as memmode
 from memmode_core.contracts.layout import Policy
@@ -38,7 +49,6 @@ from memmode_core.contracts.targets import takes_timestep
 from memmode_core.engine.reads import PlaceholderTrap
 
 NAMES = sorted(FAMILIES)
-STORAGES = ["ram", "poison", "disk", "mmap"]
 #: placements that cut a component into several groups
 SPLITTING = ("model_group_offload", "sequential_cpu_offload")
 QUANTIZED = [("model_group_offload_and_qfloat8", "ram"), ("model_cpu_offload_and_qfloat4", "mmap")]
@@ -54,12 +64,8 @@ def _takes(index: int, position: int) -> bool:
     return full_matrix() or (index + position) % SLICES == rotation()
 
 
-def _modules(pipe) -> dict[str, torch.nn.Module]:
-    return {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
-
-
 def _has_text_encoder(family: str) -> bool:
-    return any(name.startswith("text_encoder") for name in _modules(_fresh(family)[0]))
+    return any(name.startswith("text_encoder") for name in module_components(_fresh(family)[0]))
 
 
 def _lossless_cases() -> list:
@@ -88,13 +94,8 @@ def _quantized_cases() -> list:
 pytestmark = pytest.mark.usefixtures("poison_storage")
 
 
-def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer by name (non-persistent buffers included, which ``state_dict`` leaves out)."""
-    return dict(chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)))
-
-
 _REFERENCES: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-_FRESH: dict[str, tuple[object, dict[str, dict[str, torch.Tensor]]]] = {}
+_FRESH: dict[str, tuple[object, dict[str, torch.Tensor]]] = {}
 
 
 def _reference(family: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +111,7 @@ def _fresh(family: str):
     """A fresh build never run nor placed, and its tensors: what ``remove()`` must restore."""
     if family not in _FRESH:
         pipe = FAMILIES[family].make(0)
-        _FRESH[family] = (pipe, {name: _tensors(module) for name, module in _modules(pipe).items()})
+        _FRESH[family] = (pipe, tensors_of(pipe))
     return _FRESH[family]
 
 
@@ -122,28 +123,9 @@ def _two_calls(pipe, family: str, trap: bool) -> tuple[torch.Tensor, torch.Tenso
         return spec.run(pipe, 0), spec.run(pipe, 1)
 
 
-def assert_bit_equal(got, expected) -> None:
-    for index, (g, e) in enumerate(zip(got, expected, strict=True), start=1):
-        finite = torch.isfinite(g)
-        assert finite.all(), f"call {index}: {int((~finite).sum())} of {g.numel()} values are not finite"
-        assert g.shape == e.shape, f"call {index}: shape {tuple(g.shape)}, expected {tuple(e.shape)}"
-        assert torch.equal(g, e), f"call {index} differs from the reference: max abs diff {(g - e).abs().max():.3g}"
-
-
 def assert_weights_restored(pipe, family: str) -> None:
-    fresh = _fresh(family)[1]
-    rewritten = FAMILIES[family].rewritten
-    modules = _modules(pipe)
-    assert modules.keys() == fresh.keys()
-    for component, module in modules.items():
-        tensors, expected = _tensors(module), fresh[component]
-        assert tensors.keys() == expected.keys(), component
-        for name, tensor in tensors.items():
-            where = f"{component}.{name}"
-            assert tensor.device.type == "cpu", f"{where} is on {tensor.device}"
-            assert tensor.dtype == expected[name].dtype, f"{where} is {tensor.dtype}, was {expected[name].dtype}"
-            if not where.startswith(rewritten):
-                assert torch.equal(tensor, expected[name]), f"{where} differs from a fresh build's"
+    """Every parameter and buffer as a fresh build holds it, but those the pipeline itself rewrites."""
+    assert_same_tensors(tensors_of(pipe), _fresh(family)[1], skip=FAMILIES[family].rewritten)
 
 
 def _frees_at_the_end(pipe) -> bool:
@@ -157,7 +139,7 @@ def _frees_at_the_end(pipe) -> bool:
 
 def _expected_notes(pipe, mode: str, options: dict, handle) -> dict[str, str]:
     """Which components core must have adjusted, and the word each note must contain."""
-    modules = _modules(pipe)
+    modules = module_components(pipe)
     placed = {g.component for g in handle._runtime.groups}
     expected = {}
     if mode != "model_full_load":
@@ -181,7 +163,7 @@ def test_build_is_deterministic_eval_finite_nonconstant_and_seeded(family):
     rng = torch.get_rng_state()
     pipe = spec.make(0)
     assert torch.equal(torch.get_rng_state(), rng), "a build must leave the global RNG alone"
-    assert all(not m.training for m in _modules(pipe).values()), "components must be in eval mode"
+    assert all(not m.training for m in module_components(pipe).values()), "components must be in eval mode"
     output = spec.run(pipe, 0)
     assert output.dtype == torch.float32 and output.device.type == "cpu"
     assert torch.isfinite(output).all()
@@ -197,7 +179,7 @@ def test_every_component_influences_the_output(family):
     spec = FAMILIES[family]
     pipe = spec.make(0)
     generator = torch.Generator().manual_seed(1)
-    for name, module in _modules(pipe).items():
+    for name, module in module_components(pipe).items():
         parameters = list(module.parameters())
         originals = [parameter.detach().clone() for parameter in parameters]
         with torch.no_grad():
@@ -241,7 +223,8 @@ def test_lossless_mode_is_bit_exact_frees_the_device_and_restores_the_weights(
             memmode.apply(pipe, mode, device="cpu", storage=storage, **options)
         return
     handle = memmode.apply(pipe, mode, device="cpu", storage=storage, **options)
-    assert_bit_equal(_two_calls(pipe, family, trap=storage == "poison"), expected)
+    for index, (got, want) in enumerate(zip(_two_calls(pipe, family, trap=storage == "poison"), expected, strict=True)):
+        assert_bit_equal(got, want, f"call {index + 1}")
     report = handle.report()
     notes = _expected_notes(pipe, mode, options, handle)
     assert set(report.placement_notes) == set(notes), report.placement_notes
@@ -255,17 +238,12 @@ def test_lossless_mode_is_bit_exact_frees_the_device_and_restores_the_weights(
     assert sorted(p for p in private_tmp.rglob("*") if p.is_file()) == [], "remove() leaves no file behind"
 
 
-def _sqnr_db(got: torch.Tensor, expected: torch.Tensor) -> float:
-    noise = (got.double() - expected.double()).pow(2).mean()
-    return float(10 * torch.log10(expected.double().pow(2).mean() / noise.clamp_min(1e-30)))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family, mode, storage", _quantized_cases())
 def test_quantized_mode_quantizes_the_denoisers_and_stays_close(family, mode, storage, private_tmp):
     expected = _reference(family)
     pipe = FAMILIES[family].make(0)
-    denoisers = sorted(name for name, module in _modules(pipe).items() if takes_timestep(module))
+    denoisers = sorted(name for name, module in module_components(pipe).items() if takes_timestep(module))
     assert denoisers, f"{family} has no component taking a timestep"
     try:
         handle = memmode.apply(pipe, mode, device="cpu", storage=storage)
@@ -283,7 +261,7 @@ def test_quantized_mode_quantizes_the_denoisers_and_stays_close(family, mode, st
         if FAMILIES[family].chaotic is None:
             # tiny random models amplify quantization error far more than trained ones (a saturated cascade
             # decoder turns it into whole flipped pixels): what this guards is "close", not a quality figure
-            assert _sqnr_db(g, e) > 3.0, f"call {index}: {_sqnr_db(g, e):.1f} dB from full precision"
+            assert sqnr_db(e, g) > 3.0, f"call {index}: {sqnr_db(e, g):.1f} dB from full precision"
     handle.remove()
 
 

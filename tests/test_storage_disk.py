@@ -4,8 +4,8 @@ file is the only copy; buffers stay readable; what it reports."""
 from __future__ import annotations
 
 import torch
-from conftest import assert_same_outputs, full_load_outputs, two_calls
-from tiny_pipelines import make_pipeline
+from helpers import assert_same_outputs
+from tiny_pipelines import full_load_outputs, make_pipeline, two_calls
 
 import memmode_core as memmode
 from memmode_core.files import format as group_format

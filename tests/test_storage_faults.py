@@ -16,7 +16,7 @@ two threads calling one model under every storage:
 6. Small refusals at ``apply`` (before anything is touched), and the ``keep_files`` rule for sessions
    sharing a folder.
 
-Scenarios that may touch a truncated mapping run in a forked child (:func:`fault_helpers.in_forked_child`).
+Scenarios that may touch a truncated mapping run in a forked child (:func:`fault_injection.in_forked_child`).
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import PoisonPlugin
-from fault_helpers import (
+from fault_injection import (
     BLOCK_KEY,
     BLOCKS,
     all_groups,
+    copy_by_identity,
     data_offset,
     describe_status_code,
     differing,
@@ -47,17 +47,15 @@ from fault_helpers import (
     make_inputs,
     modify_in_place,
     read_line,
-    snapshot,
     stored_groups,
 )
-from test_core_apply import hook_count
+from helpers import FILE_STORAGES, hook_count, module_components
 from tiny_pipelines import make_pipeline, run
 
 import memmode_core as memmode
 from memmode_core import InvalidOptionError, MemmodeError, StorageUnavailableError
 
 TESTS_DIR = Path(__file__).resolve().parent
-FILE_STORAGES = ["disk", "mmap"]
 GROUP_FILES = "memmode-*.safetensors"
 LEASES = ".memmode-*.lease"
 
@@ -134,7 +132,7 @@ def test_remove_restores_every_group_it_can_then_names_the_lost_ones(storage, fa
 
 def _remove_after_lost_files(storage: str, fault: str, folder: Path) -> None:
     model = make_blocks(0)
-    snap = snapshot({"module": model})
+    snap = copy_by_identity({"module": model})
     (x,) = make_inputs(0)
     with torch.no_grad():
         expected = model(x)
@@ -158,8 +156,7 @@ def test_remove_on_a_pipeline_names_the_lost_groups_by_component(tmp_path):
     RestoreError naming exactly "transformer/transformer_blocks.0" and "text_encoder/encoder.layers.1",
     and leaves the pipeline without handle or hooks."""
     pipe = make_pipeline("flux")
-    components = {k: v for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)}
-    snap = snapshot(components)
+    snap = copy_by_identity(module_components(pipe))
     expected = run(make_pipeline("flux"), "flux", 0)
     handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage="disk", offload_dir=tmp_path / "off")
     assert torch.equal(run(pipe, "flux", 0), expected), "before the fault the output equals full load"
@@ -182,7 +179,7 @@ _TRUNCATED_CALL = textwrap.dedent("""
     import torch
     torch.set_num_threads(1)
     import memmode_core as memmode
-    from fault_helpers import make_blocks, make_inputs, stored_groups
+    from fault_injection import make_blocks, make_inputs, stored_groups
 
     root = sys.argv[2]
     for storage in sys.argv[3:]:
@@ -262,7 +259,7 @@ def test_a_file_truncated_after_apply_is_a_clear_error_not_a_signal(storage, tru
 
 def _fault_at_next_call(storage: str, fault: str, folder: Path, verify: str | None) -> None:
     model = make_blocks(0)
-    snap = snapshot({"module": model})
+    snap = copy_by_identity({"module": model})
     (x,) = make_inputs(0)
     options = {} if verify is None else {"verify": verify}
     with torch.no_grad():
@@ -341,7 +338,7 @@ def test_every_verify_value_computes_exactly(storage, verify, tmp_path):
     """Case 3: verify="size" | "hash" | "none" are accepted by disk and mmap and, on intact files, give
     exactly the output of the model without memmode, call after call; remove() gives the weights back."""
     model = make_blocks(0)
-    snap = snapshot({"module": model})
+    snap = copy_by_identity({"module": model})
     inputs = make_inputs(1, count=3)
     with torch.no_grad():
         expected = [model(x) for x in inputs]
@@ -375,7 +372,7 @@ _SESSION_CHILD = textwrap.dedent("""
     import torch
     torch.set_num_threads(1)
     import memmode_core as memmode
-    from fault_helpers import make_blocks, make_inputs
+    from fault_injection import make_blocks, make_inputs
 
     folder, seed, keep = sys.argv[2], int(sys.argv[3]), sys.argv[4] == "keep"
     model = make_blocks(seed)
@@ -503,53 +500,48 @@ def test_a_killed_sessions_kept_files_are_not_collected(crash_scene):
 CALLS_PER_THREAD = 150
 
 
+@pytest.mark.usefixtures("poison_storage")
 @pytest.mark.parametrize("storage", ["ram", "disk", "mmap", "poison"])
 def test_two_threads_calling_one_model_get_exact_outputs(storage, tmp_path):
     """Case 5: two threads call the same model (6 blocks of Linear 64x64, block-level group offload),
     150 calls each with their own inputs, under ram, disk, mmap and poison (NaN placeholders at rest);
     every output equals the model without memmode for that input, no exception, nothing left resident
     on the device at the end (ledger), and remove() gives back the weights intact."""
-    plugin = (
-        memmode.temporary_plugin(PoisonPlugin(), name="poison", distribution="tests")
-        if storage == "poison"
-        else contextlib.nullcontext()
-    )
-    with plugin:
-        model = make_blocks(5)
-        snap = snapshot({"module": model})
-        inputs = [make_inputs(100 + t, count=CALLS_PER_THREAD) for t in range(2)]
+    model = make_blocks(5)
+    snap = copy_by_identity({"module": model})
+    inputs = [make_inputs(100 + t, count=CALLS_PER_THREAD) for t in range(2)]
+    with torch.no_grad():
+        expected = [[model(x) for x in xs] for xs in inputs]
+    folder = tmp_path / "offload" if storage in FILE_STORAGES else None
+    handle = apply_blocks(model, storage, folder)
+    groups = all_groups(handle)
+    barrier = threading.Barrier(2)
+    errors: list[str] = []
+    wrong: list[tuple[int, int]] = []
+
+    def work(t: int) -> None:
         with torch.no_grad():
-            expected = [[model(x) for x in xs] for xs in inputs]
-        folder = tmp_path / "offload" if storage in FILE_STORAGES else None
-        handle = apply_blocks(model, storage, folder)
-        groups = all_groups(handle)
-        barrier = threading.Barrier(2)
-        errors: list[str] = []
-        wrong: list[tuple[int, int]] = []
+            barrier.wait(timeout=30)
+            for i, x in enumerate(inputs[t]):
+                try:
+                    out = model(x)
+                except BaseException as exc:  # noqa: BLE001 - reported below
+                    errors.append(f"thread {t} call {i}: {type(exc).__name__}: {exc}")
+                    continue
+                if not torch.equal(out, expected[t][i]):
+                    wrong.append((t, i))
 
-        def work(t: int) -> None:
-            with torch.no_grad():
-                barrier.wait(timeout=30)
-                for i, x in enumerate(inputs[t]):
-                    try:
-                        out = model(x)
-                    except BaseException as exc:  # noqa: BLE001 - reported below
-                        errors.append(f"thread {t} call {i}: {type(exc).__name__}: {exc}")
-                        continue
-                    if not torch.equal(out, expected[t][i]):
-                        wrong.append((t, i))
-
-        threads = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=120)
-        assert not any(thread.is_alive() for thread in threads), "the threads did not finish (a deadlock?)"
-        assert errors == [], f"{len(errors)} calls raised, first: {errors[:3]}"
-        assert wrong == [], f"{len(wrong)} of {2 * CALLS_PER_THREAD} outputs differ, first: {wrong[:5]}"
-        assert handle.report().resident_device_bytes == 0
-        handle.remove()
-        assert differing(groups, snap) == {}
+    threads = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "the threads did not finish (a deadlock?)"
+    assert errors == [], f"{len(errors)} calls raised, first: {errors[:3]}"
+    assert wrong == [], f"{len(wrong)} of {2 * CALLS_PER_THREAD} outputs differ, first: {wrong[:5]}"
+    assert handle.report().resident_device_bytes == 0
+    handle.remove()
+    assert differing(groups, snap) == {}
 
 
 # -- 6. small refusals, and the keep_files rule ----------------------------------------------------------

@@ -19,29 +19,19 @@ runs all 50 cases.
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 from collections import namedtuple
 
 import pytest
 import torch
-from conftest import (
-    OFFLOADING_PLACEMENTS,
-    assert_same_outputs,
-    full_load_outputs,
-    placement_id,
-    requires_cuda,
-    two_calls,
-)
-from tiny_pipelines import FAMILIES, make_pipeline, run
+from helpers import FILE_STORAGES, OFFLOADING_PLACEMENTS, assert_same_outputs, full_matrix, placement_id, requires_cuda
+from tiny_pipelines import FAMILIES, full_load_outputs, make_pipeline, run, two_calls
 
 import memmode_core as memmode
 from memmode_core import InvalidOptionError, StorageUnavailableError
 from memmode_core.files import format as group_format
 from memmode_core.files import store as group_files
 
-FILE_STORAGES = ["disk", "mmap"]
 PLACEMENTS = OFFLOADING_PLACEMENTS
 PLACEMENT_IDS = [placement_id(p) for p in PLACEMENTS]
 
@@ -61,7 +51,7 @@ def _covered(index: int, placement: str, storage: str) -> bool:
     ``_ROTATED`` x ``FILE_STORAGES`` on family ``j % len(FAMILIES)`` only.
     ``MEMMODE_TEST_FULL_MATRIX=1`` runs all of it.
     """
-    if placement not in _ROTATED or os.environ.get("MEMMODE_TEST_FULL_MATRIX") == "1":
+    if placement not in _ROTATED or full_matrix():
         return True
     rotation = [(p, s) for p in _ROTATED for s in FILE_STORAGES]
     return rotation.index((placement, storage)) % len(FAMILIES) == index
@@ -75,13 +65,6 @@ def _cases() -> list:
         for storage in FILE_STORAGES
         if _covered(index, placement_id((mode, options)), storage)
     ]
-
-
-@pytest.fixture
-def private_tmp(monkeypatch, tmp_path):
-    """Where the storages' private default folders go, to see them come and go."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    return tmp_path
 
 
 def files_under(folder):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_same_outputs, full_load_outputs, requires_cuda, two_calls
-from tiny_pipelines import make_pipeline
+from helpers import assert_same_outputs, requires_cuda
+from tiny_pipelines import full_load_outputs, make_pipeline, two_calls
 
 import memmode_core as memmode
 from memmode_core import InvalidOptionError, StorageUnavailableError

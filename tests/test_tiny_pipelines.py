@@ -2,25 +2,16 @@
 
 import pytest
 import torch
-from conftest import full_load_outputs
-from tiny_pipelines import FAMILIES, make_pipeline, run
-
-
-@pytest.fixture(params=sorted(FAMILIES))
-def family(request) -> str:
-    return request.param
-
-
-def _modules(pipe) -> dict[str, torch.nn.Module]:
-    return {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
+from helpers import module_components
+from tiny_pipelines import full_load_outputs, make_pipeline, run
 
 
 def test_build_is_deterministic_eval_and_on_cpu(family):
     first, second = make_pipeline(family, seed=0), make_pipeline(family, seed=0)
-    assert _modules(first).keys() == _modules(second).keys()
-    for name, module in _modules(first).items():
+    assert module_components(first).keys() == module_components(second).keys()
+    for name, module in module_components(first).items():
         assert not module.training, name
-        state, other = module.state_dict(), _modules(second)[name].state_dict()
+        state, other = module.state_dict(), module_components(second)[name].state_dict()
         assert state.keys() == other.keys()
         for key, tensor in state.items():
             assert tensor.device.type == "cpu", (name, key)
@@ -59,7 +50,7 @@ def test_every_module_influences_the_output(family):
     """Perturbing any one component's weights changes the output: none is idle or bypassed."""
     reference = full_load_outputs(family)[0]
     pipe = make_pipeline(family)
-    for name in _modules(pipe):  # one component perturbed at a time, put back before the next
+    for name in module_components(pipe):  # one component perturbed at a time, put back before the next
         generator = torch.Generator().manual_seed(1)
         parameters = list(getattr(pipe, name).parameters())
         originals = [parameter.detach().clone() for parameter in parameters]
@@ -74,7 +65,7 @@ def test_every_module_influences_the_output(family):
 
 def test_transformers_have_at_least_two_blocks_per_block_list(family):
     pipe = make_pipeline(family)
-    transformers = [m for name, m in _modules(pipe).items() if name.startswith("transformer")]
+    transformers = [m for name, m in module_components(pipe).items() if name.startswith("transformer")]
     assert transformers
     for transformer in transformers:
         block_lists = [child for child in transformer.children() if isinstance(child, torch.nn.ModuleList)]
@@ -84,7 +75,7 @@ def test_transformers_have_at_least_two_blocks_per_block_list(family):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_build_runs(family, dtype):
     pipe = make_pipeline(family, dtype=dtype)
-    for name, module in _modules(pipe).items():
+    for name, module in module_components(pipe).items():
         assert any(p.dtype == dtype for p in module.parameters()), name
     assert torch.isfinite(run(pipe, family)).all()
 

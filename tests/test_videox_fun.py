@@ -12,6 +12,7 @@ import logging
 import pytest
 import torch
 import videox_fun_models as vf
+from helpers import assert_same_tensors, sqnr_db, state_of
 from torch import nn
 
 import memmode_core as memmode
@@ -33,24 +34,6 @@ def merged_reference(family: str) -> torch.Tensor:
         vf.videox_fun_chain(pipe, "model_full_load")
         _CACHE[family] = vf.run(pipe)
     return _CACHE[family]
-
-
-def snapshot(pipe) -> dict[str, torch.Tensor]:
-    return {
-        f"{name}.{key}": value.clone()
-        for name, component in pipe.components.items()
-        if isinstance(component, nn.Module)
-        for key, value in component.state_dict().items()
-    }
-
-
-def assert_same_state(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> None:
-    assert before.keys() == after.keys()
-    for key, value in before.items():
-        other = after[key]
-        assert value.dtype == other.dtype, key
-        # the quantized layers' `weight` stand-ins are NaN: compare bits where values are not comparable
-        assert torch.equal(value.nan_to_num(), other.nan_to_num()) and torch.equal(value.isnan(), other.isnan()), key
 
 
 @pytest.mark.parametrize("order", ["merge_before", "merge_after"])
@@ -86,7 +69,7 @@ def test_qfloat8_merge_before_apply_is_accurate(family, mode):
     assert set(handle.report().quantization) == (
         {"transformer"} if family == "wan21" else {"transformer", "transformer_2"}
     )
-    assert vf.sqnr_db(vf.run(pipe), merged_reference(family)) > 30
+    assert sqnr_db(merged_reference(family), vf.run(pipe)) > 30
 
 
 def dequantized(layer: nn.Module) -> torch.Tensor:
@@ -103,10 +86,6 @@ def packed_layout(layers: dict[str, nn.Module]) -> dict[str, dict[str, tuple]]:
         }
         for path, layer in layers.items()
     }
-
-
-def weight_sqnr(got: torch.Tensor, reference: torch.Tensor) -> float:
-    return vf.sqnr_db(got, reference.detach())
 
 
 def merged_weights(family: str) -> dict:
@@ -131,9 +110,9 @@ def merged_before(family: str, mode: str) -> dict:
         vf.merge_loras(pipe, vf.loras_for(pipe))
         apply_gpu_memory_mode(pipe, mode, "cpu", torch.float32)
         _CACHE[key] = (
-            {path: weight_sqnr(dequantized(layer), weights[path]) for path, layer in vf.lora_layers(pipe).items()},
-            vf.sqnr_db(vf.forward(pipe), forward),
-            vf.sqnr_db(vf.run(pipe), merged_reference(family)),
+            {path: sqnr_db(weights[path], dequantized(layer)) for path, layer in vf.lora_layers(pipe).items()},
+            sqnr_db(forward, vf.forward(pipe)),
+            sqnr_db(merged_reference(family), vf.run(pipe)),
         )
     return _CACHE[key]
 
@@ -162,14 +141,14 @@ def test_qfloat8_merge_after_writes_through_within_1_db_of_merge_before(family, 
     vf.merge_loras(pipe, loras, dtype=merge_dtype)
     assert packed_layout(layers) == layout  # written in place: every storage that keeps these tensors sees it
     for path, layer in layers.items():
-        assert weight_sqnr(dequantized(layer), weights[path]) > before_weights[path] - 1, path
-    assert vf.sqnr_db(vf.forward(pipe), forward) > before_forward - 1
-    assert vf.sqnr_db(vf.run(pipe), merged_reference(family)) > min(30, before_output)
+        assert sqnr_db(weights[path], dequantized(layer)) > before_weights[path] - 1, path
+    assert sqnr_db(forward, vf.forward(pipe)) > before_forward - 1
+    assert sqnr_db(merged_reference(family), vf.run(pipe)) > min(30, before_output)
 
     vf.merge_loras(pipe, loras, dtype=merge_dtype, unmerge=True)
     assert packed_layout(layers) == layout
-    assert vf.sqnr_db(vf.forward(pipe), plain_forward) > 35
-    assert vf.sqnr_db(vf.run(pipe), plain_output) > 30
+    assert sqnr_db(plain_forward, vf.forward(pipe)) > 35
+    assert sqnr_db(plain_output, vf.run(pipe)) > 30
 
 
 @pytest.mark.parametrize("storage", ["ram", "mmap"])
@@ -205,14 +184,14 @@ def test_qfloat8_merge_after_into_disk_offloaded_layers_is_refused_with_nothing_
         offload_dir=str(tmp_path / "a"),
     )
     loras = vf.loras_for(pipe)
-    before = snapshot(pipe)
+    before = state_of(pipe)
     for unmerge in (False, True):
         with pytest.raises(QuantizedWeightWriteError, match="placeholder") as refused:
             vf.merge_loras(pipe, loras, unmerge=unmerge)
         message = str(refused.value)
         assert isinstance(refused.value, IncompatibleModeError) and isinstance(refused.value, RuntimeError)
         assert "Nothing was changed" in message and "Merge the LoRA before applying" in message
-        assert_same_state(before, snapshot(pipe))
+        assert_same_tensors(state_of(pipe), before, nan_equal=True)
     fresh = vf.make(family)
     memmode.apply(
         fresh,
@@ -255,7 +234,7 @@ def test_in_place_writes_into_a_quantized_weight_write_through_or_are_refused():
 
     other = pipe.transformer.blocks[1].attn1.to_q
     unlinked = torch.full((), float("nan")).expand(32, 32).as_subclass(WeightStandIn)
-    before = snapshot(pipe)
+    before = state_of(pipe)
     refused = {
         "a view of part of the weight": [
             lambda: layer.weight[0].add_(1.0),
@@ -276,7 +255,7 @@ def test_in_place_writes_into_a_quantized_weight_write_through_or_are_refused():
             with pytest.raises(QuantizedWeightWriteError, match=why):
                 with torch.no_grad():
                     write()
-            assert_same_state(before, snapshot(pipe))
+            assert_same_tensors(state_of(pipe), before, nan_equal=True)
     layer.to(torch.bfloat16)  # moves, never casts, the packed codes, their scales and the bias
     pipe.transformer.half()
     for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:

@@ -56,11 +56,6 @@ def run(pipe: WanPipeline, seed: int = 0) -> torch.Tensor:
     return pipe(**kwargs, generator=generator, return_dict=False)[0].detach().float().cpu()
 
 
-def sqnr_db(got: torch.Tensor, reference: torch.Tensor) -> float:
-    noise = (got.double() - reference.double()).pow(2).sum()
-    return float(10 * torch.log10(reference.double().pow(2).sum() / noise))
-
-
 def forward(pipe: WanPipeline) -> torch.Tensor:
     """One call of each transformer (``transformer``, then ``transformer_2``) on fixed inputs, flattened.
 

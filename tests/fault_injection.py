@@ -1,7 +1,7 @@
-"""Helpers for the fault-injection tests (``test_storage_faults.py``): a tiny block model, where each
-group of an applied handle is stored, snapshots of the weights to compare with, byte flips, and
-running a scenario in a forked child so that a signal (SIGBUS from a truncated mapping) fails the
-test instead of killing pytest.
+"""Fault injection for the file storages' tests (``test_storage_faults.py``): a tiny block model, where each
+group of an applied handle is stored, copies of the weights to compare with, byte flips, and running a
+scenario in a forked child so that a signal (SIGBUS from a truncated mapping) fails the test instead of
+killing pytest.
 
 Imported by the child processes that those tests spawn too, so it imports nothing heavier than torch.
 """
@@ -99,7 +99,7 @@ def all_groups(handle) -> dict[str, list[tuple[str, torch.Tensor]]]:
     return {g.key: [(slot.name, slot.tensor) for slot in g.slots] for g in handle._runtime.groups}
 
 
-def snapshot(components: dict[str, nn.Module]) -> dict[int, torch.Tensor]:
+def copy_by_identity(components: dict[str, nn.Module]) -> dict[int, torch.Tensor]:
     """A copy of every parameter and buffer, keyed by the identity of the tensor object (memmode
     swaps ``.data`` of these same objects, so this survives apply and remove)."""
     out = {}
@@ -112,7 +112,7 @@ def snapshot(components: dict[str, nn.Module]) -> dict[int, torch.Tensor]:
 
 
 def differing(groups: dict[str, list[tuple[str, torch.Tensor]]], snap: dict[int, torch.Tensor]) -> dict[str, list[str]]:
-    """Group key -> names of its tensors that no longer equal the snapshot bit for bit (NaN never equals)."""
+    """Group key -> names of its tensors that no longer equal the copy bit for bit (NaN never equals)."""
     out = {}
     for key, tensors in groups.items():
         bad = [name for name, t in tensors if t.data.device.type != "cpu" or not _bit_equal(t.data, snap[id(t)])]
