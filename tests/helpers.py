@@ -17,6 +17,8 @@ import pytest
 import torch
 from torch import nn
 
+import memmode_core as memmode
+from memmode_core import MemmodeError
 from memmode_core.contracts.targets import Target
 from memmode_core.engine.hooks import is_wrapped
 
@@ -137,6 +139,20 @@ def hook_count(target) -> int:
         if getattr(hook, "__module__", "").startswith("memmode_core.")
     )
     return torch_hooks + sum(1 for m in modules for method in ("forward", "encode", "decode") if is_wrapped(m, method))
+
+
+def assert_refused(model: nn.Module, error: type, match: str | None = None, **apply_kwargs) -> MemmodeError:
+    """``apply`` (``mode`` ``model_group_offload`` and ``device`` ``cpu`` unless given) raises ``error``, a
+    ``MemmodeError``, and leaves ``model`` as it was: the same weights, no wrapper, no handle."""
+    before = state_of(model)
+    mode, device = apply_kwargs.pop("mode", "model_group_offload"), apply_kwargs.pop("device", "cpu")
+    with pytest.raises(error, match=match) as info:
+        memmode.apply(model, mode, device=device, **apply_kwargs)
+    assert isinstance(info.value, MemmodeError), f"{type(info.value).__name__} is not a MemmodeError"
+    assert_same_tensors(state_of(model), before)
+    assert hook_count(model) == 0 and getattr(model, "_memmode_handle", None) is None
+    assert memmode.remove(model) is False
+    return info.value
 
 
 def snapshot(target, data: bool = True) -> dict:

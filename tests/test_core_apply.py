@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import logging
+import re
 from itertools import chain
 
 import pytest
 import torch
 from fake_plugins import Int8Rows, PoisonSession
-from helpers import assert_bit_equal, assert_same_outputs, assert_same_tensors, hook_count, snapshot, tensors_of
+from helpers import (
+    assert_bit_equal,
+    assert_refused,
+    assert_same_outputs,
+    assert_same_tensors,
+    hook_count,
+    snapshot,
+    tensors_of,
+)
+from tiny_models import make_blocks
 from tiny_pipelines import full_load_outputs, make_pipeline, run, two_calls
 from torch import nn
 
@@ -133,6 +143,32 @@ def test_refusals_are_typed_and_leave_the_pipeline_untouched(kwargs, error, reco
     assert snapshot(pipe) == before
     assert not recorder.calls
     assert_same_outputs((run(pipe, "wan22", 0),), full_load_outputs("wan22")[:1])
+
+
+@pytest.mark.parametrize("budget", [float("inf"), "1e400GB"], ids=["inf", "1e400GB"])
+def test_an_infinite_vram_budget_is_refused(budget):
+    """vram_budget=float('inf') or '1e400GB' with mode "auto" is an InvalidOptionError (not an
+    OverflowError), with the model untouched."""
+    assert_refused(make_blocks(0), InvalidOptionError, mode="auto", vram_budget=budget)
+
+
+@pytest.mark.parametrize("device", ["xla", "mps"])
+def test_an_unavailable_accelerator_is_refused_at_apply(device):
+    """device="xla" / "mps" where that backend is not available is an InvalidOptionError at
+    apply saying it is not available (not a failure at the first forward)."""
+    if device == "mps" and torch.backends.mps.is_available():
+        pytest.skip("MPS is available here")
+    err = assert_refused(make_blocks(0), InvalidOptionError, device=device, mode="model_cpu_offload")
+    assert re.search(r"not available|unavailable|no \S+ device is available", str(err)), str(err)
+
+
+@pytest.mark.parametrize("device", ["privateuseone", "xpu", "hpu"])
+def test_an_unknown_or_unavailable_device_type_is_refused_at_apply(device):
+    """device types torch can name but this machine cannot compute on (privateuseone without
+    a registered backend, xpu / hpu without their runtime) are an InvalidOptionError at apply."""
+    if device == "xpu" and getattr(torch, "xpu", None) is not None and torch.xpu.is_available():
+        pytest.skip("XPU is available here")
+    assert_refused(make_blocks(0), InvalidOptionError, device=device, mode="model_cpu_offload")
 
 
 def test_a_refused_replacement_keeps_the_current_mode(recorder):

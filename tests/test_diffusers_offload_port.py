@@ -581,7 +581,7 @@ PIPELINE_MODES = {
 
 def _pipeline_cases() -> list:
     """Every mode on two families with the in-memory storages; the file storages on one family with the
-    placements that write few files (test_storage_matrix crosses them with every placement and family)."""
+    placements that write few files (test_file_storages crosses them with every placement and family)."""
     cases = []
     for family in ("flux", "wan22"):
         for label, (mode, options) in PIPELINE_MODES.items():

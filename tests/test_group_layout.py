@@ -25,7 +25,7 @@ from helpers import (
     snapshot,
     tensors_of,
 )
-from odd_models import TIED_MODELS, make_tied, token_ids
+from tiny_models import TIED_MODELS, make_tied, token_ids
 from tiny_pipelines import make_pipeline, run
 
 import memmode_core as memmode

@@ -1,4 +1,4 @@
-"""Loading straight into a mode (issue 15): ``memmode.load(folder, mode)`` gives what ``from_pretrained``
+"""Loading straight into a mode: ``memmode.load(folder, mode)`` gives what ``from_pretrained``
 followed by ``apply`` gives — bit-equal outputs, the same report — from folders written by
 ``save_pretrained`` (sharded ones included), without ever holding the model in anonymous memory; quantized
 models saved by ``save_quantized`` come back bit-exact; broken and foreign checkpoints are refused by name

@@ -14,7 +14,7 @@ from helpers import (
     requires_cuda,
     snapshot,
 )
-from odd_models import make_tied
+from tiny_models import make_tied
 from tiny_pipelines import full_load_outputs, make_pipeline, run, two_calls
 from torch import nn
 

@@ -32,7 +32,7 @@ from helpers import (
     state_of,
     tensors_of,
 )
-from odd_models import ReadsOutsideForward
+from tiny_models import ReadsOutsideForward
 from torch import nn
 
 import memmode_core as memmode

@@ -1,6 +1,7 @@
-"""VideoX-Fun as a real client (issue 14): its six GPU_memory_mode call patterns, its LoRA merge before and
-after the mode (after a quantized mode: written through into the packed weights), against the drop-in, on
-tiny Wan 2.1 (one transformer) and Wan 2.2 (two experts) pipelines.
+"""The VideoX-Fun drop-in (``memmode_core.compat.apply_gpu_memory_mode``): the signature and mode strings of
+VideoX-Fun's scripts, better where it can be; and VideoX-Fun as a real client: its six GPU_memory_mode call
+patterns, its LoRA merge before and after the mode (after a quantized mode: written through into the packed
+weights), against the drop-in, on tiny Wan 2.1 (one transformer) and Wan 2.2 (two experts) pipelines.
 
 VideoX-Fun's own code is re-implemented in ``videox_fun_models`` (its if/elif chain, merge_lora/unmerge_lora).
 """
@@ -12,18 +13,81 @@ import logging
 import pytest
 import torch
 import videox_fun_models as vf
-from helpers import assert_same_tensors, sqnr_db, state_of
+from helpers import assert_same_outputs, assert_same_tensors, sqnr_db, state_of
+from tiny_pipelines import full_load_outputs, make_pipeline, two_calls
 from torch import nn
 
 import memmode_core as memmode
 from memmode_core.compat import _component_names, apply_gpu_memory_mode
-from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError, QuantizedWeightWriteError
+from memmode_core.contracts.errors import (
+    IncompatibleModeError,
+    InvalidOptionError,
+    QuantizedWeightWriteError,
+    UnknownModeError,
+)
 from memmode_core.quantization.layers import WeightStandIn, is_quantized, packed_record
 
 LOSSLESS = ("model_full_load", "model_cpu_offload", "model_group_offload", "sequential_cpu_offload")
 QFLOAT8 = ("model_full_load_and_qfloat8", "model_cpu_offload_and_qfloat8")
 
 _CACHE: dict = {}
+
+
+# -- the drop-in's modes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "mode",
+    ["model_full_load", "model_cpu_offload", "model_group_offload", "sequential_cpu_offload", "text_encoder_offload"],
+)
+def test_reference_modes_equal_full_load(mode):
+    pipe = make_pipeline("wan22")
+    handle = apply_gpu_memory_mode(pipe, mode, "cpu")
+    assert handle.mode == mode
+    assert_same_outputs(two_calls(pipe, "wan22"), full_load_outputs("wan22"))
+    handle.remove()
+
+
+def test_group_offload_is_leaf_level_as_in_the_reference():
+    handle = apply_gpu_memory_mode(make_pipeline("wan22"), "model_group_offload", "cpu")
+    assert all(g.key.count("/") == 1 for g in handle._runtime.groups)
+    assert any(g.key.endswith(".to_q") for g in handle._runtime.groups)
+
+
+def test_group_offload_with_a_quantizer_works():
+    pipe = make_pipeline("wan22")
+    handle = apply_gpu_memory_mode(pipe, "model_group_offload_and_qfloat8", "cpu")
+    assert handle.quantizer == "qfloat8" and set(handle.report().quantization) == {"transformer", "transformer_2"}
+
+
+def test_quant_tag_overrides_and_transformers_select_components():
+    pipe = make_pipeline("wan22")
+    handle = apply_gpu_memory_mode(pipe, "model_cpu_offload_and_qfloat8", "cpu", transformers=[pipe.transformer])
+    assert set(handle.report().quantization) == {"transformer"}
+    with pytest.raises(InvalidOptionError, match="not one of the pipeline's components"):
+        apply_gpu_memory_mode(pipe, "model_cpu_offload_and_qfloat8", "cpu", transformers=[pipe.transformer.blocks[0]])
+
+
+def test_unknown_placement_warns_loudly_and_full_loads(caplog):
+    pipe = make_pipeline("flux")
+    with caplog.at_level(logging.WARNING, logger="memmode.compat"):
+        handle = apply_gpu_memory_mode(pipe, "model_offload_everything", "cpu")
+    assert "NO offloading" in caplog.text and "strict=True" in caplog.text
+    assert handle.mode == "model_full_load" and handle.requested_mode == "model_offload_everything"
+
+
+def test_strict_and_unknown_quantizers_raise():
+    pipe = make_pipeline("flux")
+    with pytest.raises(UnknownModeError):
+        apply_gpu_memory_mode(pipe, "model_offload_everything", "cpu", strict=True)
+    with pytest.raises(UnknownModeError):
+        apply_gpu_memory_mode(pipe, "model_cpu_offload_and_qint3", "cpu")
+    with pytest.raises(TypeError):
+        apply_gpu_memory_mode(pipe, None, "cpu")
+    assert not hasattr(pipe.transformer, "_memmode_handle")
+
+
+# -- VideoX-Fun's own code beside the drop-in --------------------------------------------------------------
 
 
 def merged_reference(family: str) -> torch.Tensor:
