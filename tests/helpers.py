@@ -191,6 +191,12 @@ def rotation() -> int:
     return zlib.crc32(_head_commit().encode()) % SLICES
 
 
+def in_slice(index: int, position: int) -> bool:
+    """Whether this run takes the ``position``-th case of the ``index``-th family of a sweep: one case in ``SLICES``,
+    offset by family, so that every family has cases in every slice (a full run takes them all)."""
+    return full_matrix() or (index + position) % SLICES == rotation()
+
+
 def _head_commit() -> str:
     git = Path(__file__).resolve().parent.parent / ".git"
     try:

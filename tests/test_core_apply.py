@@ -8,7 +8,7 @@ from itertools import chain
 
 import pytest
 import torch
-from fake_plugins import Int8Rows, PoisonSession
+from fake_plugins import Int8Rows, PoisonSession, PoisonStorage, StoragePlugin
 from helpers import (
     assert_bit_equal,
     assert_refused,
@@ -23,7 +23,7 @@ from tiny_pipelines import full_load_outputs, make_pipeline, run, two_calls
 from torch import nn
 
 import memmode_core as memmode
-from memmode_core import Storage, StorageUnavailableError, hookimpl
+from memmode_core import StorageUnavailableError, hookimpl
 from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError, MemmodeError, UnknownModeError
 from memmode_core.contracts.targets import Target
 from memmode_core.engine.hooks import is_wrapped
@@ -269,18 +269,10 @@ class FailingSession(PoisonSession):
         return super().put(key, tensors, readable)
 
 
-class FailingStorage(Storage):
+class FailingStorage(PoisonStorage):
     name = "failing"
     description = "test storage: fails half-way through storing"
-
-    def open(self, *, device, offload_dir, options):
-        return FailingSession()
-
-
-class FailingPlugin:
-    @hookimpl
-    def memmode_register_storages(self, register):
-        register(FailingStorage())
+    session = FailingSession
 
 
 @pytest.mark.usefixtures("poison_storage", "private_tmp")
@@ -290,7 +282,7 @@ def test_a_failed_re_apply_leaves_the_previous_mode_active(first):
     pipe = make_pipeline("flux")
     before = tensors_of(pipe)
     old = memmode.apply(pipe, "model_group_offload", device="cpu", storage=first)
-    with memmode.temporary_plugin(FailingPlugin(), name="failing", distribution="tests"):
+    with memmode.temporary_plugin(StoragePlugin(FailingStorage()), name="failing", distribution="tests"):
         with pytest.raises(StorageUnavailableError, match="no room left"):
             memmode.apply(pipe, "sequential_cpu_offload", device="cpu", storage="failing")
     assert old.active and pipe._memmode_handle is old and pipe.transformer._memmode_handle is old

@@ -18,7 +18,8 @@ from helpers import (
     state_of,
     tensors_of,
 )
-from pipeline_families import FAMILIES
+from tiny_components import FLUX_BLOCKS, configured, seeded
+from tiny_pipelines import ALL_FAMILIES as FAMILIES
 from torch import nn
 
 import memmode_core as memmode
@@ -178,18 +179,9 @@ def test_group_offload_enabled_on_a_placed_bare_module_is_refused():
 
 
 def tiny_flux_transformer() -> FluxTransformer2DModel:
-    torch.manual_seed(0)
-    return FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=4,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        axes_dims_rope=[4, 4, 8],
-    ).eval()
+    """One dual- and one single-stream block."""
+    config = {"in_channels": 4, "num_layers": 1, "num_single_layers": 1, "pooled_projection_dim": 32}
+    return seeded(configured(FluxTransformer2DModel, FLUX_BLOCKS, config, {"axes_dims_rope": [4, 4, 8]}))
 
 
 def flux_inputs():

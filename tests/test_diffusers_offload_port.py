@@ -74,7 +74,6 @@ from diffusers_port_models import (
     StandaloneLayersModel,
     forward,
     model_inputs,
-    seeded,
     tiny_autoencoder,
     tiny_flux_transformer,
     tiny_wan_transformer,
@@ -89,6 +88,7 @@ from helpers import (
     snapshot,
     state_of,
 )
+from tiny_components import seeded
 from tiny_pipelines import full_load_outputs, make_pipeline, run
 from torch import nn
 

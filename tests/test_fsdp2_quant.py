@@ -31,25 +31,12 @@ def build_transformer():
     """A Wan-shaped transformer in bfloat16 (time embedder kept in float32, as from_pretrained does),
     frozen for inference (FSDP2 refuses trainable parameters of mixed dtypes in one group)."""
     from diffusers import WanTransformer3DModel
+    from tiny_components import WAN_TRANSFORMER, cast, configured
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=2,
-            attention_head_dim=16,
-            in_channels=16,
-            out_channels=16,
-            text_dim=32,
-            freq_dim=32,
-            ffn_dim=64,
-            num_layers=2,
-            rope_max_seq_len=32,
-        )
-    keep = set(model._keep_in_fp32_modules)
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.is_floating_point() and keep.isdisjoint(name.split(".")):
-            tensor.data = tensor.data.to(torch.bfloat16)
+        model = configured(WanTransformer3DModel, WAN_TRANSFORMER)()
+    cast(model, torch.bfloat16)
     return model.eval().requires_grad_(False)
 
 

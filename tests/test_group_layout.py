@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import AutoencoderKL, DiTTransformer2DModel, FluxPipeline, VQModel
+from diffusers import DiTTransformer2DModel, FluxPipeline, VQModel
 from helpers import (
     STORAGES,
     assert_bit_equal,
@@ -25,6 +25,8 @@ from helpers import (
     snapshot,
     tensors_of,
 )
+from tiny_components import blocks, configured, kl_vae, seeded
+from tiny_dit_pipelines import DIT_TRANSFORMER
 from tiny_models import TIED_MODELS, make_tied, token_ids
 from tiny_pipelines import make_pipeline, run
 
@@ -61,22 +63,8 @@ def test_block_groups_find_nested_block_lists_and_block_modules():
 def flux_with_real_vae(seed: int = 0) -> FluxPipeline:
     """The suite's tiny Flux pipeline with its VAE built as the real FLUX.1 VAE is: no quant convs."""
     pipe = make_pipeline("flux", seed)
-    torch.manual_seed(seed + 7)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 16),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=4,
-        sample_size=16,
-        shift_factor=0.0609,
-        scaling_factor=1.5035,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    ).eval()
+    vae_without_quant_conv = kl_vae(4, scaling_factor=1.5035, shift_factor=0.0609, quant_conv=False, sample_size=16)
+    vae = seeded(vae_without_quant_conv.factory, seed + 7)
     assert vae.quant_conv is None and vae.post_quant_conv is None
     return FluxPipeline(**{**pipe.components, "vae": vae})
 
@@ -137,18 +125,7 @@ def test_blocks_nested_two_containers_deep_are_the_called_modules():
 
 
 def tiny_dit() -> DiTTransformer2DModel:
-    torch.manual_seed(0)
-    return DiTTransformer2DModel(
-        sample_size=8,
-        patch_size=2,
-        in_channels=4,
-        out_channels=8,
-        num_layers=2,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        norm_num_groups=4,
-        num_embeds_ada_norm=10,
-    ).eval()
+    return seeded(configured(DiTTransformer2DModel, DIT_TRANSFORMER, {"norm_num_groups": 4, "num_embeds_ada_norm": 10}))
 
 
 def dit_inputs():
@@ -162,18 +139,17 @@ def dit_inputs():
 
 
 def tiny_vq() -> VQModel:
-    torch.manual_seed(0)
-    return VQModel(
-        block_out_channels=(8, 16),
-        norm_num_groups=4,
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        latent_channels=3,
-        num_vq_embeddings=16,
-        vq_embed_dim=3,
-    ).eval()
+    config = {
+        "block_out_channels": (8, 16),
+        "norm_num_groups": 4,
+        "in_channels": 3,
+        "out_channels": 3,
+        **blocks(*["DownEncoderBlock2D"] * 2),
+        "latent_channels": 3,
+        "num_vq_embeddings": 16,
+        "vq_embed_dim": 3,
+    }
+    return seeded(configured(VQModel, config))
 
 
 def vq_inputs():

@@ -340,20 +340,13 @@ def test_peak_memory_while_loading_is_a_few_groups_not_the_model(tmp_path):
     of anonymous memory, 40% of the model, every group written (in_place=False: the path that copies the
     most), each in a fresh interpreter. Measured precisely, with the targets, in benchmarks/load_into_mode.py."""
     from diffusers import WanTransformer3DModel
+    from tiny_components import WAN_TRANSFORMER, configured
 
     folder = tmp_path / "model"
-    model = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=8,
-        attention_head_dim=64,
-        in_channels=4,
-        out_channels=4,
-        text_dim=64,
-        freq_dim=64,
-        ffn_dim=4096,
-        num_layers=12,
-        rope_max_seq_len=32,
-    )
+    wide = {"num_attention_heads": 8, "attention_head_dim": 64, "text_dim": 64, "freq_dim": 64, "ffn_dim": 4096}
+    model = configured(
+        WanTransformer3DModel, WAN_TRANSFORMER, wide, {"in_channels": 4, "out_channels": 4, "num_layers": 12}
+    )()
     model.save_pretrained(folder)
     block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
     total = sum(p.numel() * p.element_size() for p in model.parameters())
