@@ -215,6 +215,12 @@ def test_qfloat8_merge_after_writes_through_within_1_db_of_merge_before(family, 
     assert sqnr_db(plain_output, vf.run(pipe)) > 30
 
 
+def group_offload_qfloat8(pipe, storage: str, **options) -> memmode.Handle:
+    """memmode's own qfloat8 group offload (not through the drop-in), computing in float32."""
+    mode = "model_group_offload_and_qfloat8"
+    return memmode.apply(pipe, mode, device="cpu", weight_dtype=torch.float32, storage=storage, **options)
+
+
 @pytest.mark.parametrize("storage", ["ram", "mmap"])
 def test_qfloat8_merge_after_under_group_offload_reaches_the_stored_weights(storage, tmp_path):
     """Under group offload a quantized layer at rest holds the storage's own tensors (``ram``: the tensors
@@ -225,9 +231,7 @@ def test_qfloat8_merge_after_under_group_offload_reaches_the_stored_weights(stor
     vf.merge_loras(expected, vf.loras_for(expected))
     pipe = vf.make("wan22")
     options = {} if storage == "ram" else {"offload_dir": str(tmp_path)}
-    memmode.apply(
-        pipe, "model_group_offload_and_qfloat8", device="cpu", weight_dtype=torch.float32, storage=storage, **options
-    )
+    group_offload_qfloat8(pipe, storage, **options)
     vf.run(pipe)
     vf.merge_loras(pipe, vf.loras_for(pipe))
     assert torch.equal(vf.run(pipe), vf.run(expected))
@@ -239,14 +243,7 @@ def test_qfloat8_merge_after_into_disk_offloaded_layers_is_refused_with_nothing_
     merge_lora and unmerge_lora are refused at the first quantized layer, before that layer or any other is
     touched, and the pipeline computes what one that never saw the LoRA computes."""
     pipe = vf.make(family)
-    memmode.apply(
-        pipe,
-        "model_group_offload_and_qfloat8",
-        device="cpu",
-        weight_dtype=torch.float32,
-        storage="disk",
-        offload_dir=str(tmp_path / "a"),
-    )
+    group_offload_qfloat8(pipe, "disk", offload_dir=str(tmp_path / "a"))
     loras = vf.loras_for(pipe)
     before = state_of(pipe)
     for unmerge in (False, True):
@@ -257,14 +254,7 @@ def test_qfloat8_merge_after_into_disk_offloaded_layers_is_refused_with_nothing_
         assert "Nothing was changed" in message and "Merge the LoRA before applying" in message
         assert_same_tensors(state_of(pipe), before, nan_equal=True)
     fresh = vf.make(family)
-    memmode.apply(
-        fresh,
-        "model_group_offload_and_qfloat8",
-        device="cpu",
-        weight_dtype=torch.float32,
-        storage="disk",
-        offload_dir=str(tmp_path / "b"),
-    )
+    group_offload_qfloat8(fresh, "disk", offload_dir=str(tmp_path / "b"))
     assert torch.equal(vf.run(pipe), vf.run(fresh))
 
 
