@@ -63,6 +63,11 @@ def assert_bit_equal(got: torch.Tensor, expected: torch.Tensor, what: str = "out
     assert torch.equal(got, expected), f"{what} differs from full load by {(got - expected).abs().max().item():.3g}"
 
 
+def nbytes(tensors) -> int:
+    """How many bytes ``tensors`` hold."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
     """Signal-to-noise ratio of ``approximation`` against ``reference``, in dB (infinite when they are equal)."""
     reference, approximation = reference.detach().double(), approximation.detach().double()
@@ -124,6 +129,11 @@ def assert_same_tensors(
         else:
             same = torch.equal(tensor, want)
         assert same, f"{name} changed"
+
+
+def files_under(folder: Path) -> list[Path]:
+    """Every file below ``folder``, sorted."""
+    return sorted(p for p in folder.rglob("*") if p.is_file())
 
 
 # -- what memmode leaves on a target ---------------------------------------------------------------------------

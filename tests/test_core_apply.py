@@ -15,6 +15,7 @@ from helpers import (
     assert_same_outputs,
     assert_same_tensors,
     hook_count,
+    nbytes,
     snapshot,
     tensors_of,
 )
@@ -68,10 +69,7 @@ def test_model_cpu_offload_equals_full_load_call_after_call(family, storage, poi
     handle = memmode.apply(pipe, "model_cpu_offload", device="cpu", storage=storage)
     assert_same_outputs(two_calls(pipe, family), full_load_outputs(family))
     report = handle.report()
-    sizes = [
-        sum(t.numel() * t.element_size() for t in chain(m.parameters(), m.buffers()))
-        for m in Target.of(pipe).components.values()
-    ]
+    sizes = [nbytes(chain(m.parameters(), m.buffers())) for m in Target.of(pipe).components.values()]
     assert report.peak_device_bytes == max(sizes)  # one component resident at a time
     assert report.bytes_transferred >= sum(sizes)
     handle.remove()

@@ -13,6 +13,7 @@ from helpers import (
     STORAGES,
     assert_bit_equal,
     assert_same_tensors,
+    nbytes,
     placement_id,
     snapshot,
     state_of,
@@ -126,7 +127,7 @@ def test_keep_last_on_device_leaves_the_last_component_for_the_next_call():
     expected = FAMILIES["sd15"].run(FAMILIES["sd15"].make(0), 0)
     handle = memmode.apply(pipe, "model_cpu_offload", device="cpu", keep_last_on_device=True)
     assert torch.equal(spec.run(pipe, 0), expected)
-    vae_bytes = sum(t.numel() * t.element_size() for t in [*pipe.vae.parameters(), *pipe.vae.buffers()])
+    vae_bytes = nbytes([*pipe.vae.parameters(), *pipe.vae.buffers()])
     assert handle.report().resident_device_bytes == vae_bytes, "the VAE ran last and stays"
     handle.remove()
     with pytest.raises(InvalidOptionError, match="keep_last_on_device"):

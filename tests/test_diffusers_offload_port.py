@@ -84,6 +84,7 @@ from helpers import (
     assert_bit_equal,
     assert_same_tensors,
     hook_count,
+    module_components,
     requires_cuda,
     snapshot,
     state_of,
@@ -628,7 +629,7 @@ def test_pipeline_offload_forward_pass(device, storage, family, mode, options, t
     pipe = make_pipeline(family)
     handle = place(pipe, mode, device, storage, tmp_path, **options)
     assert pipe._execution_device.type == device
-    modules = {n: m for n, m in pipe.components.items() if isinstance(m, nn.Module)}
+    modules = module_components(pipe)
     assert all(getattr(m, "_hf_hook", None) is not None for m in modules.values())
     expected = pipeline_reference(family, device)
     for call in range(2):
@@ -695,7 +696,7 @@ def test_pipeline_level_group_offloading_sanity_checks(device, storage, tmp_path
     the user put it; every other component rests offloaded between calls; the output equals full load."""
     family = "flux"
     pipe = make_pipeline(family)
-    modules = {n: m for n, m in pipe.components.items() if isinstance(m, nn.Module)}
+    modules = module_components(pipe)
     excluded = sorted(modules)[0]
     modules[excluded].to(device)
     handle = place(pipe, "model_group_offload", device, storage, tmp_path, exclude_components=[excluded], **LEAF)

@@ -30,7 +30,9 @@ from helpers import (
     OFFLOADING_PLACEMENTS,
     assert_refused,
     assert_same_outputs,
+    files_under,
     full_matrix,
+    module_components,
     placement_id,
     requires_cuda,
 )
@@ -75,10 +77,6 @@ def _cases() -> list:
         for storage in FILE_STORAGES
         if _covered(index, placement_id((mode, options)), storage)
     ]
-
-
-def files_under(folder):
-    return sorted(p for p in folder.rglob("*") if p.is_file())
 
 
 def test_the_rotation_runs_every_combination_somewhere():
@@ -246,8 +244,5 @@ def test_cuda_every_placement_equals_full_load(mode, options, storage):
     assert_same_outputs(two_calls(pipe, family), two_calls(reference, family))
     handle.remove()
     assert all(
-        p.device.type == "cpu" and not p.is_pinned()
-        for m in pipe.components.values()
-        if isinstance(m, torch.nn.Module)
-        for p in m.parameters()
+        p.device.type == "cpu" and not p.is_pinned() for m in module_components(pipe).values() for p in m.parameters()
     ), "weights back in ordinary CPU memory"

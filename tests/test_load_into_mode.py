@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import DiffusionPipeline
-from helpers import placement_id
+from helpers import nbytes, placement_id
 from tiny_pipelines import FAMILIES, make_pipeline, run
 
 import memmode_core as memmode
@@ -348,8 +348,8 @@ def test_peak_memory_while_loading_is_a_few_groups_not_the_model(tmp_path):
         WanTransformer3DModel, WAN_TRANSFORMER, wide, {"in_channels": 4, "out_channels": 4, "num_layers": 12}
     )()
     model.save_pretrained(folder)
-    block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    block = nbytes(model.blocks[0].parameters())
+    total = nbytes(model.parameters())
     del model
     assert total > 12 * block
     # one child per storage, started together: in one child the second load's baseline depended on when the

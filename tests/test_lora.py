@@ -25,7 +25,7 @@ import os
 
 import pytest
 import torch
-from helpers import OFFLOADING_PLACEMENTS, STORAGES, assert_same_outputs, full_matrix, hook_count, placement_id
+from helpers import OFFLOADING_PLACEMENTS, STORAGES, assert_same_outputs, full_matrix, hook_count, nbytes, placement_id
 from tiny_loras import LORA_FAMILIES, TEXT_ENCODER_LORA_COMPONENTS, load_lora, lora_components
 from tiny_pipelines import full_load_outputs, make_pipeline, run
 
@@ -138,8 +138,8 @@ def test_loading_an_adapter_stores_only_the_adapter():
     load_lora(pipe, "flux", "first", seed=1)
     added = set(session.groups) - set(before)
     assert added and set(before) <= set(session.groups)  # nothing stored before was stored again
-    adapter_bytes = sum(t.numel() * t.element_size() for k in added for t in session.groups[k].values())
-    lora = sum(p.numel() * p.element_size() for n, p in pipe.transformer.named_parameters() if "lora_" in n)
+    adapter_bytes = nbytes(t for k in added for t in session.groups[k].values())
+    lora = nbytes(p for n, p in pipe.transformer.named_parameters() if "lora_" in n)
     assert adapter_bytes == lora
 
 

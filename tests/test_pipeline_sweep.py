@@ -35,6 +35,7 @@ from helpers import (
     STORAGES,
     assert_bit_equal,
     assert_same_tensors,
+    files_under,
     full_matrix,
     in_slice,
     module_components,
@@ -182,7 +183,7 @@ def test_lossless_mode_is_bit_exact_frees_the_device_and_restores_the_weights(
         assert report.resident_device_bytes == kept, "the pipeline call left streamed weights on the device"
     handle.remove()
     assert_weights_restored(pipe, family)
-    assert sorted(p for p in private_tmp.rglob("*") if p.is_file()) == [], "remove() leaves no file behind"
+    assert files_under(private_tmp) == [], "remove() leaves no file behind"
 
 
 @pytest.mark.slow

@@ -141,6 +141,7 @@ from torch import nn
 import memmode_core as memmode
 from memmode_core import Policy
 from memmode_core.cli import main as memmode_main
+from helpers import state_of
 from tiny_pipelines import make_pipeline, run
 
 results = {}
@@ -174,12 +175,8 @@ def keys(handle, policy):
 
 
 def same_weights(pipe, fresh):
-    for name, module in fresh.components.items():
-        if isinstance(module, nn.Module):
-            mine, theirs = pipe.components[name].state_dict(), module.state_dict()
-            if mine.keys() != theirs.keys() or not all(torch.equal(mine[k], theirs[k]) for k in theirs):
-                return False
-    return True
+    mine, theirs = state_of(pipe), state_of(fresh)
+    return mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
 
 
 @contextlib.contextmanager

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import sqnr_db
+from helpers import nbytes, sqnr_db
 
 from memmode_qfloat4 import BLOCK, QFloat4
 from memmode_qfloat8 import E4M3_MAX, QFloat8
@@ -87,8 +87,8 @@ def test_qfloat4_layout(weight):
     assert packed["weight_packed"].dtype == torch.uint8 and packed["weight_packed"].shape == (96, 64)
     assert packed["weight_scale"].dtype == torch.uint8 and packed["weight_scale"].shape == (96, 128 // BLOCK)
     assert packed["weight_global_scale"].dtype == torch.float32 and packed["weight_global_scale"].shape == ()
-    nbytes = sum(t.numel() * t.element_size() for t in packed.values())
-    assert nbytes == 96 * 64 + 96 * 8 + 4  # 0.5625 bytes per weight, plus the tensor scale
+    size = nbytes(packed.values())
+    assert size == 96 * 64 + 96 * 8 + 4  # 0.5625 bytes per weight, plus the tensor scale
 
 
 def e2m1_grid(quantizer: QFloat4, weight: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from helpers import sqnr_db
+from helpers import nbytes, sqnr_db
 from tiny_pipelines import make_pipeline, run
 from torch import nn
 
@@ -257,9 +257,7 @@ def test_predicted_sizes_equal_the_quantized_sizes(family, quantizer):
     one = quantized_direct_bytes(q, last.module, component=transformer)
     summary = quantize_component(q, transformer, weight_dtype=None)
     actual = {
-        name: sum(
-            t.numel() * t.element_size() for t in [*m._parameters.values(), *m._buffers.values()] if t is not None
-        )
+        name: nbytes(t for t in [*m._parameters.values(), *m._buffers.values()] if t is not None)
         for name, m in transformer.named_modules()
     }
     assert predicted == actual

@@ -27,6 +27,7 @@ from helpers import (
     OFFLOADING_PLACEMENTS,
     STORAGES,
     assert_same_tensors,
+    nbytes,
     placement_id,
     requires_cuda,
     state_of,
@@ -313,7 +314,7 @@ def test_the_pipelines_exclusions_are_kept_on_the_device_and_said(placement, sto
     with torch.no_grad():
         assert torch.equal(pipe(latents()), expected)
     resident = handle.report().resident_device_bytes
-    assert resident == sum(t.numel() * t.element_size() for m in (pipe.prior, pipe.normalizer) for t in m.parameters())
+    assert resident == nbytes(t for m in (pipe.prior, pipe.normalizer) for t in m.parameters())
     handle.remove()
     with pytest.raises(memmode.IncompatibleModeError, match="_exclude_from_cpu_offload"):
         memmode.apply(pipe, mode, device="cpu", storage=storage, strict=True, **options)
