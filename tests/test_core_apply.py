@@ -17,6 +17,7 @@ from helpers import (
     hook_count,
     nbytes,
     snapshot,
+    state_of,
     tensors_of,
 )
 from tiny_models import make_blocks
@@ -203,11 +204,11 @@ def test_torchscript_targets_are_refused_untouched(where, tmp_path):
         target = nn.Sequential(torch.jit.script(model), nn.Linear(4, 4))
     x = torch.randn(2, 4)
     expected = target(x)
-    before = {k: v.clone() for k, v in target.state_dict().items()}
+    before = state_of(target)
     with pytest.raises(IncompatibleModeError, match="TorchScript"):
         memmode.apply(target, "model_group_offload", device="cpu", storage="disk", offload_dir=str(tmp_path))
     assert list(tmp_path.iterdir()) == []
-    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+    assert_same_tensors(state_of(target), before)
     assert torch.equal(target(x), expected)
 
 

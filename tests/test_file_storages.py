@@ -24,17 +24,18 @@ import shutil
 from collections import namedtuple
 
 import pytest
-import torch
 from helpers import (
     FILE_STORAGES,
     OFFLOADING_PLACEMENTS,
     assert_refused,
     assert_same_outputs,
+    assert_same_tensors,
     files_under,
     full_matrix,
     module_components,
     placement_id,
     requires_cuda,
+    state_of,
 )
 from tiny_models import make_blocks
 from tiny_pipelines import FAMILIES, full_load_outputs, make_pipeline, run, two_calls
@@ -112,10 +113,10 @@ def test_an_unwritable_offload_dir_is_refused_with_the_pipeline_intact(storage, 
     blocker = tmp_path / "a-file"
     blocker.write_text("a regular file cannot hold a folder")
     pipe = make_pipeline("flux")
-    weights = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+    weights = state_of(pipe.transformer)
     with pytest.raises(StorageUnavailableError, match="cannot use"):
         memmode.apply(pipe, "model_group_offload", device="cpu", storage=storage, offload_dir=blocker / "offload")
-    assert all(torch.equal(v, weights[k]) for k, v in pipe.transformer.state_dict().items())
+    assert_same_tensors(state_of(pipe.transformer), weights)
     assert_untouched(pipe, "flux")
 
 
