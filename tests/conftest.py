@@ -1,37 +1,23 @@
-"""Shared fixtures: plugin isolation, and pipelines to compare against full load."""
+"""The suite's fixtures and pytest hooks (what tests share besides fixtures is in ``helpers.py``)."""
 
 from __future__ import annotations
 
 import gc
 import importlib.metadata
 import sys
+import tempfile
 
 import pytest
 import torch
-from tiny_pipelines import FAMILIES, make_pipeline, run
+from fake_plugins import Int8Plugin, PoisonPlugin
+from tiny_pipelines import FAMILIES
 
+import memmode_core as memmode
 from memmode_core.discovery import plugins
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 # The suite's pipelines are tiny: one thread runs them fastest, and two threads fighting over two
 # busy cores make each call tens of times slower.
 torch.set_num_threads(1)
-
-
-#: every offloading placement, with the variants that lay groups out differently
-OFFLOADING_PLACEMENTS = [
-    ("model_cpu_offload", {}),
-    ("model_group_offload", {"offload_type": "block_level"}),
-    ("model_group_offload", {"offload_type": "leaf_level"}),
-    ("sequential_cpu_offload", {}),
-    ("text_encoder_offload", {}),
-]
-
-
-def placement_id(placement) -> str:
-    mode, options = placement
-    return "-".join([mode, *(f"{k}={v}" for k, v in options.items())])
 
 
 # Discovery reads the metadata of every installed distribution (``importlib.metadata``: dozens of files
@@ -83,46 +69,27 @@ def isolated_plugins(monkeypatch):
 
 @pytest.fixture
 def poison_storage():
-    """The test storage ``poison`` (NaN placeholders at rest; ``fakes.PoisonStorage``), registered for one test."""
-    from fakes import PoisonPlugin
-
-    import memmode_core as memmode
-
+    """The test storage ``poison`` (NaN placeholders at rest; ``fake_plugins.PoisonStorage``), registered for one
+    test."""
     with memmode.temporary_plugin(PoisonPlugin(), name="poison", distribution="tests"):
+        yield
+
+
+@pytest.fixture
+def qint8():
+    """The test quantizer ``qint8`` (``fake_plugins.Int8Rows``), registered for one test."""
+    with memmode.temporary_plugin(Int8Plugin(), name="qint8", distribution="tests"):
         yield
 
 
 @pytest.fixture
 def private_tmp(monkeypatch, tmp_path):
     """The file storages' private default folders go here, to see them come and go."""
-    import tempfile
-
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     return tmp_path
 
 
 @pytest.fixture(params=sorted(FAMILIES))
 def family(request) -> str:
+    """Each of the five families memmode was written for (``tiny_pipelines.FAMILIES``)."""
     return request.param
-
-
-_REFERENCE_CACHE: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def full_load_outputs(family: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Calls 1 and 2 (call seeds 0 and 1) of a fresh, untouched pipeline: what every lossless mode must give."""
-    key = (family, seed)
-    if key not in _REFERENCE_CACHE:
-        pipe = make_pipeline(family, seed)
-        _REFERENCE_CACHE[key] = (run(pipe, family, 0), run(pipe, family, 1))
-    return _REFERENCE_CACHE[key]
-
-
-def two_calls(pipe, family: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return run(pipe, family, 0), run(pipe, family, 1)
-
-
-def assert_same_outputs(got: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...], atol: float = 1e-5) -> None:
-    for index, (g, e) in enumerate(zip(got, expected), start=1):
-        assert torch.isfinite(g).all(), f"call {index} produced non-finite values"
-        torch.testing.assert_close(g, e, atol=atol, rtol=0, msg=lambda m, index=index: f"call {index}: {m}")

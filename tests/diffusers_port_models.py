@@ -10,18 +10,17 @@ exercise, rebuilt here so that nothing is downloaded and every build with one se
   projections that belong to no block;
 - :class:`SinglePipeline` — a ``DiffusionPipeline`` with one component, called twice per run;
 - :func:`tiny_autoencoder`, :func:`tiny_flux_transformer`, :func:`tiny_wan_transformer` — real
-  diffusers models at test sizes, with :func:`model_inputs` to call them.
+  diffusers models at test sizes (built with ``tiny_components.seeded``), with :func:`model_inputs` to call them.
 
 Sizes are chosen so that every forward runs in about a millisecond on one CPU thread.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from diffusers import AutoencoderKL, DiffusionPipeline, FluxTransformer2DModel, WanTransformer3DModel
 from diffusers.models.modeling_utils import ModelMixin
+from tiny_components import FLUX_BLOCKS, WAN_TRANSFORMER, blocks, configured
 from torch import nn
 
 FEATURES = 16
@@ -104,26 +103,37 @@ class _InnerContainer(nn.Module):
         return self.norm(x)
 
 
-class _OuterContainer(nn.Module):
+class _Between:
+    """A module between two ``Linear`` layers, called in turn; ``NAMES`` are the three attributes."""
+
+    NAMES: tuple[str, str, str]
+
+    def _build(self, features: int, middle) -> None:
+        """The three in order (``middle()`` makes the middle module): the weights follow the creation order."""
+        first, inner, last = self.NAMES
+        setattr(self, first, nn.Linear(features, features))
+        setattr(self, inner, middle())
+        setattr(self, last, nn.Linear(features, features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, inner, last = (getattr(self, name) for name in self.NAMES)
+        return last(inner(first(x)))
+
+
+class _OuterContainer(_Between, nn.Module):
+    NAMES = ("proj_in", "inner", "proj_out")
+
     def __init__(self, features: int) -> None:
         super().__init__()
-        self.proj_in = nn.Linear(features, features)
-        self.inner = _InnerContainer(features)
-        self.proj_out = nn.Linear(features, features)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj_out(self.inner(self.proj_in(x)))
+        self._build(features, lambda: _InnerContainer(features))
 
 
-class NestedContainerModel(ModelMixin):
+class NestedContainerModel(_Between, ModelMixin):
+    NAMES = ("input_layer", "container", "output_layer")
+
     def __init__(self, features: int = FEATURES) -> None:
         super().__init__()
-        self.input_layer = nn.Linear(features, features)
-        self.container = _OuterContainer(features)
-        self.output_layer = nn.Linear(features, features)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output_layer(self.container(self.input_layer(x)))
+        self._build(features, lambda: _OuterContainer(features))
 
 
 class SinglePipeline(DiffusionPipeline):
@@ -139,55 +149,39 @@ class SinglePipeline(DiffusionPipeline):
         return x
 
 
-def seeded(factory: Callable[[], nn.Module], seed: int = 0) -> nn.Module:
-    """``factory()`` built right after seeding, in eval mode: two builds hold identical weights."""
-    torch.manual_seed(seed)
-    return factory().eval()
-
-
 def tiny_autoencoder(use_quant_conv: bool = True) -> AutoencoderKL:
-    return AutoencoderKL(
-        block_out_channels=(4, 8),
-        in_channels=3,
-        out_channels=3,
-        latent_channels=4,
-        norm_num_groups=2,
-        layers_per_block=1,
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        use_quant_conv=use_quant_conv,
-        use_post_quant_conv=use_quant_conv,
-    )
+    return configured(
+        AutoencoderKL,
+        {
+            "block_out_channels": (4, 8),
+            "in_channels": 3,
+            "out_channels": 3,
+            "latent_channels": 4,
+            "norm_num_groups": 2,
+            "layers_per_block": 1,
+            **blocks(*["DownEncoderBlock2D"] * 2),
+            "use_quant_conv": use_quant_conv,
+            "use_post_quant_conv": use_quant_conv,
+        },
+    )()
 
 
 def tiny_flux_transformer() -> FluxTransformer2DModel:
-    return FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=4,
-        num_layers=2,
-        num_single_layers=2,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        joint_attention_dim=16,
-        pooled_projection_dim=16,
-        axes_dims_rope=(2, 2, 4),
-    )
+    config = {"in_channels": 4, "attention_head_dim": 8, "joint_attention_dim": 16, "pooled_projection_dim": 16}
+    return configured(FluxTransformer2DModel, FLUX_BLOCKS, config, {"axes_dims_rope": (2, 2, 4)})()
 
 
 def tiny_wan_transformer() -> WanTransformer3DModel:
     """Wan keeps RoPE tables in buffers and modulation tables in loose parameters."""
-    return WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=8,
-        in_channels=4,
-        out_channels=4,
-        text_dim=16,
-        freq_dim=16,
-        ffn_dim=16,
-        num_layers=2,
-        rope_max_seq_len=32,
-    )
+    config = {
+        "attention_head_dim": 8,
+        "in_channels": 4,
+        "out_channels": 4,
+        "text_dim": 16,
+        "freq_dim": 16,
+        "ffn_dim": 16,
+    }
+    return configured(WanTransformer3DModel, WAN_TRANSFORMER, config)()
 
 
 def model_inputs(model: nn.Module, seed: int = 1) -> dict:

@@ -15,6 +15,11 @@ import memmode_core
 from memmode_core.cli import build_parser, main
 
 
+def tiny_demo(command: str, *argv: str) -> int:
+    """``memmode <command> --size tiny <argv>``: the built-in pipeline at its smallest."""
+    return main([command, "--size", "tiny", *argv])
+
+
 def test_list_json_has_the_fields_of_the_brief(capsys):
     assert main(["list", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
@@ -68,7 +73,7 @@ def test_errors_are_reported_without_a_traceback(monkeypatch, capsys):
 
 
 def test_run_with_no_mode_runs_the_builtin_pipeline_and_prints_its_table(capsys):
-    assert main(["run", "--size", "tiny", "--steps", "2", "--no-progress"]) == 0
+    assert tiny_demo("run", "--steps", "2", "--no-progress") == 0
     out = capsys.readouterr().out
     assert "built-in Wan 2.2-shaped pipeline" in out
     header = next(line for line in out.splitlines() if line.startswith("mode"))
@@ -78,25 +83,8 @@ def test_run_with_no_mode_runs_the_builtin_pipeline_and_prints_its_table(capsys)
 
 def test_run_compare_json_and_plot(tmp_path, capsys):
     plot = tmp_path / "memory.png"
-    assert (
-        main(
-            [
-                "run",
-                "--size",
-                "tiny",
-                "--steps",
-                "2",
-                "--json",
-                "--plot",
-                str(plot),
-                "--compare",
-                "model_full_load",
-                "model_cpu_offload",
-                "auto",
-            ]
-        )
-        == 0
-    )
+    modes = ["model_full_load", "model_cpu_offload", "auto"]
+    assert tiny_demo("run", "--steps", "2", "--json", "--plot", str(plot), "--compare", *modes) == 0
     data = json.loads(capsys.readouterr().out)
     results = data["results"]
     assert [r["requested"] for r in results] == ["model_full_load", "model_cpu_offload", "auto"]
@@ -168,7 +156,7 @@ def test_run_model_loads_straight_into_the_mode_and_plan_reads_only_headers(tmp_
 
 
 def test_plan_table_marks_the_auto_choice(capsys):
-    assert main(["plan", "--size", "tiny", "--vram", "200KB"]) == 0
+    assert tiny_demo("plan", "--vram", "200KB") == 0
     out = capsys.readouterr().out
     marked = [line for line in out.splitlines() if line.startswith("*  ")]
     assert len(marked) == 1 and "yes" in marked[0]
@@ -176,12 +164,12 @@ def test_plan_table_marks_the_auto_choice(capsys):
 
 
 def test_plan_with_an_impossible_budget_says_auto_would_refuse(capsys):
-    assert main(["plan", "--size", "tiny", "--vram", "1KB"]) == 0
+    assert tiny_demo("plan", "--vram", "1KB") == 0
     assert "nothing fits" in capsys.readouterr().out
 
 
 def test_bad_mode_is_a_clean_error(capsys):
-    assert main(["run", "--size", "tiny", "--mode", "model_cpu_ofload", "--no-progress"]) == 2
+    assert tiny_demo("run", "--mode", "model_cpu_ofload", "--no-progress") == 2
     assert "Did you mean 'model_cpu_offload'" in capsys.readouterr().err
 
 
@@ -253,25 +241,8 @@ def test_run_passes_options_to_apply(monkeypatch, capsys):
         return real_apply(pipe, mode, **kwargs)
 
     monkeypatch.setattr(memmode_core, "apply", spy)
-    assert (
-        main(
-            [
-                "run",
-                "--size",
-                "tiny",
-                "--steps",
-                "1",
-                "--json",
-                "--mode",
-                "model_group_offload",
-                "--option",
-                "offload_type=leaf_level",
-                "--option",
-                "use_stream=False",
-            ]
-        )
-        == 0
-    )
+    options = ["--option", "offload_type=leaf_level", "--option", "use_stream=False"]
+    assert tiny_demo("run", "--steps", "1", "--json", "--mode", "model_group_offload", *options) == 0
     data = json.loads(capsys.readouterr().out)
     assert seen[0]["offload_type"] == "leaf_level" and seen[0]["use_stream"] is False
     assert data["options"] == {"offload_type": "leaf_level", "use_stream": False}
@@ -280,7 +251,7 @@ def test_run_passes_options_to_apply(monkeypatch, capsys):
 
 def test_plan_passes_placement_options_to_every_candidate_that_declares_them(capsys):
     def peaks(*options):
-        assert main(["plan", "--size", "tiny", "--json", *options]) == 0
+        assert tiny_demo("plan", "--json", *options) == 0
         entries = json.loads(capsys.readouterr().out)["entries"]
         return {(e["mode"], e["storage"], e["options"].get("offload_type")): e["peak_device_bytes"] for e in entries}
 
@@ -295,21 +266,8 @@ def test_plan_passes_placement_options_to_every_candidate_that_declares_them(cap
 
 @pytest.mark.parametrize("command", ["run", "plan"])
 def test_an_option_no_plugin_declares_is_the_invalid_option_message(command, capsys):
-    assert (
-        main(
-            [
-                command,
-                "--size",
-                "tiny",
-                "--steps",
-                "1",
-                "--no-progress" if command == "run" else "--json",
-                "--option",
-                "num_block_per_group=2",
-            ]
-        )
-        == 2
-    )
+    quiet = "--no-progress" if command == "run" else "--json"
+    assert tiny_demo(command, "--steps", "1", quiet, "--option", "num_block_per_group=2") == 2
     captured = capsys.readouterr()
     assert captured.err.startswith("memmode: error: unexpected option num_block_per_group")
     assert "num_blocks_per_group" in captured.err  # what is accepted
@@ -321,25 +279,8 @@ def test_an_option_no_plugin_declares_is_the_invalid_option_message(command, cap
 
 def test_compare_marks_a_refused_mode_in_its_row_and_goes_on(capsys):
     # model_full_load with a storage is incompatible; model_cpu_ofload is unknown; model_cpu_offload runs
-    assert (
-        main(
-            [
-                "run",
-                "--size",
-                "tiny",
-                "--steps",
-                "1",
-                "--no-progress",
-                "--storage",
-                "ram",
-                "--compare",
-                "model_full_load",
-                "model_cpu_ofload",
-                "model_cpu_offload",
-            ]
-        )
-        == 0
-    )
+    compared = ["model_full_load", "model_cpu_ofload", "model_cpu_offload"]
+    assert tiny_demo("run", "--steps", "1", "--no-progress", "--storage", "ram", "--compare", *compared) == 0
     captured = capsys.readouterr()
     lines = captured.out.splitlines()
     header = next(line for line in lines if line.startswith("mode"))
@@ -353,16 +294,13 @@ def test_compare_marks_a_refused_mode_in_its_row_and_goes_on(capsys):
 
 
 def test_compare_json_has_the_refusal_and_exits_non_zero_when_nothing_ran(capsys):
-    assert (
-        main(["run", "--size", "tiny", "--steps", "1", "--json", "--compare", "model_full_load", "model_cpu_ofload"])
-        == 0
-    )
+    assert tiny_demo("run", "--steps", "1", "--json", "--compare", "model_full_load", "model_cpu_ofload") == 0
     full, typo = json.loads(capsys.readouterr().out)["results"]
     assert full["refused"] is None and full["output_shape"]
     assert typo["requested"] == "model_cpu_ofload" and typo["mode"] is None
     assert "'model_cpu_ofload'" in typo["refused"] and "\n" not in typo["refused"]
 
-    assert main(["run", "--size", "tiny", "--steps", "1", "--no-progress", "--compare", "nothing_a", "nothing_b"]) == 2
+    assert tiny_demo("run", "--steps", "1", "--no-progress", "--compare", "nothing_a", "nothing_b") == 2
     captured = capsys.readouterr()
     assert captured.out.count("refused: ") == 2
     assert captured.err == "memmode: error: every mode was refused\n"

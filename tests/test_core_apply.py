@@ -3,54 +3,34 @@
 from __future__ import annotations
 
 import logging
+import re
 from itertools import chain
 
 import pytest
 import torch
-from conftest import assert_same_outputs, full_load_outputs, two_calls
-from fakes import Int8Rows, PoisonPlugin
-from tiny_pipelines import make_pipeline, run
+from fake_plugins import Int8Rows, PoisonSession, PoisonStorage, StoragePlugin
+from helpers import (
+    assert_bit_equal,
+    assert_refused,
+    assert_same_outputs,
+    assert_same_tensors,
+    hook_count,
+    nbytes,
+    snapshot,
+    state_of,
+    tensors_of,
+)
+from tiny_models import make_blocks
+from tiny_pipelines import full_load_outputs, make_pipeline, run, two_calls
+from torch import nn
 
 import memmode_core as memmode
-from memmode_core import hookimpl
+from memmode_core import StorageUnavailableError, hookimpl
 from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError, MemmodeError, UnknownModeError
 from memmode_core.contracts.targets import Target
 from memmode_core.engine.hooks import is_wrapped
 from memmode_core.engine.pipeline_hooks import ExecutionDeviceHook
 from memmode_core.quantization import quantize_component
-
-
-def snapshot(target, data: bool = True) -> dict:
-    """Everything apply could touch: tensor identities, data (unless ``data=False``), devices, hooks, attributes."""
-    state: dict = {"<target>": getattr(target, "_memmode_handle", None)}
-    for cname, comp in Target.of(target).components.items():
-        for name, t in chain(comp.named_parameters(), comp.named_buffers()):
-            state[(cname, name)] = (id(t), t.data_ptr() if data else None, t.device, t.dtype, tuple(t.shape))
-        state[(cname, "<hooks>")] = hook_count(comp)
-        state[(cname, "<attrs>")] = (
-            getattr(comp, "_hf_hook", None),
-            getattr(comp, "_memmode_handle", None),
-            type(comp),
-        )
-    return state
-
-
-def hook_count(target) -> int:
-    """Modules whose forward memmode wraps, plus any torch forward hook memmode registered."""
-    modules = [m for comp in Target.of(target).components.values() for m in comp.modules()]
-    torch_hooks = sum(
-        1
-        for m in modules
-        for hook in chain(m._forward_pre_hooks.values(), m._forward_hooks.values())
-        if getattr(hook, "__module__", "").startswith("memmode_core.")
-    )
-    return torch_hooks + sum(1 for m in modules for method in ("forward", "encode", "decode") if is_wrapped(m, method))
-
-
-@pytest.fixture
-def poison():
-    with memmode.temporary_plugin(PoisonPlugin(), name="poison", distribution="tests"):
-        yield "poison"
 
 
 class RecordingQuantizer(Int8Rows):
@@ -86,22 +66,19 @@ def recorder():
 
 
 @pytest.mark.parametrize("storage", ["ram", "poison"])
-def test_model_cpu_offload_equals_full_load_call_after_call(family, storage, poison):
+def test_model_cpu_offload_equals_full_load_call_after_call(family, storage, poison_storage):
     pipe = make_pipeline(family)
     handle = memmode.apply(pipe, "model_cpu_offload", device="cpu", storage=storage)
     assert_same_outputs(two_calls(pipe, family), full_load_outputs(family))
     report = handle.report()
-    sizes = [
-        sum(t.numel() * t.element_size() for t in chain(m.parameters(), m.buffers()))
-        for m in Target.of(pipe).components.values()
-    ]
+    sizes = [nbytes(chain(m.parameters(), m.buffers())) for m in Target.of(pipe).components.values()]
     assert report.peak_device_bytes == max(sizes)  # one component resident at a time
     assert report.bytes_transferred >= sum(sizes)
     handle.remove()
     assert_same_outputs((run(pipe, family, 0),), full_load_outputs(family)[:1])
 
 
-def test_remove_leaves_the_pipeline_as_it_was(poison):
+def test_remove_leaves_the_pipeline_as_it_was(poison_storage):
     pipe = make_pipeline("wan22")
     before = snapshot(pipe, data=False)
     handle = memmode.apply(pipe, "model_cpu_offload", device="cpu", storage="poison")
@@ -168,6 +145,32 @@ def test_refusals_are_typed_and_leave_the_pipeline_untouched(kwargs, error, reco
     assert_same_outputs((run(pipe, "wan22", 0),), full_load_outputs("wan22")[:1])
 
 
+@pytest.mark.parametrize("budget", [float("inf"), "1e400GB"], ids=["inf", "1e400GB"])
+def test_an_infinite_vram_budget_is_refused(budget):
+    """vram_budget=float('inf') or '1e400GB' with mode "auto" is an InvalidOptionError (not an
+    OverflowError), with the model untouched."""
+    assert_refused(make_blocks(0), InvalidOptionError, mode="auto", vram_budget=budget)
+
+
+@pytest.mark.parametrize("device", ["xla", "mps"])
+def test_an_unavailable_accelerator_is_refused_at_apply(device):
+    """device="xla" / "mps" where that backend is not available is an InvalidOptionError at
+    apply saying it is not available (not a failure at the first forward)."""
+    if device == "mps" and torch.backends.mps.is_available():
+        pytest.skip("MPS is available here")
+    err = assert_refused(make_blocks(0), InvalidOptionError, device=device, mode="model_cpu_offload")
+    assert re.search(r"not available|unavailable|no \S+ device is available", str(err)), str(err)
+
+
+@pytest.mark.parametrize("device", ["privateuseone", "xpu", "hpu"])
+def test_an_unknown_or_unavailable_device_type_is_refused_at_apply(device):
+    """device types torch can name but this machine cannot compute on (privateuseone without
+    a registered backend, xpu / hpu without their runtime) are an InvalidOptionError at apply."""
+    if device == "xpu" and getattr(torch, "xpu", None) is not None and torch.xpu.is_available():
+        pytest.skip("XPU is available here")
+    assert_refused(make_blocks(0), InvalidOptionError, device=device, mode="model_cpu_offload")
+
+
 def test_a_refused_replacement_keeps_the_current_mode(recorder):
     pipe = make_pipeline("flux")
     handle = memmode.apply(pipe, "model_group_offload", device="cpu")
@@ -190,6 +193,24 @@ def test_quantizing_a_compiled_transformer_is_refused_untouched(recorder):
 def test_a_target_that_is_neither_pipeline_nor_module_is_a_type_error():
     with pytest.raises(TypeError):
         memmode.apply(object(), "model_full_load")
+
+
+@pytest.mark.parametrize("where", ["whole", "submodule"])
+def test_torchscript_targets_are_refused_untouched(where, tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    if where == "whole":
+        target = torch.jit.script(model)
+    else:
+        target = nn.Sequential(torch.jit.script(model), nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    expected = target(x)
+    before = state_of(target)
+    with pytest.raises(IncompatibleModeError, match="TorchScript"):
+        memmode.apply(target, "model_group_offload", device="cpu", storage="disk", offload_dir=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+    assert_same_tensors(state_of(target), before)
+    assert torch.equal(target(x), expected)
 
 
 # -- the order: validate, quantize, place ------------------------------------------------------------------
@@ -225,7 +246,7 @@ def test_a_pipeline_without_default_quantizer_targets_must_name_them(recorder):
 # -- replacing and sharing ---------------------------------------------------------------------------------
 
 
-def test_applying_a_second_mode_replaces_the_first_cleanly(poison):
+def test_applying_a_second_mode_replaces_the_first_cleanly(poison_storage):
     pipe = make_pipeline("sd3")
     first = memmode.apply(pipe, "model_cpu_offload", device="cpu", storage="poison")
     run(pipe, "sd3")
@@ -237,6 +258,40 @@ def test_applying_a_second_mode_replaces_the_first_cleanly(poison):
     assert_same_outputs(two_calls(pipe, "sd3"), full_load_outputs("sd3"))
     second.remove()
     assert hook_count(pipe) == 0
+
+
+class FailingSession(PoisonSession):
+    """Accepts the reservation, then fails on the third group it is asked to store (disk full, I/O error)."""
+
+    def put(self, key, tensors, readable=frozenset()):
+        if len(self.groups) == 2:
+            raise StorageUnavailableError(f"test storage: no room left for {key}")
+        return super().put(key, tensors, readable)
+
+
+class FailingStorage(PoisonStorage):
+    name = "failing"
+    description = "test storage: fails half-way through storing"
+    session = FailingSession
+
+
+@pytest.mark.usefixtures("poison_storage", "private_tmp")
+@pytest.mark.parametrize("first", ["disk", "poison", "mmap"])
+def test_a_failed_re_apply_leaves_the_previous_mode_active(first):
+    expected = run(make_pipeline("flux"), "flux", 0)
+    pipe = make_pipeline("flux")
+    before = tensors_of(pipe)
+    old = memmode.apply(pipe, "model_group_offload", device="cpu", storage=first)
+    with memmode.temporary_plugin(StoragePlugin(FailingStorage()), name="failing", distribution="tests"):
+        with pytest.raises(StorageUnavailableError, match="no room left"):
+            memmode.apply(pipe, "sequential_cpu_offload", device="cpu", storage="failing")
+    assert old.active and pipe._memmode_handle is old and pipe.transformer._memmode_handle is old
+    assert old.mode == "model_group_offload" and old.storage == first
+    assert_bit_equal(run(pipe, "flux", 0), expected)
+    assert old.report().onloads > 0
+    old.remove()
+    assert hook_count(pipe) == 0
+    assert_same_tensors(tensors_of(pipe), before)
 
 
 def test_a_component_placed_through_another_pipeline_is_refused():

@@ -21,6 +21,13 @@ from memmode_core.contracts.errors import (
 from memmode_core.discovery import plugins
 
 
+def refused(mode, error: type, match: str | None = None, **options) -> pytest.ExceptionInfo:
+    """``apply`` of ``mode`` to a small module raises ``error`` (its message matching ``match``)."""
+    with pytest.raises(error, match=match) as raised:
+        memmode.apply(torch.nn.Linear(2, 2), mode, device="cpu", **options)
+    return raised
+
+
 @pytest.fixture
 def nothing_installed(monkeypatch):
     """Only memmode-core's built-ins: no distribution provides an entry point."""
@@ -47,8 +54,7 @@ def test_parse_mode_splits_on_the_last_separator(mode, placement, quantizer):
 def test_a_non_string_mode_is_a_type_error(mode):
     with pytest.raises(TypeError):
         memmode.parse_mode(mode)
-    with pytest.raises(TypeError):
-        memmode.apply(torch.nn.Linear(2, 2), mode, device="cpu")
+    refused(mode, TypeError)
 
 
 @pytest.mark.parametrize("mode", ["", "_and_qfloat8", "model_full_load_and_", " model_full_load"])
@@ -72,16 +78,14 @@ def test_every_error_is_a_memmode_value_error():
 
 
 def test_unknown_placement_lists_what_is_installed_and_the_closest_spelling(nothing_installed):
-    with pytest.raises(UnknownModeError) as raised:
-        memmode.apply(torch.nn.Linear(2, 2), "model_cpu_ofload", device="cpu")
+    raised = refused("model_cpu_ofload", UnknownModeError)
     message = str(raised.value)
     assert "model_full_load" in message and "model_group_offload" in message
     assert "Did you mean 'model_cpu_offload'" in message
 
 
 def test_closest_spelling_of_a_whole_mode(nothing_installed):
-    with pytest.raises(UnknownModeError, match="Did you mean 'model_group_offload_and_qfloat8'"):
-        memmode.apply(torch.nn.Linear(2, 2), "model_group_offload_qfloat8", device="cpu")
+    refused("model_group_offload_qfloat8", UnknownModeError, "Did you mean 'model_group_offload_and_qfloat8'")
 
 
 @pytest.mark.parametrize(
@@ -92,49 +96,41 @@ def test_closest_spelling_of_a_whole_mode(nothing_installed):
     ],
 )
 def test_did_you_mean_changes_only_the_half_that_is_wrong(nothing_installed, mode, suggestion):
-    with pytest.raises(UnknownModeError, match=f"Did you mean '{suggestion}'"):
-        memmode.apply(torch.nn.Linear(2, 2), mode, device="cpu")
+    refused(mode, UnknownModeError, f"Did you mean '{suggestion}'")
 
 
-@pytest.mark.parametrize(
-    "mode, package",
-    [
-        ("model_cpu_offload_and_qfloat8", "memmode-qfloat8"),
-        ("model_group_offload_and_qfloat8_preconverted", "memmode-qfloat8"),
-        ("sequential_cpu_offload_and_qfloat4", "memmode-qfloat4"),
-    ],
-)
+#: Modes with a first-party quantizer, and first-party storages: the distribution whose ``pip install`` the error names.
+QUANTIZER_DISTRIBUTIONS = {
+    "model_cpu_offload_and_qfloat8": "memmode-qfloat8",
+    "model_group_offload_and_qfloat8_preconverted": "memmode-qfloat8",
+    "sequential_cpu_offload_and_qfloat4": "memmode-qfloat4",
+}
+STORAGE_DISTRIBUTIONS = {
+    "pinned": "memmode-storage-pinned",
+    "disk": "memmode-storage-disk",
+    "mmap": "memmode-storage-mmap",
+}
+
+
+@pytest.mark.parametrize("mode, package", list(QUANTIZER_DISTRIBUTIONS.items()))
 def test_first_party_quantizer_not_installed(nothing_installed, mode, package):
-    with pytest.raises(PluginNotInstalledError, match=f"pip install {package}"):
-        memmode.apply(torch.nn.Linear(2, 2), mode, device="cpu")
+    refused(mode, PluginNotInstalledError, f"pip install {package}")
 
 
-@pytest.mark.parametrize(
-    "storage, package",
-    [
-        ("pinned", "memmode-storage-pinned"),
-        ("disk", "memmode-storage-disk"),
-        ("mmap", "memmode-storage-mmap"),
-    ],
-)
+@pytest.mark.parametrize("storage, package", list(STORAGE_DISTRIBUTIONS.items()))
 def test_first_party_storage_not_installed(nothing_installed, storage, package):
-    with pytest.raises(PluginNotInstalledError, match=f"pip install {package}"):
-        memmode.apply(torch.nn.Linear(2, 2), "model_cpu_offload", device="cpu", storage=storage)
+    refused("model_cpu_offload", PluginNotInstalledError, f"pip install {package}", storage=storage)
 
 
 def test_not_installed_mentions_disabled_autoload(nothing_installed, monkeypatch):
     monkeypatch.setenv(plugins.AUTOLOAD_ENV, "1")
-    with pytest.raises(PluginNotInstalledError, match=plugins.AUTOLOAD_ENV):
-        memmode.apply(torch.nn.Linear(2, 2), "model_cpu_offload_and_qfloat4", device="cpu")
+    refused("model_cpu_offload_and_qfloat4", PluginNotInstalledError, plugins.AUTOLOAD_ENV)
 
 
 def test_unknown_quantizer_and_storage(nothing_installed):
-    with pytest.raises(UnknownModeError, match="unknown quantizer 'qint3'"):
-        memmode.apply(torch.nn.Linear(2, 2), "model_cpu_offload_and_qint3", device="cpu")
-    with pytest.raises(UnknownModeError, match="unknown storage 'ssd'.*Installed storages: ram"):
-        memmode.apply(torch.nn.Linear(2, 2), "model_cpu_offload", device="cpu", storage="ssd")
+    refused("model_cpu_offload_and_qint3", UnknownModeError, "unknown quantizer 'qint3'")
+    refused("model_cpu_offload", UnknownModeError, "unknown storage 'ssd'.*Installed storages: ram", storage="ssd")
 
 
 def test_a_storage_for_a_placement_that_offloads_nothing_is_refused():
-    with pytest.raises(IncompatibleModeError, match="storage='ram' would hold nothing"):
-        memmode.apply(torch.nn.Linear(2, 2), "model_full_load", device="cpu", storage="ram")
+    refused("model_full_load", IncompatibleModeError, "storage='ram' would hold nothing", storage="ram")

@@ -10,7 +10,8 @@ import types
 
 import pytest
 import torch
-from fakes import PoisonPlugin
+from fake_plugins import PoisonPlugin
+from helpers import assert_same_tensors, state_of
 
 import memmode_core as memmode
 from memmode_core import hookimpl
@@ -392,7 +393,7 @@ def test_a_malformed_layout_is_refused_before_anything_changes(installed, bug, m
     from memmode_core import GroupSpec
 
     target = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
-    before = {k: v.clone() for k, v in target.state_dict().items()}
+    before = state_of(target)
     if bug == "same key":
 
         def make(m):
@@ -418,5 +419,5 @@ def test_a_malformed_layout_is_refused_before_anything_changes(installed, bug, m
         for storage in ("ram", "poison"):
             with pytest.raises(memmode.IncompatibleModeError, match=match):
                 memmode.apply(target, "given_layout", device="cpu", storage=storage)
-    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+    assert_same_tensors(state_of(target), before)
     assert not hasattr(target, "_memmode_handle")

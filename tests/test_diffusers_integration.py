@@ -1,34 +1,33 @@
 """How a placement meets the rest of diffusers: which components a quantizer takes by default, what is left on
-the device when a pipeline call returns, and diffusers' own offloading called after ``apply``."""
+the device when a pipeline call returns, diffusers' own offloading called after ``apply``, hooks diffusers
+installs after ``apply`` (``enable_layerwise_casting``), and accelerate's offloading found on a module."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import DiffusionPipeline, ModelMixin
+from diffusers import DiffusionPipeline, FluxTransformer2DModel, ModelMixin
 from diffusers.configuration_utils import ConfigMixin, register_to_config
-from fakes import Int8Plugin
-from pipeline_families import FAMILIES
+from helpers import (
+    OFFLOADING_PLACEMENTS,
+    STORAGES,
+    assert_bit_equal,
+    assert_same_tensors,
+    nbytes,
+    placement_id,
+    snapshot,
+    state_of,
+    tensors_of,
+)
+from tiny_components import FLUX_BLOCKS, configured, seeded
+from tiny_pipelines import ALL_FAMILIES as FAMILIES
 from torch import nn
 
 import memmode_core as memmode
 from memmode_core import IncompatibleModeError, InvalidOptionError
 from memmode_core.contracts.layout import Policy
 
-
-@pytest.fixture(autouse=True)
-def qint8():
-    with memmode.temporary_plugin(Int8Plugin(), name="qint8", distribution="tests"):
-        yield
-
-
-def _state(pipe) -> dict[str, torch.Tensor]:
-    return {
-        f"{c}.{n}": t.detach().clone()
-        for c, m in pipe.components.items()
-        if isinstance(m, nn.Module)
-        for n, t in m.state_dict().items()
-    }
+pytestmark = pytest.mark.usefixtures("qint8")
 
 
 # -- which components a quantizer takes ---------------------------------------------------------------------
@@ -97,10 +96,10 @@ def test_a_denoiser_under_another_name_is_found_and_a_pipeline_without_one_is_re
     assert list(handle.quantized) == ["denoiser"]
     handle.remove()
     pipe = CustomPipeline(Decoder(), Decoder())
-    before = _state(pipe)
+    before = state_of(pipe)
     with pytest.raises(InvalidOptionError, match="no denoiser.*components=\\[...\\]"):
         memmode.apply(pipe, "model_cpu_offload_and_qint8", device="cpu")
-    assert all(torch.equal(t, before[n]) for n, t in _state(pipe).items())
+    assert_same_tensors(state_of(pipe), before)
 
 
 # -- what a pipeline call leaves on the device ------------------------------------------------------------
@@ -128,7 +127,7 @@ def test_keep_last_on_device_leaves_the_last_component_for_the_next_call():
     expected = FAMILIES["sd15"].run(FAMILIES["sd15"].make(0), 0)
     handle = memmode.apply(pipe, "model_cpu_offload", device="cpu", keep_last_on_device=True)
     assert torch.equal(spec.run(pipe, 0), expected)
-    vae_bytes = sum(t.numel() * t.element_size() for t in [*pipe.vae.parameters(), *pipe.vae.buffers()])
+    vae_bytes = nbytes([*pipe.vae.parameters(), *pipe.vae.buffers()])
     assert handle.report().resident_device_bytes == vae_bytes, "the VAE ran last and stays"
     handle.remove()
     with pytest.raises(InvalidOptionError, match="keep_last_on_device"):
@@ -175,3 +174,91 @@ def test_group_offload_enabled_on_a_placed_bare_module_is_refused():
         model.enable_group_offload(torch.device("cpu"), offload_type="leaf_level")
     assert handle.active
     handle.remove()
+
+
+# -- hooks installed after apply ------------------------------------------------------------------------
+
+
+def tiny_flux_transformer() -> FluxTransformer2DModel:
+    """One dual- and one single-stream block."""
+    config = {"in_channels": 4, "num_layers": 1, "num_single_layers": 1, "pooled_projection_dim": 32}
+    return seeded(configured(FluxTransformer2DModel, FLUX_BLOCKS, config, {"axes_dims_rope": [4, 4, 8]}))
+
+
+def flux_inputs():
+    g = torch.Generator().manual_seed(0)
+    return dict(
+        hidden_states=torch.randn(1, 16, 4, generator=g),
+        encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
+        pooled_projections=torch.randn(1, 32, generator=g),
+        timestep=torch.tensor([1.0]),
+        img_ids=torch.zeros(16, 3),
+        txt_ids=torch.zeros(8, 3),
+        return_dict=False,
+    )
+
+
+def layerwise_cast(model: nn.Module) -> None:
+    model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+
+
+@pytest.mark.usefixtures("poison_storage", "private_tmp")
+@pytest.mark.parametrize("order", ["after_apply", "before_apply"])
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("placement", OFFLOADING_PLACEMENTS[:4], ids=placement_id)
+def test_layerwise_casting_composes_with_every_mode(placement, storage, order):
+    mode, options = placement
+    reference = tiny_flux_transformer()
+    layerwise_cast(reference)
+    with torch.no_grad():
+        expected = reference(**flux_inputs())[0]
+        target = tiny_flux_transformer()
+        if order == "before_apply":
+            layerwise_cast(target)
+        handle = memmode.apply(target, mode, device="cpu", storage=storage, **options)
+        if order == "after_apply":
+            layerwise_cast(target)  # diffusers' documented order: hooks on top of memmode's
+        for _ in range(2):
+            assert_bit_equal(target(**flux_inputs())[0], expected)
+        handle.remove()
+        assert_same_tensors(tensors_of(target), tensors_of(reference))  # float8 weights, not NaN, not the uncast ones
+        assert_bit_equal(target(**flux_inputs())[0], expected)  # diffusers' hooks still work without memmode
+
+
+@pytest.mark.usefixtures("private_tmp")
+def test_another_offloading_scheme_installed_after_apply_is_refused_at_the_next_call():
+    target = tiny_flux_transformer()
+    with torch.no_grad():
+        expected = target(**flux_inputs())[0]
+    before = tensors_of(target)
+    handle = memmode.apply(target, "model_group_offload", device="cpu", storage="disk")
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_module
+
+    add_hook_to_module(target, AlignDevicesHook(execution_device="cpu"))
+    with pytest.raises(IncompatibleModeError, match="accelerate"):
+        target(**flux_inputs())
+    handle.remove()
+    assert_same_tensors(tensors_of(target), before)
+    remove_hook_from_module(target)
+    with torch.no_grad():
+        assert_bit_equal(target(**flux_inputs())[0], expected)
+
+
+# -- accelerate's offloading on a bare module ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["cpu_offload", "sequential_hooks"])
+@pytest.mark.usefixtures("private_tmp")
+def test_accelerate_offloading_on_a_bare_module_is_refused_untouched(scheme):
+    from accelerate import cpu_offload
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    target = tiny_flux_transformer()
+    if scheme == "cpu_offload":
+        cpu_offload(target, execution_device="cpu")
+    else:  # one hook per leaf, as enable_sequential_cpu_offload leaves them
+        add_hook_to_module(target.proj_out, AlignDevicesHook(execution_device="cpu"))
+    before = snapshot(target)
+    with pytest.raises(IncompatibleModeError, match="accelerate"):
+        memmode.apply(target, "model_group_offload", device="cpu", storage="disk")
+    assert snapshot(target) == before

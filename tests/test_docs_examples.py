@@ -42,8 +42,8 @@ import tiny_loras
 import tiny_pipelines
 import tomllib
 import torch
-from conftest import requires_cuda
 from diffusers import DiffusionPipeline
+from helpers import requires_cuda
 from plugin_guide import PACKAGES as GUIDE_DISTRIBUTIONS
 from plugin_guide import files_from_the_guide
 

@@ -16,6 +16,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import sqnr_db
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
@@ -30,25 +31,12 @@ def build_transformer():
     """A Wan-shaped transformer in bfloat16 (time embedder kept in float32, as from_pretrained does),
     frozen for inference (FSDP2 refuses trainable parameters of mixed dtypes in one group)."""
     from diffusers import WanTransformer3DModel
+    from tiny_components import WAN_TRANSFORMER, cast, configured
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=2,
-            attention_head_dim=16,
-            in_channels=16,
-            out_channels=16,
-            text_dim=32,
-            freq_dim=32,
-            ffn_dim=64,
-            num_layers=2,
-            rope_max_seq_len=32,
-        )
-    keep = set(model._keep_in_fp32_modules)
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.is_floating_point() and keep.isdisjoint(name.split(".")):
-            tensor.data = tensor.data.to(torch.bfloat16)
+        model = configured(WanTransformer3DModel, WAN_TRANSFORMER)()
+    cast(model, torch.bfloat16)
     return model.eval().requires_grad_(False)
 
 
@@ -145,11 +133,6 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def sqnr(reference: torch.Tensor, approximation: torch.Tensor) -> float:
-    noise = (reference.double() - approximation.double()).pow(2).sum()
-    return float("inf") if noise == 0 else float(10 * torch.log10(reference.double().pow(2).sum() / noise))
-
-
 def test_qfloat8_on_an_fsdp2_sharded_transformer(tmp_path):
     import memmode_core as memmode
 
@@ -179,7 +162,7 @@ def test_qfloat8_on_an_fsdp2_sharded_transformer(tmp_path):
         for mode in SUPPORTED:
             assert results[f"{mode} payload"] == ("DTensor", torch.uint8)
             reference = expected["qfloat4" if mode.endswith("qfloat4") else "qfloat8"]
-            assert sqnr(reference, results[mode]) >= 40, (rank, mode)
+            assert sqnr_db(reference, results[mode]) >= 40, (rank, mode)
             summary = results[f"{mode} summary"]
             assert summary["packed_layers"] == 0 and summary["already_packed_layers"] == 20
         for key in ("refused model_full_load_and_qfloat8", "refused model_cpu_offload_and_qfloat4", "refused convert"):

@@ -1,4 +1,4 @@
-"""Loading straight into a mode (issue 15): ``memmode.load(folder, mode)`` gives what ``from_pretrained``
+"""Loading straight into a mode: ``memmode.load(folder, mode)`` gives what ``from_pretrained``
 followed by ``apply`` gives — bit-equal outputs, the same report — from folders written by
 ``save_pretrained`` (sharded ones included), without ever holding the model in anonymous memory; quantized
 models saved by ``save_quantized`` come back bit-exact; broken and foreign checkpoints are refused by name
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import placement_id
 from diffusers import DiffusionPipeline
+from helpers import nbytes, placement_id
 from tiny_pipelines import FAMILIES, make_pipeline, run
 
 import memmode_core as memmode
@@ -340,23 +340,16 @@ def test_peak_memory_while_loading_is_a_few_groups_not_the_model(tmp_path):
     of anonymous memory, 40% of the model, every group written (in_place=False: the path that copies the
     most), each in a fresh interpreter. Measured precisely, with the targets, in benchmarks/load_into_mode.py."""
     from diffusers import WanTransformer3DModel
+    from tiny_components import WAN_TRANSFORMER, configured
 
     folder = tmp_path / "model"
-    model = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=8,
-        attention_head_dim=64,
-        in_channels=4,
-        out_channels=4,
-        text_dim=64,
-        freq_dim=64,
-        ffn_dim=4096,
-        num_layers=12,
-        rope_max_seq_len=32,
-    )
+    wide = {"num_attention_heads": 8, "attention_head_dim": 64, "text_dim": 64, "freq_dim": 64, "ffn_dim": 4096}
+    model = configured(
+        WanTransformer3DModel, WAN_TRANSFORMER, wide, {"in_channels": 4, "out_channels": 4, "num_layers": 12}
+    )()
     model.save_pretrained(folder)
-    block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    block = nbytes(model.blocks[0].parameters())
+    total = nbytes(model.parameters())
     del model
     assert total > 12 * block
     # one child per storage, started together: in one child the second load's baseline depended on when the

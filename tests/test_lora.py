@@ -25,23 +25,14 @@ import os
 
 import pytest
 import torch
-from conftest import OFFLOADING_PLACEMENTS, assert_same_outputs, full_load_outputs, placement_id
-from fakes import PoisonPlugin
-from test_core_apply import hook_count
+from helpers import OFFLOADING_PLACEMENTS, STORAGES, assert_same_outputs, full_matrix, hook_count, nbytes, placement_id
 from tiny_loras import LORA_FAMILIES, TEXT_ENCODER_LORA_COMPONENTS, load_lora, lora_components
-from tiny_pipelines import make_pipeline, run
+from tiny_pipelines import full_load_outputs, make_pipeline, run
 
 import memmode_core as memmode
 from memmode_core.contracts.errors import IncompatibleModeError
 
-#: every storage that runs without CUDA (pinned needs it); the plugins are test requirements, not optional
-STORAGES = ["ram", "poison", "disk", "mmap"]
-
-
-@pytest.fixture(autouse=True)
-def poison():
-    with memmode.temporary_plugin(PoisonPlugin(), name="poison", distribution="tests"):
-        yield
+pytestmark = pytest.mark.usefixtures("poison_storage")
 
 
 def lora_sequence(pipe, family: str) -> list[torch.Tensor]:
@@ -91,7 +82,7 @@ def _sweep() -> list:
     the files.  The file storages with the other placements (leaf level and sequential rebuild hundreds of
     one-module files at every LoRA step) run on ``ROTATION``'s family; ``MEMMODE_TEST_FULL_MATRIX=1`` runs
     them on both ``SWEPT_FAMILIES`` too."""
-    full = os.environ.get("MEMMODE_TEST_FULL_MATRIX") == "1"
+    full = full_matrix()
     cases = [
         (family, mode, options, storage)
         for family in SWEPT_FAMILIES
@@ -147,8 +138,8 @@ def test_loading_an_adapter_stores_only_the_adapter():
     load_lora(pipe, "flux", "first", seed=1)
     added = set(session.groups) - set(before)
     assert added and set(before) <= set(session.groups)  # nothing stored before was stored again
-    adapter_bytes = sum(t.numel() * t.element_size() for k in added for t in session.groups[k].values())
-    lora = sum(p.numel() * p.element_size() for n, p in pipe.transformer.named_parameters() if "lora_" in n)
+    adapter_bytes = nbytes(t for k in added for t in session.groups[k].values())
+    lora = nbytes(p for n, p in pipe.transformer.named_parameters() if "lora_" in n)
     assert adapter_bytes == lora
 
 

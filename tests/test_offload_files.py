@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import requires_cuda
+from helpers import requires_cuda
 from safetensors import safe_open
 
 from memmode_core import StorageUnavailableError

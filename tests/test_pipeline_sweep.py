@@ -1,36 +1,51 @@
-"""Every mode on every tiny real diffusers pipeline of the suite (``pipeline_families``, 49 families: UNet, DiT,
-video, audio, prior, cascade, pixel-space and 3D pipelines built from diffusers' ``get_dummy_components()``):
-no refusal where a user expects it to run, and no silent wrong number.
+"""Every mode on every tiny real diffusers pipeline of the suite (``tiny_pipelines.ALL_FAMILIES``, 49 families:
+UNet, DiT, video, audio, prior, cascade, pixel-space and 3D pipelines built from diffusers'
+``get_dummy_components()``): no refusal where a user expects it to run, and no silent wrong number.
 
 Each lossless case checks what "lossless" promises: two calls (call seeds 0 and 1) equal, bit for bit and
-finite, those of a fresh pipeline without memmode (built the same way, so this also proves the builds are
-deterministic); after the call nothing the placement streams is left on the device (diffusers frees its
-models at the end of a call); what core adjusted is said (``report().placement_notes``: a component whose
-model declares ``_supports_group_offloading = False`` moved whole, one the pipeline lists in
-``_exclude_from_cpu_offload`` kept on the device); after ``handle.remove()`` every parameter and buffer is
-bit-equal, in its dtype and on the CPU, to a fresh build's; and no file is left behind. Under the ``poison``
-storage the calls run inside the placeholder trap: any offloaded placeholder that reaches any torch function
-fails the case, naming the tensor, even where NaN would not reach the output.
+finite, those of a fresh pipeline without memmode (built the same way: ``test_tiny_pipelines`` checks that the
+builds are deterministic and that every component counts); after the call nothing the placement streams is left
+on the device (diffusers frees its models at the end of a call); what core adjusted is said
+(``report().placement_notes``: a component whose model declares ``_supports_group_offloading = False`` moved
+whole, one the pipeline lists in ``_exclude_from_cpu_offload`` kept on the device); after ``handle.remove()``
+every parameter and buffer is bit-equal, in its dtype and on the CPU, to a fresh build's; and no file is left
+behind. Under the ``poison`` storage the calls run inside the placeholder trap: any offloaded placeholder that
+reaches any torch function fails the case, naming the tensor, even where NaN would not reach the output.
 
 Quantized cases (``model_group_offload_and_qfloat8``, ``model_cpu_offload_and_qfloat4``) quantize the
 pipeline's denoisers by default, whatever they are called, must stay finite, and must be close to full
 precision; and every quantizer stays finite over several build seeds of every family.
 
-The sweep is large (about 1100 cases), so a CI run takes one slice of it (``pipeline_families.in_rotation``:
-the slice follows the commit, and every family runs in every slice); ``MEMMODE_TEST_FULL_MATRIX=1`` runs
+The sweep is large (about 1100 cases), so a CI run takes one slice of it (``helpers.in_slice``: the slice
+follows the commit, and every family runs in every slice); ``MEMMODE_TEST_FULL_MATRIX=1`` runs
 all of it, and ``MEMMODE_TEST_ROTATION=k`` a given slice.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-import sys
-from itertools import chain
 
+import helpers
 import pytest
 import torch
-from conftest import OFFLOADING_PLACEMENTS, placement_id
-from pipeline_families import FAMILIES, SLICES, full_matrix, rotation
+from helpers import (
+    OFFLOADING_PLACEMENTS,
+    SLICES,
+    STORAGES,
+    assert_bit_equal,
+    assert_same_tensors,
+    files_under,
+    full_matrix,
+    in_slice,
+    module_components,
+    placement_id,
+    rotation,
+    sqnr_db,
+    tensors_of,
+)
+from tiny_pipelines import ALL_FAMILIES as FAMILIES
+from tiny_pipelines import full_load_outputs, two_calls
 
 import memmode_core as memmode
 from memmode_core.contracts.layout import Policy
@@ -38,7 +53,6 @@ from memmode_core.contracts.targets import takes_timestep
 from memmode_core.engine.reads import PlaceholderTrap
 
 NAMES = sorted(FAMILIES)
-STORAGES = ["ram", "poison", "disk", "mmap"]
 #: placements that cut a component into several groups
 SPLITTING = ("model_group_offload", "sequential_cpu_offload")
 QUANTIZED = [("model_group_offload_and_qfloat8", "ram"), ("model_cpu_offload_and_qfloat4", "mmap")]
@@ -48,18 +62,8 @@ TOO_NARROW = {("sana", "qfloat4")}
 SEEDS = range(6)
 
 
-def _takes(index: int, position: int) -> bool:
-    """Whether this run takes the ``position``-th case of the ``index``-th family: one case in ``SLICES``,
-    offset by family, so that every family has cases in every slice."""
-    return full_matrix() or (index + position) % SLICES == rotation()
-
-
-def _modules(pipe) -> dict[str, torch.nn.Module]:
-    return {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
-
-
 def _has_text_encoder(family: str) -> bool:
-    return any(name.startswith("text_encoder") for name in _modules(_fresh(family)[0]))
+    return any(name.startswith("text_encoder") for name in module_components(_fresh(family)[0]))
 
 
 def _lossless_cases() -> list:
@@ -67,7 +71,7 @@ def _lossless_cases() -> list:
     for index, family in enumerate(NAMES):
         combinations = [(mode, options, storage) for mode, options in OFFLOADING_PLACEMENTS for storage in STORAGES]
         for position, (mode, options, storage) in enumerate(combinations):
-            if _takes(index, position):
+            if in_slice(index, position):
                 cases.append(
                     pytest.param(
                         family, mode, options, storage, id=f"{family}-{placement_id((mode, options))}-{storage}"
@@ -81,69 +85,33 @@ def _quantized_cases() -> list:
         pytest.param(family, mode, storage, id=f"{family}-{mode}-{storage}")
         for index, family in enumerate(NAMES)
         for position, (mode, storage) in enumerate(QUANTIZED)
-        if _takes(index, 2 * position)
+        if in_slice(index, 2 * position)
     ]
 
 
 pytestmark = pytest.mark.usefixtures("poison_storage")
 
 
-def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer by name (non-persistent buffers included, which ``state_dict`` leaves out)."""
-    return dict(chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)))
-
-
-_REFERENCES: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-_FRESH: dict[str, tuple[object, dict[str, dict[str, torch.Tensor]]]] = {}
-
-
-def _reference(family: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Calls 1 and 2 (call seeds 0 and 1) of a fresh pipeline without memmode: what every case must give."""
-    if family not in _REFERENCES:
-        spec = FAMILIES[family]
-        pipe = spec.make(0)
-        _REFERENCES[family] = (spec.run(pipe, 0), spec.run(pipe, 1))
-    return _REFERENCES[family]
+_FRESH: dict[str, tuple[object, dict[str, torch.Tensor]]] = {}
 
 
 def _fresh(family: str):
     """A fresh build never run nor placed, and its tensors: what ``remove()`` must restore."""
     if family not in _FRESH:
         pipe = FAMILIES[family].make(0)
-        _FRESH[family] = (pipe, {name: _tensors(module) for name, module in _modules(pipe).items()})
+        _FRESH[family] = (pipe, tensors_of(pipe))
     return _FRESH[family]
 
 
 def _two_calls(pipe, family: str, trap: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    spec = FAMILIES[family]
-    if not trap:
-        return spec.run(pipe, 0), spec.run(pipe, 1)
-    with PlaceholderTrap():
-        return spec.run(pipe, 0), spec.run(pipe, 1)
-
-
-def assert_bit_equal(got, expected) -> None:
-    for index, (g, e) in enumerate(zip(got, expected, strict=True), start=1):
-        finite = torch.isfinite(g)
-        assert finite.all(), f"call {index}: {int((~finite).sum())} of {g.numel()} values are not finite"
-        assert g.shape == e.shape, f"call {index}: shape {tuple(g.shape)}, expected {tuple(e.shape)}"
-        assert torch.equal(g, e), f"call {index} differs from the reference: max abs diff {(g - e).abs().max():.3g}"
+    """``two_calls``, inside the placeholder trap with ``trap``."""
+    with PlaceholderTrap() if trap else contextlib.nullcontext():
+        return two_calls(pipe, family)
 
 
 def assert_weights_restored(pipe, family: str) -> None:
-    fresh = _fresh(family)[1]
-    rewritten = FAMILIES[family].rewritten
-    modules = _modules(pipe)
-    assert modules.keys() == fresh.keys()
-    for component, module in modules.items():
-        tensors, expected = _tensors(module), fresh[component]
-        assert tensors.keys() == expected.keys(), component
-        for name, tensor in tensors.items():
-            where = f"{component}.{name}"
-            assert tensor.device.type == "cpu", f"{where} is on {tensor.device}"
-            assert tensor.dtype == expected[name].dtype, f"{where} is {tensor.dtype}, was {expected[name].dtype}"
-            if not where.startswith(rewritten):
-                assert torch.equal(tensor, expected[name]), f"{where} differs from a fresh build's"
+    """Every parameter and buffer as a fresh build holds it, but those the pipeline itself rewrites."""
+    assert_same_tensors(tensors_of(pipe), _fresh(family)[1], skip=FAMILIES[family].rewritten)
 
 
 def _frees_at_the_end(pipe) -> bool:
@@ -157,7 +125,7 @@ def _frees_at_the_end(pipe) -> bool:
 
 def _expected_notes(pipe, mode: str, options: dict, handle) -> dict[str, str]:
     """Which components core must have adjusted, and the word each note must contain."""
-    modules = _modules(pipe)
+    modules = module_components(pipe)
     placed = {g.component for g in handle._runtime.groups}
     expected = {}
     if mode != "model_full_load":
@@ -171,44 +139,6 @@ def _expected_notes(pipe, mode: str, options: dict, handle) -> dict[str, str]:
     return expected
 
 
-# -- the builders: what the sweep relies on -------------------------------------------------------------
-
-
-@pytest.mark.parametrize("family", NAMES)
-def test_build_is_deterministic_eval_finite_nonconstant_and_seeded(family):
-    spec = FAMILIES[family]
-    reference = _reference(family)
-    rng = torch.get_rng_state()
-    pipe = spec.make(0)
-    assert torch.equal(torch.get_rng_state(), rng), "a build must leave the global RNG alone"
-    assert all(not m.training for m in _modules(pipe).values()), "components must be in eval mode"
-    output = spec.run(pipe, 0)
-    assert output.dtype == torch.float32 and output.device.type == "cpu"
-    assert torch.isfinite(output).all()
-    assert output.std() > 1e-2, "a near-constant output would hide differences"
-    assert torch.equal(output, reference[0]), "two builds with the same seed must give the same output"
-    assert not torch.equal(reference[1], reference[0]), "the call seed must matter"
-
-
-@pytest.mark.parametrize("family", [f for i, f in enumerate(NAMES) if _takes(i, 0)])
-def test_every_component_influences_the_output(family):
-    """Perturbing any one component's weights changes the output: a component that is idle or bypassed would
-    let a placement that mishandles it pass the sweep."""
-    spec = FAMILIES[family]
-    pipe = spec.make(0)
-    generator = torch.Generator().manual_seed(1)
-    for name, module in _modules(pipe).items():
-        parameters = list(module.parameters())
-        originals = [parameter.detach().clone() for parameter in parameters]
-        with torch.no_grad():
-            for parameter in parameters:
-                parameter.mul_(1 + 0.2 * torch.randn(parameter.shape, generator=generator))
-            change = (spec.run(pipe, 0) - _reference(family)[0]).abs().max()
-            for parameter, original in zip(parameters, originals):
-                parameter.copy_(original)
-        assert change > 1e-5, f"{name} has no influence on the output"
-
-
 def test_the_sweep_covers_every_kind_and_every_family_runs_in_every_slice(monkeypatch):
     kinds = {spec.kind for spec in FAMILIES.values()}
     assert len(FAMILIES) >= 40
@@ -216,7 +146,7 @@ def test_the_sweep_covers_every_kind_and_every_family_runs_in_every_slice(monkey
     monkeypatch.delenv("MEMMODE_TEST_FULL_MATRIX", raising=False)
     taken: dict[str, set[int]] = {}
     for slice_ in range(SLICES):
-        monkeypatch.setattr(sys.modules[__name__], "rotation", lambda slice_=slice_: slice_)
+        monkeypatch.setattr(helpers, "rotation", lambda slice_=slice_: slice_)
         families = {param.values[0] for param in _lossless_cases()}
         assert families == set(NAMES), f"slice {slice_} leaves out {sorted(set(NAMES) - families)}"
         for param in _lossless_cases():
@@ -234,14 +164,15 @@ def test_the_sweep_covers_every_kind_and_every_family_runs_in_every_slice(monkey
 def test_lossless_mode_is_bit_exact_frees_the_device_and_restores_the_weights(
     family, mode, options, storage, private_tmp
 ):
-    expected = _reference(family)
+    expected = full_load_outputs(family)
     pipe = FAMILIES[family].make(0)
     if mode == "text_encoder_offload" and not _has_text_encoder(family):
         with pytest.raises(memmode.IncompatibleModeError, match="text_encoder"):
             memmode.apply(pipe, mode, device="cpu", storage=storage, **options)
         return
     handle = memmode.apply(pipe, mode, device="cpu", storage=storage, **options)
-    assert_bit_equal(_two_calls(pipe, family, trap=storage == "poison"), expected)
+    for index, (got, want) in enumerate(zip(_two_calls(pipe, family, trap=storage == "poison"), expected, strict=True)):
+        assert_bit_equal(got, want, f"call {index + 1}")
     report = handle.report()
     notes = _expected_notes(pipe, mode, options, handle)
     assert set(report.placement_notes) == set(notes), report.placement_notes
@@ -252,20 +183,15 @@ def test_lossless_mode_is_bit_exact_frees_the_device_and_restores_the_weights(
         assert report.resident_device_bytes == kept, "the pipeline call left streamed weights on the device"
     handle.remove()
     assert_weights_restored(pipe, family)
-    assert sorted(p for p in private_tmp.rglob("*") if p.is_file()) == [], "remove() leaves no file behind"
-
-
-def _sqnr_db(got: torch.Tensor, expected: torch.Tensor) -> float:
-    noise = (got.double() - expected.double()).pow(2).mean()
-    return float(10 * torch.log10(expected.double().pow(2).mean() / noise.clamp_min(1e-30)))
+    assert files_under(private_tmp) == [], "remove() leaves no file behind"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family, mode, storage", _quantized_cases())
 def test_quantized_mode_quantizes_the_denoisers_and_stays_close(family, mode, storage, private_tmp):
-    expected = _reference(family)
+    expected = full_load_outputs(family)
     pipe = FAMILIES[family].make(0)
-    denoisers = sorted(name for name, module in _modules(pipe).items() if takes_timestep(module))
+    denoisers = sorted(name for name, module in module_components(pipe).items() if takes_timestep(module))
     assert denoisers, f"{family} has no component taking a timestep"
     try:
         handle = memmode.apply(pipe, mode, device="cpu", storage=storage)
@@ -283,7 +209,7 @@ def test_quantized_mode_quantizes_the_denoisers_and_stays_close(family, mode, st
         if FAMILIES[family].chaotic is None:
             # tiny random models amplify quantization error far more than trained ones (a saturated cascade
             # decoder turns it into whole flipped pixels): what this guards is "close", not a quality figure
-            assert _sqnr_db(g, e) > 3.0, f"call {index}: {_sqnr_db(g, e):.1f} dB from full precision"
+            assert sqnr_db(e, g) > 3.0, f"call {index}: {sqnr_db(e, g):.1f} dB from full precision"
     handle.remove()
 
 

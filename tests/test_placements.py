@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import (
+from fake_plugins import PoisonSession
+from helpers import (
     OFFLOADING_PLACEMENTS,
+    assert_bit_equal,
     assert_same_outputs,
-    full_load_outputs,
+    hook_count,
     placement_id,
     requires_cuda,
-    two_calls,
+    snapshot,
 )
-from fakes import PoisonPlugin, PoisonSession
-from test_core_apply import hook_count
-from tiny_pipelines import make_pipeline, run
+from tiny_models import make_tied
+from tiny_pipelines import full_load_outputs, make_pipeline, run, two_calls
 from torch import nn
 
 import memmode_core as memmode
-from memmode_core.contracts.errors import IncompatibleModeError
+from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError
 from memmode_core.contracts.layout import Policy, block_groups
 from memmode_core.engine.groups import claim_groups
 from memmode_core.engine.ledger import Ledger
@@ -26,11 +27,7 @@ from memmode_core.engine.runtime import Runtime
 
 PLACEMENTS = [*OFFLOADING_PLACEMENTS, ("model_group_offload", {"num_blocks_per_group": 2})]
 
-
-@pytest.fixture(autouse=True)
-def poison():
-    with memmode.temporary_plugin(PoisonPlugin(), name="poison", distribution="tests"):
-        yield
+pytestmark = pytest.mark.usefixtures("poison_storage")
 
 
 @pytest.mark.parametrize("storage", ["ram", "poison"])
@@ -104,15 +101,69 @@ def test_text_encoder_offload_refuses_an_fsdp_wrapped_encoder(tmp_path):
         dist.destroy_process_group()
 
 
-def test_block_groups_find_nested_block_lists_and_block_modules():
+# -- leaving components out of a placement ------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("private_tmp")
+@pytest.mark.parametrize("storage", ["poison", "disk"])
+def test_excluded_components_are_left_where_they_are(storage):
+    expected = run(make_pipeline("flux"), "flux", 0)
     pipe = make_pipeline("flux")
-    keys = [g.key for g in block_groups("text_encoder", pipe.text_encoder)]
-    assert keys[0] == "text_encoder/<rest>"
-    assert "text_encoder/encoder.layers.0" in keys and "text_encoder/encoder.layers.1" in keys
-    vae_keys = [g.key for g in block_groups("vae", pipe.vae, block_modules=["encoder", "decoder"])]
-    assert "vae/decoder" in vae_keys and "vae/decoder.up_blocks.0" in vae_keys and "vae/encoder" in vae_keys
-    chunked = [g.key for g in block_groups("transformer", pipe.transformer, num_blocks_per_group=2)]
-    assert "transformer/transformer_blocks.0-1" in chunked and "transformer/single_transformer_blocks.0-1" in chunked
+    vae_before = snapshot(pipe)
+    handle = memmode.apply(
+        pipe, "model_group_offload", device="cpu", storage=storage, exclude_components=["vae", "text_encoder"]
+    )
+    assert {g.component for g in handle._runtime.groups} == {"transformer", "text_encoder_2"}
+    after = snapshot(pipe)
+    for key, value in vae_before.items():
+        if isinstance(key, tuple) and key[0] in ("vae", "text_encoder"):
+            assert after[key] == value, key  # same tensors, same memory, no hooks, no handle
+    assert_bit_equal(run(pipe, "flux", 0), expected)
+    handle.remove()
+
+
+def test_excluded_components_with_a_quantizer_and_with_auto(qint8):
+    pipe = make_pipeline("flux")
+    with pytest.raises(InvalidOptionError, match="no denoiser"):  # left out: not a default target either
+        memmode.apply(pipe, "model_cpu_offload_and_qint8", device="cpu", exclude_components=["transformer"])
+    handle = memmode.apply(
+        pipe,
+        "model_cpu_offload_and_qint8",
+        device="cpu",
+        exclude_components=["transformer"],
+        components=["transformer"],
+    )
+    assert set(handle.quantized) == {"transformer"}  # named explicitly: quantized, but not placed
+    assert "transformer" not in {g.component for g in handle._runtime.groups}
+    handle.remove()
+    pipe = make_pipeline("flux")
+    handle = memmode.apply(pipe, "auto", device="cpu", exclude_components=["vae"])
+    assert "vae" not in {g.component for g in handle._runtime.groups}
+    handle.remove()
+    assert all(e.peak_device_bytes > 0 for e in memmode.plan(pipe, device="cpu", exclude_components=["vae"]))
+
+
+@pytest.mark.parametrize(
+    "names, match",
+    [
+        (["nope"], "no module component named 'nope'"),
+        (["vae", "transformer", "text_encoder", "text_encoder_2"], "leaves no component"),
+        ([3], "string"),
+    ],
+)
+def test_exclude_components_refusals_are_typed_and_touch_nothing(names, match):
+    pipe = make_pipeline("flux")
+    before = snapshot(pipe)
+    with pytest.raises(InvalidOptionError, match=match):
+        memmode.apply(pipe, "model_group_offload", device="cpu", exclude_components=names)
+    assert snapshot(pipe) == before
+
+
+def test_exclude_components_on_a_bare_module_is_refused():
+    target = make_tied("nested_tied")
+    with pytest.raises(InvalidOptionError, match="bare module"):
+        memmode.apply(target, "model_group_offload", device="cpu", exclude_components=["module"])
+    assert hook_count(target) == 0
 
 
 # -- execution order and prefetch, exercised on the CPU through the runtime -----------------------------

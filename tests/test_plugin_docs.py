@@ -141,6 +141,7 @@ from torch import nn
 import memmode_core as memmode
 from memmode_core import Policy
 from memmode_core.cli import main as memmode_main
+from helpers import state_of
 from tiny_pipelines import make_pipeline, run
 
 results = {}
@@ -174,12 +175,8 @@ def keys(handle, policy):
 
 
 def same_weights(pipe, fresh):
-    for name, module in fresh.components.items():
-        if isinstance(module, nn.Module):
-            mine, theirs = pipe.components[name].state_dict(), module.state_dict()
-            if mine.keys() != theirs.keys() or not all(torch.equal(mine[k], theirs[k]) for k in theirs):
-                return False
-    return True
+    mine, theirs = state_of(pipe), state_of(fresh)
+    return mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
 
 
 @contextlib.contextmanager
@@ -220,17 +217,26 @@ def qint8():
             "summary": handle.report().quantization["transformer"]}
 
 
+_PLAIN = []
+
+
+def placed_flux(mode, storage):
+    """A fresh Flux pipeline under ``mode`` with ``storage``, its handle, and whether its output is a plain one's."""
+    if not _PLAIN:
+        _PLAIN.append(run(make_pipeline("flux"), "flux"))
+    pipe = make_pipeline("flux")
+    handle = memmode.apply(pipe, mode, device="cpu", storage=storage)
+    return pipe, handle, torch.equal(run(pipe, "flux"), _PLAIN[0])
+
+
 @check
 def zram_pipelines():
-    plain = run(make_pipeline("flux"), "flux")
     found = {}
     for mode in ("model_group_offload", "sequential_cpu_offload"):
-        pipe = make_pipeline("flux")
-        handle = memmode.apply(pipe, mode, device="cpu", storage="zram")
-        out = run(pipe, "flux")
+        pipe, handle, equal = placed_flux(mode, "zram")
         modules = list(memmode.Target.of(pipe).components.values())
         found[mode] = {
-            "equal": torch.equal(out, plain),
+            "equal": equal,
             "held": handle.report().storage_bytes["pageable_bytes"],
             "offloaded": sum(g.nbytes for g in handle._runtime.groups if g.policy is not Policy.RESIDENT),
             "parameters_at_rest_are_placeholders": all(
@@ -297,14 +303,10 @@ def keepfirst_module():
 
 @check
 def keepfirst_pipelines():
-    plain = run(make_pipeline("flux"), "flux")
     found = {}
     for storage in ("ram", "disk"):
-        pipe = make_pipeline("flux")
-        handle = memmode.apply(pipe, "keep_first_offload", device="cpu", storage=storage)
-        out = run(pipe, "flux")
-        found[storage] = {"equal": torch.equal(out, plain), "resident": keys(handle, Policy.RESIDENT),
-                          "storage": handle.storage}
+        pipe, handle, equal = placed_flux("keep_first_offload", storage)
+        found[storage] = {"equal": equal, "resident": keys(handle, Policy.RESIDENT), "storage": handle.storage}
         handle.remove()
         found[storage]["restored"] = same_weights(pipe, make_pipeline("flux"))
     return found

@@ -22,21 +22,16 @@ What the placement x storage x quantizer sweep covers (``cases``):
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from conftest import OFFLOADING_PLACEMENTS, assert_same_outputs, placement_id, requires_cuda, two_calls
-from fakes import PoisonPlugin
-from tiny_pipelines import make_pipeline
+from helpers import FILE_STORAGES, OFFLOADING_PLACEMENTS, assert_same_outputs, full_matrix, placement_id, requires_cuda
+from tiny_pipelines import make_pipeline, two_calls
 
 import memmode_core as memmode
 from memmode_core.discovery import plugins
 
 QUANTIZERS = ["qfloat8", "qfloat4"]
 PLACEMENTS = OFFLOADING_PLACEMENTS
-#: storages that ship with memmode and can run on a CPU-only machine, when installed
-FILE_STORAGES = ["disk", "mmap"]
 
 
 def installed_storages() -> list[str]:
@@ -46,10 +41,7 @@ def installed_storages() -> list[str]:
     return ["ram", "poison"] + [name for name in FILE_STORAGES if name in names]
 
 
-@pytest.fixture(autouse=True)
-def poison_storage():
-    with memmode.temporary_plugin(PoisonPlugin(), name="poison", distribution="tests"):
-        yield
+pytestmark = pytest.mark.usefixtures("poison_storage")
 
 
 _FULL_LOAD: dict[tuple[str, str], tuple[tuple[torch.Tensor, torch.Tensor], dict]] = {}
@@ -96,7 +88,7 @@ _ROTATION = [
 
 
 def _covered(quantizer: str, placement: str, storage: str) -> bool:
-    if (placement, storage) not in _ROTATION or os.environ.get("MEMMODE_TEST_FULL_MATRIX") == "1":
+    if (placement, storage) not in _ROTATION or full_matrix():
         return True
     return _ROTATION.index((placement, storage)) % len(QUANTIZERS) == QUANTIZERS.index(quantizer)
 

@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import nbytes, sqnr_db
 
 from memmode_qfloat4 import BLOCK, QFloat4
 from memmode_qfloat8 import E4M3_MAX, QFloat8
 from memmode_qfloat8.format import e4m3_values
 
 E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
-
-
-def sqnr(reference: torch.Tensor, approximation: torch.Tensor) -> float:
-    reference, approximation = reference.double(), approximation.double()
-    noise = (reference - approximation).pow(2).sum()
-    if noise == 0:
-        return float("inf")
-    return float(10 * torch.log10(reference.pow(2).sum() / noise))
 
 
 def roundtrip(quantizer, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -41,19 +34,19 @@ def weight() -> torch.Tensor:
 @pytest.mark.parametrize("scale", [1.0, 1e3, 1e-3])
 def test_qfloat8_accuracy_does_not_depend_on_the_weights_scale(weight, scale):
     scaled = weight * scale
-    assert sqnr(scaled, roundtrip(QFloat8(), scaled)) > 30.0
+    assert sqnr_db(scaled, roundtrip(QFloat8(), scaled)) > 30.0
 
 
 def test_a_plain_float8_cast_overflows_large_weights_and_flushes_small_ones(weight):
     """Why qfloat8 scales: the same weights x1e3 overflow E4M3 (saturated at 448, or NaN), x1e-3 fall
     under its smallest subnormal (2^-9)."""
     large = plain_cast(weight * 1e3)
-    assert not torch.isfinite(large).all() or sqnr(weight * 1e3, large) < 10
+    assert not torch.isfinite(large).all() or sqnr_db(weight * 1e3, large) < 10
     small = weight * 1e-3
-    assert sqnr(small, plain_cast(small)) < 10
+    assert sqnr_db(small, plain_cast(small)) < 10
     assert (plain_cast(small) == 0).float().mean() > 0.3
     for scaled in (weight * 1e3, weight * 1e-3):
-        assert sqnr(scaled, roundtrip(QFloat8(), scaled)) > 30.0
+        assert sqnr_db(scaled, roundtrip(QFloat8(), scaled)) > 30.0
 
 
 def test_qfloat8_layout_and_exact_values(weight):
@@ -94,8 +87,8 @@ def test_qfloat4_layout(weight):
     assert packed["weight_packed"].dtype == torch.uint8 and packed["weight_packed"].shape == (96, 64)
     assert packed["weight_scale"].dtype == torch.uint8 and packed["weight_scale"].shape == (96, 128 // BLOCK)
     assert packed["weight_global_scale"].dtype == torch.float32 and packed["weight_global_scale"].shape == ()
-    nbytes = sum(t.numel() * t.element_size() for t in packed.values())
-    assert nbytes == 96 * 64 + 96 * 8 + 4  # 0.5625 bytes per weight, plus the tensor scale
+    size = nbytes(packed.values())
+    assert size == 96 * 64 + 96 * 8 + 4  # 0.5625 bytes per weight, plus the tensor scale
 
 
 def e2m1_grid(quantizer: QFloat4, weight: torch.Tensor) -> torch.Tensor:
@@ -133,7 +126,7 @@ def test_qfloat4_rounds_to_nearest_with_ties_to_even():
 @pytest.mark.parametrize("scale", [1.0, 1e3, 1e-3])
 def test_qfloat4_accuracy_does_not_depend_on_the_weights_scale(weight, scale):
     scaled = weight * scale
-    assert sqnr(scaled, roundtrip(QFloat4(), scaled)) > 19.0
+    assert sqnr_db(scaled, roundtrip(QFloat4(), scaled)) > 19.0
 
 
 def test_qfloat4_zero_blocks_and_compute_dtypes(weight):
@@ -157,7 +150,7 @@ def test_float16_unpacking_survives_subnormal_scales():
     tiny = torch.randn(8, 32, generator=torch.Generator().manual_seed(1)) * 1e-5
     for quantizer, floor in ((QFloat8(), 25.0), (QFloat4(), 15.0)):
         out = roundtrip(quantizer, tiny, torch.float16)
-        assert sqnr(tiny, out.float()) > floor, quantizer.name
+        assert sqnr_db(tiny, out.float()) > floor, quantizer.name
 
 
 def test_qfloat4_refuses_input_widths_that_do_not_fill_blocks():
@@ -220,4 +213,4 @@ def test_no_weight_the_source_dtype_can_hold_dequantizes_to_a_non_finite_value(q
             assert torch.isfinite(got).all(), f"{name} in {dtype}: non-finite"
             if weight.float().abs().max() > torch.finfo(dtype).tiny * 1e3:
                 floor = 8 if dtype == torch.float32 else 5  # bfloat16's own rounding is coarser than the codes'
-                assert sqnr(weight.float(), got.float()) > floor, f"{name} in {dtype}"
+                assert sqnr_db(weight.float(), got.float()) > floor, f"{name} in {dtype}"

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from fakes import Int8Plugin
+from helpers import nbytes, sqnr_db
 from tiny_pipelines import make_pipeline, run
 from torch import nn
 
@@ -23,11 +23,6 @@ from memmode_qfloat4 import QFloat4
 from memmode_qfloat8 import QFloat8, convert
 
 QUANTIZERS = {"qfloat8": QFloat8, "qfloat4": QFloat4}
-
-
-def sqnr(reference: torch.Tensor, approximation: torch.Tensor) -> float:
-    reference, approximation = reference.detach().double(), approximation.detach().double()
-    return float(10 * torch.log10(reference.pow(2).sum() / (reference - approximation).pow(2).sum()))
 
 
 def linears(module: nn.Module) -> dict[str, nn.Linear]:
@@ -131,7 +126,7 @@ def test_pipeline_dtype_keeps_reporting_the_compute_dtype_when_the_first_paramet
     assert packed_record(pipe.transformer.x_embedder) is not None
     assert next(pipe.transformer.parameters()).dtype == torch.uint8  # x_embedder.weight_packed
     assert pipe.transformer.dtype == torch.bfloat16
-    assert sqnr(reference, run(pipe, "flux")) > 25
+    assert sqnr_db(reference, run(pipe, "flux")) > 25
 
 
 def test_weight_dtype_is_the_compute_dtype_and_outputs_keep_the_input_dtype():
@@ -142,7 +137,7 @@ def test_weight_dtype_is_the_compute_dtype_and_outputs_keep_the_input_dtype():
     assert summary.compute_dtype == "bfloat16"
     out = model(x)
     assert out.dtype == torch.float32
-    assert sqnr(reference, out) > 25
+    assert sqnr_db(reference, out) > 25
     again = quantize_component(QFloat8(), model, weight_dtype=None)  # a no-op keeps the compute dtype
     assert again.no_op and again.compute_dtype == "bfloat16"
 
@@ -235,7 +230,7 @@ def test_qfloat4_keeps_layers_whose_width_does_not_fill_blocks_and_reports_them(
     }
     assert report["packed_layers"] == 5
     assert packed_record(model.blocks[2][0]) is not None and packed_record(model.blocks[2][2]) is None
-    assert sqnr(reference, model(x)) > 15
+    assert sqnr_db(reference, model(x)) > 15
 
 
 def test_nothing_to_quantize_is_refused():
@@ -262,9 +257,7 @@ def test_predicted_sizes_equal_the_quantized_sizes(family, quantizer):
     one = quantized_direct_bytes(q, last.module, component=transformer)
     summary = quantize_component(q, transformer, weight_dtype=None)
     actual = {
-        name: sum(
-            t.numel() * t.element_size() for t in [*m._parameters.values(), *m._buffers.values()] if t is not None
-        )
+        name: nbytes(t for t in [*m._parameters.values(), *m._buffers.values()] if t is not None)
         for name, m in transformer.named_modules()
     }
     assert predicted == actual
@@ -296,16 +289,15 @@ def test_pack_results_that_break_the_contract_are_plugin_bugs():
 # -- a third-party quantizer is a page ------------------------------------------------------------------------
 
 
-def test_a_third_party_quantizer_needs_only_pack_and_unpack():
+def test_a_third_party_quantizer_needs_only_pack_and_unpack(qint8):
     reference = run(make_pipeline("wan22", dtype=torch.bfloat16), "wan22")
     pipe = make_pipeline("wan22", dtype=torch.bfloat16)
-    with memmode.temporary_plugin(Int8Plugin(), name="qint8", distribution="tests"):
-        handle = memmode.apply(pipe, "model_group_offload_and_qint8")
-        out = run(pipe, "wan22")
+    handle = memmode.apply(pipe, "model_group_offload_and_qint8")
+    out = run(pipe, "wan22")
     report = handle.report().quantization["transformer_2"]
     assert report["quantizer"] == "qint8" and report["packed_layers"] == 20
     assert pipe.transformer_2.blocks[0].attn1.to_q.weight_packed.dtype == torch.int8
-    assert sqnr(reference, out) > 25
+    assert sqnr_db(reference, out) > 25
 
 
 # -- misuse ---------------------------------------------------------------------------------------------------

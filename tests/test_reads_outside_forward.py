@@ -21,9 +21,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import OFFLOADING_PLACEMENTS, placement_id
 from diffusers import DiffusionPipeline, ModelMixin
 from diffusers.configuration_utils import ConfigMixin, register_to_config
+from helpers import (
+    OFFLOADING_PLACEMENTS,
+    STORAGES,
+    assert_same_tensors,
+    nbytes,
+    placement_id,
+    requires_cuda,
+    state_of,
+    tensors_of,
+)
+from tiny_models import ReadsOutsideForward
 from torch import nn
 
 import memmode_core as memmode
@@ -32,7 +42,6 @@ from memmode_core.engine import forwards
 from memmode_core.engine.reads import PlaceholderTrap
 
 WIDTH = 8
-STORAGES = ["ram", "poison", "disk", "mmap"]
 PLACEMENTS = [p for p in OFFLOADING_PLACEMENTS if p[0] != "text_encoder_offload"]
 
 
@@ -119,17 +128,6 @@ def latents() -> torch.Tensor:
     return torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(1))
 
 
-def state(pipe) -> dict[str, torch.Tensor]:
-    return {f"{c}.{n}": t.detach().clone() for c, m in pipe.components.items() for n, t in m.state_dict().items()}
-
-
-def assert_same_state(got: dict, expected: dict) -> None:
-    assert got.keys() == expected.keys()
-    for name, tensor in got.items():
-        assert tensor.device.type == "cpu" and tensor.dtype == expected[name].dtype, name
-        assert torch.equal(tensor, expected[name]), f"{name} changed"
-
-
 pytestmark = pytest.mark.usefixtures("poison_storage", "private_tmp")
 
 
@@ -144,7 +142,7 @@ def test_methods_other_than_forward_see_real_weights(placement, storage):
     mode, options = placement
     expected = reference()
     pipe = build()
-    before = state(pipe)
+    before = state_of(pipe)
     handle = memmode.apply(pipe, mode, device="cpu", storage=storage, **options)
     assert handle.report().placement_notes == {}, "nothing declared: the general rule does it"
     with torch.no_grad(), PlaceholderTrap():
@@ -153,7 +151,7 @@ def test_methods_other_than_forward_see_real_weights(placement, storage):
             assert torch.isfinite(got).all() and torch.equal(got, expected)
     assert handle.report().resident_device_bytes == 0
     handle.remove()
-    assert_same_state(state(pipe), before)
+    assert_same_tensors(state_of(pipe), before)
 
 
 def test_a_module_that_is_never_called_rests_with_its_caller_and_own_parameters_stay_readable():
@@ -193,7 +191,7 @@ def test_without_the_rule_a_read_is_a_typed_error_and_no_weight_is_lost(placemen
         lambda module: [m for m in forwards.COMPONENT_METHODS if callable(getattr(type(module), m, None))],
     )
     pipe = build()
-    before = state(pipe)
+    before = state_of(pipe)
     handle = memmode.apply(pipe, mode, device="cpu", storage=storage, **options)
     with torch.no_grad():
         x = latents()
@@ -209,7 +207,7 @@ def test_without_the_rule_a_read_is_a_typed_error_and_no_weight_is_lost(placemen
         ):
             pipe.normalizer.to("cpu", torch.float32)
     handle.remove()
-    assert_same_state(state(pipe), before)
+    assert_same_tensors(state_of(pipe), before)
 
 
 class LeafReader(nn.Module):
@@ -298,8 +296,8 @@ def test_a_cast_that_makes_new_parameters_from_placeholders_keeps_the_weights(st
                 with torch.no_grad():
                     assert torch.equal(pipe.prior(latents().double(), 1), expected)
             handle.remove()
-            after = {n: t for n, t in state(pipe).items() if n.startswith("prior.")}
-            assert_same_state(after, {n: t for n, t in state(expected_pipe).items() if n.startswith("prior.")})
+            after = {n: t for n, t in state_of(pipe).items() if n.startswith("prior.")}
+            assert_same_tensors(after, {n: t for n, t in state_of(expected_pipe).items() if n.startswith("prior.")})
     finally:
         setter(was)
 
@@ -316,7 +314,7 @@ def test_the_pipelines_exclusions_are_kept_on_the_device_and_said(placement, sto
     with torch.no_grad():
         assert torch.equal(pipe(latents()), expected)
     resident = handle.report().resident_device_bytes
-    assert resident == sum(t.numel() * t.element_size() for m in (pipe.prior, pipe.normalizer) for t in m.parameters())
+    assert resident == nbytes(t for m in (pipe.prior, pipe.normalizer) for t in m.parameters())
     handle.remove()
     with pytest.raises(memmode.IncompatibleModeError, match="_exclude_from_cpu_offload"):
         memmode.apply(pipe, mode, device="cpu", storage=storage, strict=True, **options)
@@ -358,3 +356,56 @@ def test_a_submodule_the_pipeline_calls_itself_is_onloaded_for_that_call(placeme
             assert torch.equal(pipe(latents()), expected)
     assert handle.report().resident_device_bytes == 0
     handle.remove()
+
+
+# -- reads nothing declares, on models the rules above do not reach ------------------------------------
+
+
+class MismatchOnRead(nn.Module):
+    """Raises what torch raises on CUDA when a CPU-resident (offloaded) weight meets device inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        raise RuntimeError(
+            "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!"
+        )
+
+
+def test_a_device_mismatch_inside_a_placed_forward_is_a_clear_error():
+    target = MismatchOnRead()
+    before = tensors_of(target)
+    handle = memmode.apply(target, "model_group_offload", device="cpu", storage="poison")
+    with pytest.raises(OffloadedWeightReadError, match=r"module \(MismatchOnRead\).*blocks\.1") as info:
+        target(torch.randn(1, 4))
+    assert isinstance(info.value, RuntimeError) and "found at least two devices" in str(info.value)
+    assert handle._runtime.ledger.resident == 0, "a failed call leaves nothing onloaded"
+    handle.remove()
+    assert_same_tensors(tensors_of(target), before)
+
+
+@requires_cuda
+def test_an_undeclared_read_outside_forward_names_the_module_on_cuda():
+    torch.manual_seed(0)
+    target = ReadsOutsideForward()
+    handle = memmode.apply(target, "model_group_offload", device="cuda", storage="ram")
+    with pytest.raises(OffloadedWeightReadError, match="ReadsOutsideForward"):
+        target(torch.randn(2, 16, device="cuda"))
+    handle.remove()
+
+
+@pytest.mark.parametrize("storage", ["poison", "disk"])
+def test_an_undeclared_read_outside_forward_is_a_typed_error_on_cpu(storage):
+    """On a CPU the placeholder turns such a read into NaN; memmode sees the non-finite result, runs the call
+    again under its placeholder trap and names the weight that was read, instead of returning NaN."""
+    torch.manual_seed(0)
+    target = ReadsOutsideForward()
+    before = tensors_of(target)
+    handle = memmode.apply(target, "model_group_offload", device="cpu", storage=storage)
+    with pytest.raises(OffloadedWeightReadError, match=r"blocks\.0\.scale\.weight \(group module/blocks\.0\)"):
+        target(torch.randn(2, 16))
+    handle.remove()
+    assert_same_tensors(tensors_of(target), before)

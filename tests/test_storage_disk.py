@@ -4,8 +4,8 @@ file is the only copy; buffers stay readable; what it reports."""
 from __future__ import annotations
 
 import torch
-from conftest import assert_same_outputs, full_load_outputs, two_calls
-from tiny_pipelines import make_pipeline
+from helpers import assert_same_outputs, module_components, nbytes
+from tiny_pipelines import full_load_outputs, make_pipeline, two_calls
 
 import memmode_core as memmode
 from memmode_core.files import format as group_format
@@ -16,16 +16,10 @@ def test_at_rest_parameters_hold_no_memory_and_buffers_keep_their_values(tmp_pat
     tables, a VAE's latent statistics) and a model's own loose parameters (Wan's ``scale_shift_table``, a
     prior's statistics, ACE-Step's null embedding, which its pipeline reads itself)."""
     pipe = make_pipeline("wan22")  # its transformers have buffers (RoPE tables)
-    buffers = {
-        (c, n): b.clone()
-        for c, m in pipe.components.items()
-        if isinstance(m, torch.nn.Module)
-        for n, b in m.named_buffers()
-    }
+    buffers = {(c, n): b.clone() for c, m in module_components(pipe).items() for n, b in m.named_buffers()}
     own = {
         (c, n): p.detach().clone()
-        for c, m in pipe.components.items()
-        if isinstance(m, torch.nn.Module)
+        for c, m in module_components(pipe).items()
         for n, p in m.named_parameters(recurse=False)
     }
     weights = {n: p.detach().clone() for n, p in pipe.transformer.named_parameters()}
@@ -42,7 +36,7 @@ def test_at_rest_parameters_hold_no_memory_and_buffers_keep_their_values(tmp_pat
         assert torch.equal(held[name], value), f"{component}.{name} is not readable at rest"
 
     stats = handle.report().storage_bytes
-    assert stats["pageable_bytes"] == sum(t.numel() * t.element_size() for t in [*buffers.values(), *own.values()])
+    assert stats["pageable_bytes"] == nbytes([*buffers.values(), *own.values()])
     assert stats["disk_bytes"] == sum(p.stat().st_size for p in tmp_path.glob("memmode-*.safetensors"))
     assert_same_outputs(two_calls(pipe, "wan22"), full_load_outputs("wan22"))
     handle.remove()

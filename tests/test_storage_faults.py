@@ -1,4 +1,4 @@
-"""Storage faults and concurrency (issue 12): lose nothing, never crash, never compute with a wrong file.
+"""Storage faults and concurrency: lose nothing, never crash, never compute with a wrong file.
 
 Fault injection through real files — ``os.truncate``, deletion, a file renamed over another, bytes
 flipped in place, a child process killed with SIGKILL — on the ``disk`` and ``mmap`` storages, and
@@ -13,10 +13,10 @@ two threads calling one model under every storage:
 4. A later session collects the files and lease of a process killed with ``kill -9``, never those of a
    live peer, never files a dead session asked to keep.
 5. Two threads, one model, 300 calls per storage, every output exact.
-6. Small refusals at ``apply`` (before anything is touched), and the ``keep_files`` rule for sessions
-   sharing a folder.
+6. The ``keep_files`` rule for sessions sharing a folder: a file outlives its writer while any session that
+   used it asked to keep it.
 
-Scenarios that may touch a truncated mapping run in a forked child (:func:`fault_helpers.in_forked_child`).
+Scenarios that may touch a truncated mapping run in a forked child (:func:`fault_injection.in_forked_child`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -34,39 +33,35 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import PoisonPlugin
-from fault_helpers import (
-    BLOCK_KEY,
-    BLOCKS,
+from fault_injection import (
     all_groups,
+    copy_by_identity,
     data_offset,
     describe_status_code,
     differing,
     in_forked_child,
-    make_blocks,
-    make_inputs,
     modify_in_place,
     read_line,
-    snapshot,
     stored_groups,
 )
-from test_core_apply import hook_count
+from helpers import FILE_STORAGES, assert_refused, hook_count, module_components
+from tiny_models import BLOCK_KEY, BLOCKS, make_blocks, make_inputs
 from tiny_pipelines import make_pipeline, run
 
 import memmode_core as memmode
 from memmode_core import InvalidOptionError, MemmodeError, StorageUnavailableError
 
 TESTS_DIR = Path(__file__).resolve().parent
-FILE_STORAGES = ["disk", "mmap"]
 GROUP_FILES = "memmode-*.safetensors"
 LEASES = ".memmode-*.lease"
 
 
 def restore_error() -> type:
-    """``memmode_core.RestoreError`` (looked up at call time: it is part of the issue 12 contract)."""
+    """``memmode_core.RestoreError`` (looked up at call time: without it, each test that needs it fails, not the
+    module's import)."""
     error = getattr(memmode, "RestoreError", None)
     if error is None:
-        pytest.fail("memmode_core has no RestoreError (issue 12: remove() names the groups it could not restore)")
+        pytest.fail("memmode_core has no RestoreError (remove() must name the groups it could not restore)")
     assert issubclass(error, MemmodeError)
     return error
 
@@ -134,7 +129,7 @@ def test_remove_restores_every_group_it_can_then_names_the_lost_ones(storage, fa
 
 def _remove_after_lost_files(storage: str, fault: str, folder: Path) -> None:
     model = make_blocks(0)
-    snap = snapshot({"module": model})
+    snap = copy_by_identity({"module": model})
     (x,) = make_inputs(0)
     with torch.no_grad():
         expected = model(x)
@@ -158,8 +153,7 @@ def test_remove_on_a_pipeline_names_the_lost_groups_by_component(tmp_path):
     RestoreError naming exactly "transformer/transformer_blocks.0" and "text_encoder/encoder.layers.1",
     and leaves the pipeline without handle or hooks."""
     pipe = make_pipeline("flux")
-    components = {k: v for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)}
-    snap = snapshot(components)
+    snap = copy_by_identity(module_components(pipe))
     expected = run(make_pipeline("flux"), "flux", 0)
     handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage="disk", offload_dir=tmp_path / "off")
     assert torch.equal(run(pipe, "flux", 0), expected), "before the fault the output equals full load"
@@ -182,7 +176,8 @@ _TRUNCATED_CALL = textwrap.dedent("""
     import torch
     torch.set_num_threads(1)
     import memmode_core as memmode
-    from fault_helpers import make_blocks, make_inputs, stored_groups
+    from fault_injection import stored_groups
+    from tiny_models import make_blocks, make_inputs
 
     root = sys.argv[2]
     for storage in sys.argv[3:]:
@@ -262,7 +257,7 @@ def test_a_file_truncated_after_apply_is_a_clear_error_not_a_signal(storage, tru
 
 def _fault_at_next_call(storage: str, fault: str, folder: Path, verify: str | None) -> None:
     model = make_blocks(0)
-    snap = snapshot({"module": model})
+    snap = copy_by_identity({"module": model})
     (x,) = make_inputs(0)
     options = {} if verify is None else {"verify": verify}
     with torch.no_grad():
@@ -341,7 +336,7 @@ def test_every_verify_value_computes_exactly(storage, verify, tmp_path):
     """Case 3: verify="size" | "hash" | "none" are accepted by disk and mmap and, on intact files, give
     exactly the output of the model without memmode, call after call; remove() gives the weights back."""
     model = make_blocks(0)
-    snap = snapshot({"module": model})
+    snap = copy_by_identity({"module": model})
     inputs = make_inputs(1, count=3)
     with torch.no_grad():
         expected = [model(x) for x in inputs]
@@ -358,12 +353,16 @@ def test_every_verify_value_computes_exactly(storage, verify, tmp_path):
 def test_an_invalid_verify_value_is_refused_before_anything_is_touched(storage, value, tmp_path):
     """Case 3: verify= other than "size", "hash", "none" is an InvalidOptionError from apply, with the
     model untouched and no file written."""
-    model = make_blocks(0)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
     folder = tmp_path / "offload"
-    with pytest.raises(InvalidOptionError, match="verify"):
-        apply_blocks(model, storage, folder, verify=value)
-    assert_untouched(model, before)
+    assert_refused(
+        make_blocks(0),
+        InvalidOptionError,
+        match="verify",
+        storage=storage,
+        offload_type="block_level",
+        offload_dir=folder,
+        verify=value,
+    )
     assert names_in(folder, GROUP_FILES) == set()
 
 
@@ -375,7 +374,7 @@ _SESSION_CHILD = textwrap.dedent("""
     import torch
     torch.set_num_threads(1)
     import memmode_core as memmode
-    from fault_helpers import make_blocks, make_inputs
+    from tiny_models import make_blocks, make_inputs
 
     folder, seed, keep = sys.argv[2], int(sys.argv[3]), sys.argv[4] == "keep"
     model = make_blocks(seed)
@@ -503,132 +502,51 @@ def test_a_killed_sessions_kept_files_are_not_collected(crash_scene):
 CALLS_PER_THREAD = 150
 
 
+@pytest.mark.usefixtures("poison_storage")
 @pytest.mark.parametrize("storage", ["ram", "disk", "mmap", "poison"])
 def test_two_threads_calling_one_model_get_exact_outputs(storage, tmp_path):
     """Case 5: two threads call the same model (6 blocks of Linear 64x64, block-level group offload),
     150 calls each with their own inputs, under ram, disk, mmap and poison (NaN placeholders at rest);
     every output equals the model without memmode for that input, no exception, nothing left resident
     on the device at the end (ledger), and remove() gives back the weights intact."""
-    plugin = (
-        memmode.temporary_plugin(PoisonPlugin(), name="poison", distribution="tests")
-        if storage == "poison"
-        else contextlib.nullcontext()
-    )
-    with plugin:
-        model = make_blocks(5)
-        snap = snapshot({"module": model})
-        inputs = [make_inputs(100 + t, count=CALLS_PER_THREAD) for t in range(2)]
+    model = make_blocks(5)
+    snap = copy_by_identity({"module": model})
+    inputs = [make_inputs(100 + t, count=CALLS_PER_THREAD) for t in range(2)]
+    with torch.no_grad():
+        expected = [[model(x) for x in xs] for xs in inputs]
+    folder = tmp_path / "offload" if storage in FILE_STORAGES else None
+    handle = apply_blocks(model, storage, folder)
+    groups = all_groups(handle)
+    barrier = threading.Barrier(2)
+    errors: list[str] = []
+    wrong: list[tuple[int, int]] = []
+
+    def work(t: int) -> None:
         with torch.no_grad():
-            expected = [[model(x) for x in xs] for xs in inputs]
-        folder = tmp_path / "offload" if storage in FILE_STORAGES else None
-        handle = apply_blocks(model, storage, folder)
-        groups = all_groups(handle)
-        barrier = threading.Barrier(2)
-        errors: list[str] = []
-        wrong: list[tuple[int, int]] = []
+            barrier.wait(timeout=30)
+            for i, x in enumerate(inputs[t]):
+                try:
+                    out = model(x)
+                except BaseException as exc:  # noqa: BLE001 - reported below
+                    errors.append(f"thread {t} call {i}: {type(exc).__name__}: {exc}")
+                    continue
+                if not torch.equal(out, expected[t][i]):
+                    wrong.append((t, i))
 
-        def work(t: int) -> None:
-            with torch.no_grad():
-                barrier.wait(timeout=30)
-                for i, x in enumerate(inputs[t]):
-                    try:
-                        out = model(x)
-                    except BaseException as exc:  # noqa: BLE001 - reported below
-                        errors.append(f"thread {t} call {i}: {type(exc).__name__}: {exc}")
-                        continue
-                    if not torch.equal(out, expected[t][i]):
-                        wrong.append((t, i))
-
-        threads = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=120)
-        assert not any(thread.is_alive() for thread in threads), "the threads did not finish (a deadlock?)"
-        assert errors == [], f"{len(errors)} calls raised, first: {errors[:3]}"
-        assert wrong == [], f"{len(wrong)} of {2 * CALLS_PER_THREAD} outputs differ, first: {wrong[:5]}"
-        assert handle.report().resident_device_bytes == 0
-        handle.remove()
-        assert differing(groups, snap) == {}
+    threads = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "the threads did not finish (a deadlock?)"
+    assert errors == [], f"{len(errors)} calls raised, first: {errors[:3]}"
+    assert wrong == [], f"{len(wrong)} of {2 * CALLS_PER_THREAD} outputs differ, first: {wrong[:5]}"
+    assert handle.report().resident_device_bytes == 0
+    handle.remove()
+    assert differing(groups, snap) == {}
 
 
-# -- 6. small refusals, and the keep_files rule ----------------------------------------------------------
-
-
-def assert_untouched(model, before: dict[str, torch.Tensor]) -> None:
-    after = model.state_dict()
-    assert set(after) == set(before)
-    assert all(torch.equal(after[k], v) for k, v in before.items()), "the model's weights changed"
-    assert hook_count(model) == 0 and getattr(model, "_memmode_handle", None) is None
-    assert memmode.remove(model) is False
-
-
-def _refused(model, error: type, **kwargs) -> MemmodeError:
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(error) as info:
-        memmode.apply(model, kwargs.pop("mode", "model_group_offload"), device=kwargs.pop("device", "cpu"), **kwargs)
-    assert isinstance(info.value, MemmodeError), f"{type(info.value).__name__} is not a MemmodeError"
-    assert_untouched(model, before)
-    return info.value
-
-
-@pytest.mark.parametrize("storage", FILE_STORAGES)
-def test_an_empty_offload_dir_is_refused(storage, tmp_path, monkeypatch):
-    """Case 6: offload_dir="" (which would write into the current directory) is an InvalidOptionError;
-    nothing is written in the current directory."""
-    cwd = tmp_path / "cwd"
-    cwd.mkdir()
-    monkeypatch.chdir(cwd)
-    _refused(make_blocks(0), InvalidOptionError, storage=storage, offload_dir="")
-    assert list(cwd.iterdir()) == []
-
-
-@pytest.mark.parametrize("storage", FILE_STORAGES)
-def test_an_offload_dir_with_a_nul_byte_is_a_memmode_error(storage, tmp_path):
-    """Case 6: an offload_dir containing "\\0" is a MemmodeError (not the bare ValueError of os calls),
-    with nothing written."""
-    err = _refused(make_blocks(0), MemmodeError, storage=storage, offload_dir=str(tmp_path / "off\0load"))
-    assert type(err) is not ValueError
-    assert list(tmp_path.iterdir()) == []
-
-
-@pytest.mark.parametrize("storage", FILE_STORAGES)
-def test_an_offload_dir_that_is_a_regular_file_says_so(storage, tmp_path):
-    """Case 6: offload_dir naming an existing regular file is a StorageUnavailableError whose message
-    says it is a file, not a folder (not only "[Errno 17] File exists"); the file is left as it was."""
-    blocker = tmp_path / "not-a-folder"
-    blocker.write_text("a regular file")
-    err = _refused(make_blocks(0), StorageUnavailableError, storage=storage, offload_dir=blocker)
-    message = str(err)
-    assert re.search(r"is a (regular )?file|not a (folder|directory)", message, re.I), message
-    assert blocker.read_text() == "a regular file"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["not-a-folder"]
-
-
-@pytest.mark.parametrize("budget", [float("inf"), "1e400GB"], ids=["inf", "1e400GB"])
-def test_an_infinite_vram_budget_is_refused(budget):
-    """Case 6: vram_budget=float('inf') or '1e400GB' with mode "auto" is an InvalidOptionError (not an
-    OverflowError), with the model untouched."""
-    _refused(make_blocks(0), InvalidOptionError, mode="auto", vram_budget=budget)
-
-
-@pytest.mark.parametrize("device", ["xla", "mps"])
-def test_an_unavailable_accelerator_is_refused_at_apply(device):
-    """Case 6: device="xla" / "mps" where that backend is not available is an InvalidOptionError at
-    apply saying it is not available (not a failure at the first forward)."""
-    if device == "mps" and torch.backends.mps.is_available():
-        pytest.skip("MPS is available here")
-    err = _refused(make_blocks(0), InvalidOptionError, device=device, mode="model_cpu_offload")
-    assert re.search(r"not available|unavailable|no \S+ device is available", str(err)), str(err)
-
-
-@pytest.mark.parametrize("device", ["privateuseone", "xpu", "hpu"])
-def test_an_unknown_or_unavailable_device_type_is_refused_at_apply(device):
-    """Case 6: device types torch can name but this machine cannot compute on (privateuseone without
-    a registered backend, xpu / hpu without their runtime) are an InvalidOptionError at apply."""
-    if device == "xpu" and getattr(torch, "xpu", None) is not None and torch.xpu.is_available():
-        pytest.skip("XPU is available here")
-    _refused(make_blocks(0), InvalidOptionError, device=device, mode="model_cpu_offload")
+# -- 6. the keep_files rule for sessions sharing a folder -------------------------------------------------
 
 
 def _files_of(handle) -> set[str]:

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import torch
-from conftest import assert_same_outputs, full_load_outputs, two_calls
+from helpers import assert_same_outputs
 from safetensors.torch import load_file
-from tiny_pipelines import make_pipeline
+from tiny_pipelines import full_load_outputs, make_pipeline, two_calls
 
 import memmode_core as memmode
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_same_outputs, full_load_outputs, requires_cuda, two_calls
-from tiny_pipelines import make_pipeline
+from helpers import assert_same_outputs, nbytes, requires_cuda
+from tiny_pipelines import full_load_outputs, make_pipeline, two_calls
 
 import memmode_core as memmode
 from memmode_core import InvalidOptionError, StorageUnavailableError
@@ -153,7 +153,7 @@ def test_session_packs_copies_reuses_and_unlocks(monkeypatch):
         "b": {"w": torch.randn(1000, generator=g).to(torch.bfloat16)},
         "c": {"w": torch.randn(4096, generator=g)},
     }
-    sizes = {k: sum(t.numel() * t.element_size() for t in v.values()) for k, v in groups.items()}
+    sizes = {k: nbytes(v.values()) for k, v in groups.items()}
     session = PinnedSession(torch.device("cpu"), limit=round_up(sizes["a"] + 64 + sizes["b"], PAGE))
     session.reserve(sizes)
     assert len(fake.registered) == 1, "a and b share one slab; c is beyond the limit"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import full_load_outputs
+from helpers import module_components
 from peft.tuners.tuners_utils import BaseTunerLayer
 from tiny_loras import (
     DENOISERS,
@@ -20,14 +20,9 @@ from tiny_loras import (
     lora_components,
     make_lora,
 )
-from tiny_pipelines import FAMILIES, make_pipeline, run
+from tiny_pipelines import FAMILIES, full_load_outputs, make_pipeline, run
 
 VISIBLE = 1e-2  # a LoRA (or a change of the active adapters) moves the output by at least this much
-
-
-@pytest.fixture(params=LORA_FAMILIES)
-def family(request) -> str:
-    return request.param
 
 
 def _text_encoder(family: str) -> bool:
@@ -186,9 +181,8 @@ def _lora_ops(family: str) -> dict[str, torch.Tensor]:
 
     pipe.unload_lora_weights()
     assert not any(pipe.get_list_adapters().values())
-    for name, component in pipe.components.items():
-        if isinstance(component, torch.nn.Module):
-            assert not any(isinstance(module, BaseTunerLayer) for module in component.modules()), name
+    for name, component in module_components(pipe).items():
+        assert not any(isinstance(module, BaseTunerLayer) for module in component.modules()), name
     out["unloaded"] = run(pipe, family)
     return out
 

@@ -1,26 +1,20 @@
-"""Checks of the properties the memory-mode tests rely on in ``tiny_pipelines``."""
+"""Checks of the properties the memory-mode tests rely on in ``tiny_pipelines``: builds deterministic, in eval
+mode and on the CPU, leaving the global RNG alone; outputs finite, not constant, depending on both seeds; every
+component of a family influencing its output. The five families memmode was written for in detail (low-precision
+builds, block lists, Wan 2.2's two experts); every family the pipeline sweep runs, for what the sweep relies on."""
 
 import pytest
 import torch
-from conftest import full_load_outputs
-from tiny_pipelines import FAMILIES, make_pipeline, run
-
-
-@pytest.fixture(params=sorted(FAMILIES))
-def family(request) -> str:
-    return request.param
-
-
-def _modules(pipe) -> dict[str, torch.nn.Module]:
-    return {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
+from helpers import in_slice, module_components
+from tiny_pipelines import ALL_FAMILIES, full_load_outputs, make_pipeline, run
 
 
 def test_build_is_deterministic_eval_and_on_cpu(family):
     first, second = make_pipeline(family, seed=0), make_pipeline(family, seed=0)
-    assert _modules(first).keys() == _modules(second).keys()
-    for name, module in _modules(first).items():
+    assert module_components(first).keys() == module_components(second).keys()
+    for name, module in module_components(first).items():
         assert not module.training, name
-        state, other = module.state_dict(), _modules(second)[name].state_dict()
+        state, other = module.state_dict(), module_components(second)[name].state_dict()
         assert state.keys() == other.keys()
         for key, tensor in state.items():
             assert tensor.device.type == "cpu", (name, key)
@@ -59,7 +53,7 @@ def test_every_module_influences_the_output(family):
     """Perturbing any one component's weights changes the output: none is idle or bypassed."""
     reference = full_load_outputs(family)[0]
     pipe = make_pipeline(family)
-    for name in _modules(pipe):  # one component perturbed at a time, put back before the next
+    for name in module_components(pipe):  # one component perturbed at a time, put back before the next
         generator = torch.Generator().manual_seed(1)
         parameters = list(getattr(pipe, name).parameters())
         originals = [parameter.detach().clone() for parameter in parameters]
@@ -74,7 +68,7 @@ def test_every_module_influences_the_output(family):
 
 def test_transformers_have_at_least_two_blocks_per_block_list(family):
     pipe = make_pipeline(family)
-    transformers = [m for name, m in _modules(pipe).items() if name.startswith("transformer")]
+    transformers = [m for name, m in module_components(pipe).items() if name.startswith("transformer")]
     assert transformers
     for transformer in transformers:
         block_lists = [child for child in transformer.children() if isinstance(child, torch.nn.ModuleList)]
@@ -84,7 +78,7 @@ def test_transformers_have_at_least_two_blocks_per_block_list(family):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_build_runs(family, dtype):
     pipe = make_pipeline(family, dtype=dtype)
-    for name, module in _modules(pipe).items():
+    for name, module in module_components(pipe).items():
         assert any(p.dtype == dtype for p in module.parameters()), name
     assert torch.isfinite(run(pipe, family)).all()
 
@@ -101,3 +95,41 @@ def test_wan22_runs_both_experts():
         getattr(pipe, name).register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
     run(pipe, "wan22")
     assert calls["transformer"] > 0 and calls["transformer_2"] > 0, calls
+
+
+# -- every family: what the pipeline sweep relies on---------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", sorted(ALL_FAMILIES))
+def test_build_is_deterministic_eval_finite_nonconstant_and_seeded(family):
+    spec = ALL_FAMILIES[family]
+    reference = full_load_outputs(family)
+    rng = torch.get_rng_state()
+    pipe = spec.make(0)
+    assert torch.equal(torch.get_rng_state(), rng), "a build must leave the global RNG alone"
+    assert all(not m.training for m in module_components(pipe).values()), "components must be in eval mode"
+    output = spec.run(pipe, 0)
+    assert output.dtype == torch.float32 and output.device.type == "cpu"
+    assert torch.isfinite(output).all()
+    assert output.std() > 1e-2, "a near-constant output would hide differences"
+    assert torch.equal(output, reference[0]), "two builds with the same seed must give the same output"
+    assert not torch.equal(reference[1], reference[0]), "the call seed must matter"
+
+
+@pytest.mark.parametrize("family", [f for i, f in enumerate(sorted(ALL_FAMILIES)) if in_slice(i, 0)])
+def test_every_component_influences_the_output(family):
+    """Perturbing any one component's weights changes the output: a component that is idle or bypassed would
+    let a placement that mishandles it pass the sweep."""
+    spec = ALL_FAMILIES[family]
+    pipe = spec.make(0)
+    generator = torch.Generator().manual_seed(1)
+    for name, module in module_components(pipe).items():
+        parameters = list(module.parameters())
+        originals = [parameter.detach().clone() for parameter in parameters]
+        with torch.no_grad():
+            for parameter in parameters:
+                parameter.mul_(1 + 0.2 * torch.randn(parameter.shape, generator=generator))
+            change = (spec.run(pipe, 0) - full_load_outputs(family)[0]).abs().max()
+            for parameter, original in zip(parameters, originals):
+                parameter.copy_(original)
+        assert change > 1e-5, f"{name} has no influence on the output"

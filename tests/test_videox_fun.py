@@ -1,6 +1,7 @@
-"""VideoX-Fun as a real client (issue 14): its six GPU_memory_mode call patterns, its LoRA merge before and
-after the mode (after a quantized mode: written through into the packed weights), against the drop-in, on
-tiny Wan 2.1 (one transformer) and Wan 2.2 (two experts) pipelines.
+"""The VideoX-Fun drop-in (``memmode_core.compat.apply_gpu_memory_mode``): the signature and mode strings of
+VideoX-Fun's scripts, better where it can be; and VideoX-Fun as a real client: its six GPU_memory_mode call
+patterns, its LoRA merge before and after the mode (after a quantized mode: written through into the packed
+weights), against the drop-in, on tiny Wan 2.1 (one transformer) and Wan 2.2 (two experts) pipelines.
 
 VideoX-Fun's own code is re-implemented in ``videox_fun_models`` (its if/elif chain, merge_lora/unmerge_lora).
 """
@@ -12,17 +13,81 @@ import logging
 import pytest
 import torch
 import videox_fun_models as vf
+from helpers import assert_same_outputs, assert_same_tensors, sqnr_db, state_of
+from tiny_pipelines import full_load_outputs, make_pipeline, two_calls
 from torch import nn
 
 import memmode_core as memmode
 from memmode_core.compat import _component_names, apply_gpu_memory_mode
-from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError, QuantizedWeightWriteError
+from memmode_core.contracts.errors import (
+    IncompatibleModeError,
+    InvalidOptionError,
+    QuantizedWeightWriteError,
+    UnknownModeError,
+)
 from memmode_core.quantization import WeightStandIn, is_quantized, packed_record
 
 LOSSLESS = ("model_full_load", "model_cpu_offload", "model_group_offload", "sequential_cpu_offload")
 QFLOAT8 = ("model_full_load_and_qfloat8", "model_cpu_offload_and_qfloat8")
 
 _CACHE: dict = {}
+
+
+# -- the drop-in's modes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "mode",
+    ["model_full_load", "model_cpu_offload", "model_group_offload", "sequential_cpu_offload", "text_encoder_offload"],
+)
+def test_reference_modes_equal_full_load(mode):
+    pipe = make_pipeline("wan22")
+    handle = apply_gpu_memory_mode(pipe, mode, "cpu")
+    assert handle.mode == mode
+    assert_same_outputs(two_calls(pipe, "wan22"), full_load_outputs("wan22"))
+    handle.remove()
+
+
+def test_group_offload_is_leaf_level_as_in_the_reference():
+    handle = apply_gpu_memory_mode(make_pipeline("wan22"), "model_group_offload", "cpu")
+    assert all(g.key.count("/") == 1 for g in handle._runtime.groups)
+    assert any(g.key.endswith(".to_q") for g in handle._runtime.groups)
+
+
+def test_group_offload_with_a_quantizer_works():
+    pipe = make_pipeline("wan22")
+    handle = apply_gpu_memory_mode(pipe, "model_group_offload_and_qfloat8", "cpu")
+    assert handle.quantizer == "qfloat8" and set(handle.report().quantization) == {"transformer", "transformer_2"}
+
+
+def test_quant_tag_overrides_and_transformers_select_components():
+    pipe = make_pipeline("wan22")
+    handle = apply_gpu_memory_mode(pipe, "model_cpu_offload_and_qfloat8", "cpu", transformers=[pipe.transformer])
+    assert set(handle.report().quantization) == {"transformer"}
+    with pytest.raises(InvalidOptionError, match="not one of the pipeline's components"):
+        apply_gpu_memory_mode(pipe, "model_cpu_offload_and_qfloat8", "cpu", transformers=[pipe.transformer.blocks[0]])
+
+
+def test_unknown_placement_warns_loudly_and_full_loads(caplog):
+    pipe = make_pipeline("flux")
+    with caplog.at_level(logging.WARNING, logger="memmode.compat"):
+        handle = apply_gpu_memory_mode(pipe, "model_offload_everything", "cpu")
+    assert "NO offloading" in caplog.text and "strict=True" in caplog.text
+    assert handle.mode == "model_full_load" and handle.requested_mode == "model_offload_everything"
+
+
+def test_strict_and_unknown_quantizers_raise():
+    pipe = make_pipeline("flux")
+    with pytest.raises(UnknownModeError):
+        apply_gpu_memory_mode(pipe, "model_offload_everything", "cpu", strict=True)
+    with pytest.raises(UnknownModeError):
+        apply_gpu_memory_mode(pipe, "model_cpu_offload_and_qint3", "cpu")
+    with pytest.raises(TypeError):
+        apply_gpu_memory_mode(pipe, None, "cpu")
+    assert not hasattr(pipe.transformer, "_memmode_handle")
+
+
+# -- VideoX-Fun's own code beside the drop-in --------------------------------------------------------------
 
 
 def merged_reference(family: str) -> torch.Tensor:
@@ -33,24 +98,6 @@ def merged_reference(family: str) -> torch.Tensor:
         vf.videox_fun_chain(pipe, "model_full_load")
         _CACHE[family] = vf.run(pipe)
     return _CACHE[family]
-
-
-def snapshot(pipe) -> dict[str, torch.Tensor]:
-    return {
-        f"{name}.{key}": value.clone()
-        for name, component in pipe.components.items()
-        if isinstance(component, nn.Module)
-        for key, value in component.state_dict().items()
-    }
-
-
-def assert_same_state(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> None:
-    assert before.keys() == after.keys()
-    for key, value in before.items():
-        other = after[key]
-        assert value.dtype == other.dtype, key
-        # the quantized layers' `weight` stand-ins are NaN: compare bits where values are not comparable
-        assert torch.equal(value.nan_to_num(), other.nan_to_num()) and torch.equal(value.isnan(), other.isnan()), key
 
 
 @pytest.mark.parametrize("order", ["merge_before", "merge_after"])
@@ -86,7 +133,7 @@ def test_qfloat8_merge_before_apply_is_accurate(family, mode):
     assert set(handle.report().quantization) == (
         {"transformer"} if family == "wan21" else {"transformer", "transformer_2"}
     )
-    assert vf.sqnr_db(vf.run(pipe), merged_reference(family)) > 30
+    assert sqnr_db(merged_reference(family), vf.run(pipe)) > 30
 
 
 def dequantized(layer: nn.Module) -> torch.Tensor:
@@ -103,10 +150,6 @@ def packed_layout(layers: dict[str, nn.Module]) -> dict[str, dict[str, tuple]]:
         }
         for path, layer in layers.items()
     }
-
-
-def weight_sqnr(got: torch.Tensor, reference: torch.Tensor) -> float:
-    return vf.sqnr_db(got, reference.detach())
 
 
 def merged_weights(family: str) -> dict:
@@ -131,9 +174,9 @@ def merged_before(family: str, mode: str) -> dict:
         vf.merge_loras(pipe, vf.loras_for(pipe))
         apply_gpu_memory_mode(pipe, mode, "cpu", torch.float32)
         _CACHE[key] = (
-            {path: weight_sqnr(dequantized(layer), weights[path]) for path, layer in vf.lora_layers(pipe).items()},
-            vf.sqnr_db(vf.forward(pipe), forward),
-            vf.sqnr_db(vf.run(pipe), merged_reference(family)),
+            {path: sqnr_db(weights[path], dequantized(layer)) for path, layer in vf.lora_layers(pipe).items()},
+            sqnr_db(forward, vf.forward(pipe)),
+            sqnr_db(merged_reference(family), vf.run(pipe)),
         )
     return _CACHE[key]
 
@@ -162,14 +205,20 @@ def test_qfloat8_merge_after_writes_through_within_1_db_of_merge_before(family, 
     vf.merge_loras(pipe, loras, dtype=merge_dtype)
     assert packed_layout(layers) == layout  # written in place: every storage that keeps these tensors sees it
     for path, layer in layers.items():
-        assert weight_sqnr(dequantized(layer), weights[path]) > before_weights[path] - 1, path
-    assert vf.sqnr_db(vf.forward(pipe), forward) > before_forward - 1
-    assert vf.sqnr_db(vf.run(pipe), merged_reference(family)) > min(30, before_output)
+        assert sqnr_db(weights[path], dequantized(layer)) > before_weights[path] - 1, path
+    assert sqnr_db(forward, vf.forward(pipe)) > before_forward - 1
+    assert sqnr_db(merged_reference(family), vf.run(pipe)) > min(30, before_output)
 
     vf.merge_loras(pipe, loras, dtype=merge_dtype, unmerge=True)
     assert packed_layout(layers) == layout
-    assert vf.sqnr_db(vf.forward(pipe), plain_forward) > 35
-    assert vf.sqnr_db(vf.run(pipe), plain_output) > 30
+    assert sqnr_db(plain_forward, vf.forward(pipe)) > 35
+    assert sqnr_db(plain_output, vf.run(pipe)) > 30
+
+
+def group_offload_qfloat8(pipe, storage: str, **options) -> memmode.Handle:
+    """memmode's own qfloat8 group offload (not through the drop-in), computing in float32."""
+    mode = "model_group_offload_and_qfloat8"
+    return memmode.apply(pipe, mode, device="cpu", weight_dtype=torch.float32, storage=storage, **options)
 
 
 @pytest.mark.parametrize("storage", ["ram", "mmap"])
@@ -182,9 +231,7 @@ def test_qfloat8_merge_after_under_group_offload_reaches_the_stored_weights(stor
     vf.merge_loras(expected, vf.loras_for(expected))
     pipe = vf.make("wan22")
     options = {} if storage == "ram" else {"offload_dir": str(tmp_path)}
-    memmode.apply(
-        pipe, "model_group_offload_and_qfloat8", device="cpu", weight_dtype=torch.float32, storage=storage, **options
-    )
+    group_offload_qfloat8(pipe, storage, **options)
     vf.run(pipe)
     vf.merge_loras(pipe, vf.loras_for(pipe))
     assert torch.equal(vf.run(pipe), vf.run(expected))
@@ -196,32 +243,18 @@ def test_qfloat8_merge_after_into_disk_offloaded_layers_is_refused_with_nothing_
     merge_lora and unmerge_lora are refused at the first quantized layer, before that layer or any other is
     touched, and the pipeline computes what one that never saw the LoRA computes."""
     pipe = vf.make(family)
-    memmode.apply(
-        pipe,
-        "model_group_offload_and_qfloat8",
-        device="cpu",
-        weight_dtype=torch.float32,
-        storage="disk",
-        offload_dir=str(tmp_path / "a"),
-    )
+    group_offload_qfloat8(pipe, "disk", offload_dir=str(tmp_path / "a"))
     loras = vf.loras_for(pipe)
-    before = snapshot(pipe)
+    before = state_of(pipe)
     for unmerge in (False, True):
         with pytest.raises(QuantizedWeightWriteError, match="placeholder") as refused:
             vf.merge_loras(pipe, loras, unmerge=unmerge)
         message = str(refused.value)
         assert isinstance(refused.value, IncompatibleModeError) and isinstance(refused.value, RuntimeError)
         assert "Nothing was changed" in message and "Merge the LoRA before applying" in message
-        assert_same_state(before, snapshot(pipe))
+        assert_same_tensors(state_of(pipe), before, nan_equal=True)
     fresh = vf.make(family)
-    memmode.apply(
-        fresh,
-        "model_group_offload_and_qfloat8",
-        device="cpu",
-        weight_dtype=torch.float32,
-        storage="disk",
-        offload_dir=str(tmp_path / "b"),
-    )
+    group_offload_qfloat8(fresh, "disk", offload_dir=str(tmp_path / "b"))
     assert torch.equal(vf.run(pipe), vf.run(fresh))
 
 
@@ -255,7 +288,7 @@ def test_in_place_writes_into_a_quantized_weight_write_through_or_are_refused():
 
     other = pipe.transformer.blocks[1].attn1.to_q
     unlinked = torch.full((), float("nan")).expand(32, 32).as_subclass(WeightStandIn)
-    before = snapshot(pipe)
+    before = state_of(pipe)
     refused = {
         "a view of part of the weight": [
             lambda: layer.weight[0].add_(1.0),
@@ -276,7 +309,7 @@ def test_in_place_writes_into_a_quantized_weight_write_through_or_are_refused():
             with pytest.raises(QuantizedWeightWriteError, match=why):
                 with torch.no_grad():
                     write()
-            assert_same_state(before, snapshot(pipe))
+            assert_same_tensors(state_of(pipe), before, nan_equal=True)
     layer.to(torch.bfloat16)  # moves, never casts, the packed codes, their scales and the bias
     pipe.transformer.half()
     for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:

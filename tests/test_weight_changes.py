@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import OFFLOADING_PLACEMENTS, assert_same_outputs, placement_id
-from fakes import PoisonPlugin
-from test_core_apply import hook_count
+from helpers import OFFLOADING_PLACEMENTS, assert_same_outputs, hook_count, placement_id
 from tiny_pipelines import make_pipeline, run
 from torch import nn
 
@@ -19,11 +17,7 @@ import memmode_core as memmode
 
 FAMILY = "flux"
 
-
-@pytest.fixture(autouse=True)
-def poison():
-    with memmode.temporary_plugin(PoisonPlugin(), name="poison", distribution="tests"):
-        yield
+pytestmark = pytest.mark.usefixtures("poison_storage")
 
 
 _EDITED: dict = {}

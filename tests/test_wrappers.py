@@ -13,8 +13,8 @@ import inspect
 
 import pytest
 import torch
-from conftest import OFFLOADING_PLACEMENTS, placement_id
 from diffusers import DiffusionPipeline
+from helpers import OFFLOADING_PLACEMENTS, placement_id
 from tiny_pipelines import make_pipeline, run
 from torch import nn
 

@@ -18,30 +18,24 @@ from its code, behaviour for behaviour, so the tests can run it beside the drop-
 from __future__ import annotations
 
 from collections import defaultdict
-from functools import partial
+from dataclasses import replace
 
-import tiny_pipelines as tp
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
-from tiny_pipelines import call_kwargs, make_pipeline
-from transformers import UMT5Config, UMT5EncoderModel
+from diffusers import WanPipeline
+from tiny_pipelines import ALL_FAMILIES, call_kwargs, make_pipeline
 
 FAMILIES = ("wan21", "wan22")
+
+#: Wan 2.1 text-to-video: Wan 2.2 without ``transformer_2`` (and so without the boundary between the experts).
+WAN21 = replace(
+    ALL_FAMILIES["wan22"],
+    parts={k: v for k, v in ALL_FAMILIES["wan22"].parts.items() if k not in ("transformer_2", "boundary_ratio")},
+)
 
 
 def make_wan21(seed: int = 0, dtype: torch.dtype = torch.float32) -> WanPipeline:
     """Wan 2.1 text-to-video: one transformer (``make_pipeline("wan22")`` without ``transformer_2``)."""
-    build = partial(tp._component, seed=seed, dtype=dtype)
-    tokenizer = tp._t5_tokenizer()
-    pipe = WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=build("text_encoder", tp._t5_encoder(UMT5EncoderModel, UMT5Config, tokenizer)),
-        vae=build("vae", tp._wan_vae()),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        transformer=build("transformer", tp._wan_transformer()),
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return WAN21.make(seed, dtype)
 
 
 def make(family: str, seed: int = 0) -> WanPipeline:
@@ -54,11 +48,6 @@ def run(pipe: WanPipeline, seed: int = 0) -> torch.Tensor:
         kwargs.pop("guidance_scale_2")
     generator = torch.Generator(device="cpu").manual_seed(seed)
     return pipe(**kwargs, generator=generator, return_dict=False)[0].detach().float().cpu()
-
-
-def sqnr_db(got: torch.Tensor, reference: torch.Tensor) -> float:
-    noise = (got.double() - reference.double()).pow(2).sum()
-    return float(10 * torch.log10(reference.double().pow(2).sum() / noise))
 
 
 def forward(pipe: WanPipeline) -> torch.Tensor:

@@ -42,15 +42,27 @@ class PoisonSession(StorageSession):
 class PoisonStorage(Storage):
     name = "poison"
     description = "test storage: NaN placeholders while offloaded"
+    #: what ``open`` makes (a subclass's sessions may fail on purpose)
+    session = PoisonSession
 
     def open(self, *, device, offload_dir, options):
-        return PoisonSession()
+        return self.session()
 
 
-class PoisonPlugin:
+class StoragePlugin:
+    """A plugin registering one storage."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+
     @hookimpl
     def memmode_register_storages(self, register):
-        register(PoisonStorage())
+        register(self.storage)
+
+
+class PoisonPlugin(StoragePlugin):
+    def __init__(self) -> None:
+        super().__init__(PoisonStorage())
 
 
 class Int8Rows(Quantizer):

@@ -1,6 +1,6 @@
-"""Every offloading placement with the file storages (``disk``, ``mmap``) equals full load, call after
-call, on the tiny pipelines; and what the two storages share: refusing a bad ``offload_dir`` with the
-pipeline intact, cleaning up, keeping and reusing files. ``pinned`` joins on CUDA.
+"""What the two file storages (``disk``, ``mmap``) share: every offloading placement with them equals full load,
+call after call, on the tiny pipelines; a bad ``offload_dir`` is refused with the model or pipeline intact;
+files are cleaned up, or kept and reused on request. ``pinned`` joins on CUDA.
 
 What the placement x storage matrix covers (``_covered``; 18 cases, about 7 s on two CPU cores):
 
@@ -12,36 +12,39 @@ What the placement x storage matrix covers (``_covered``; 18 cases, about 7 s on
   on one or two combinations.  ``model_cpu_offload`` with both file storages also runs below (a refused
   full folder, ``keep_files``, files deleted at ``remove()``).
 
-``ram`` and ``poison`` run every placement on every family in ``test_placements``; ``test_more_pipelines``
-runs the same rotation of the file storages over twelve more families.  ``MEMMODE_TEST_FULL_MATRIX=1``
-runs all 50 cases.
+``ram`` and ``poison`` run every placement on every family in ``test_placements``, and ``test_pipeline_sweep``
+runs every storage with every placement over all the suite's pipeline families.  ``MEMMODE_TEST_FULL_MATRIX=1``
+runs all 50 cases here.
 """
 
 from __future__ import annotations
 
-import os
+import re
 import shutil
-import tempfile
 from collections import namedtuple
 
 import pytest
-import torch
-from conftest import (
+from helpers import (
+    FILE_STORAGES,
     OFFLOADING_PLACEMENTS,
+    assert_refused,
     assert_same_outputs,
-    full_load_outputs,
+    assert_same_tensors,
+    files_under,
+    full_matrix,
+    module_components,
     placement_id,
     requires_cuda,
-    two_calls,
+    state_of,
 )
-from tiny_pipelines import FAMILIES, make_pipeline, run
+from tiny_models import make_blocks
+from tiny_pipelines import FAMILIES, full_load_outputs, make_pipeline, run, two_calls
 
 import memmode_core as memmode
-from memmode_core import InvalidOptionError, StorageUnavailableError
+from memmode_core import InvalidOptionError, MemmodeError, StorageUnavailableError
 from memmode_core.files import format as group_format
 from memmode_core.files import store as group_files
 
-FILE_STORAGES = ["disk", "mmap"]
 PLACEMENTS = OFFLOADING_PLACEMENTS
 PLACEMENT_IDS = [placement_id(p) for p in PLACEMENTS]
 
@@ -61,7 +64,7 @@ def _covered(index: int, placement: str, storage: str) -> bool:
     ``_ROTATED`` x ``FILE_STORAGES`` on family ``j % len(FAMILIES)`` only.
     ``MEMMODE_TEST_FULL_MATRIX=1`` runs all of it.
     """
-    if placement not in _ROTATED or os.environ.get("MEMMODE_TEST_FULL_MATRIX") == "1":
+    if placement not in _ROTATED or full_matrix():
         return True
     rotation = [(p, s) for p in _ROTATED for s in FILE_STORAGES]
     return rotation.index((placement, storage)) % len(FAMILIES) == index
@@ -75,17 +78,6 @@ def _cases() -> list:
         for storage in FILE_STORAGES
         if _covered(index, placement_id((mode, options)), storage)
     ]
-
-
-@pytest.fixture
-def private_tmp(monkeypatch, tmp_path):
-    """Where the storages' private default folders go, to see them come and go."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    return tmp_path
-
-
-def files_under(folder):
-    return sorted(p for p in folder.rglob("*") if p.is_file())
 
 
 def test_the_rotation_runs_every_combination_somewhere():
@@ -121,10 +113,10 @@ def test_an_unwritable_offload_dir_is_refused_with_the_pipeline_intact(storage, 
     blocker = tmp_path / "a-file"
     blocker.write_text("a regular file cannot hold a folder")
     pipe = make_pipeline("flux")
-    weights = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+    weights = state_of(pipe.transformer)
     with pytest.raises(StorageUnavailableError, match="cannot use"):
         memmode.apply(pipe, "model_group_offload", device="cpu", storage=storage, offload_dir=blocker / "offload")
-    assert all(torch.equal(v, weights[k]) for k, v in pipe.transformer.state_dict().items())
+    assert_same_tensors(state_of(pipe.transformer), weights)
     assert_untouched(pipe, "flux")
 
 
@@ -155,6 +147,39 @@ def test_a_write_failing_midway_is_refused_with_the_pipeline_intact(storage, tmp
         memmode.apply(pipe, "model_group_offload", device="cpu", storage=storage, offload_dir=tmp_path / "offload")
     assert files_under(tmp_path) == [], "the files of the first groups are removed too"
     assert_untouched(pipe, "flux")
+
+
+@pytest.mark.parametrize("storage", FILE_STORAGES)
+def test_an_empty_offload_dir_is_refused(storage, tmp_path, monkeypatch):
+    """offload_dir="" (which would write into the current directory) is an InvalidOptionError;
+    nothing is written in the current directory."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    assert_refused(make_blocks(0), InvalidOptionError, storage=storage, offload_dir="")
+    assert list(cwd.iterdir()) == []
+
+
+@pytest.mark.parametrize("storage", FILE_STORAGES)
+def test_an_offload_dir_with_a_nul_byte_is_a_memmode_error(storage, tmp_path):
+    """an offload_dir containing "\\0" is a MemmodeError (not the bare ValueError of os calls),
+    with nothing written."""
+    err = assert_refused(make_blocks(0), MemmodeError, storage=storage, offload_dir=str(tmp_path / "off\0load"))
+    assert type(err) is not ValueError
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("storage", FILE_STORAGES)
+def test_an_offload_dir_that_is_a_regular_file_says_so(storage, tmp_path):
+    """offload_dir naming an existing regular file is a StorageUnavailableError whose message
+    says it is a file, not a folder (not only "[Errno 17] File exists"); the file is left as it was."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a regular file")
+    err = assert_refused(make_blocks(0), StorageUnavailableError, storage=storage, offload_dir=blocker)
+    message = str(err)
+    assert re.search(r"is a (regular )?file|not a (folder|directory)", message, re.I), message
+    assert blocker.read_text() == "a regular file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["not-a-folder"]
 
 
 @pytest.mark.parametrize("storage", FILE_STORAGES)
@@ -220,8 +245,5 @@ def test_cuda_every_placement_equals_full_load(mode, options, storage):
     assert_same_outputs(two_calls(pipe, family), two_calls(reference, family))
     handle.remove()
     assert all(
-        p.device.type == "cpu" and not p.is_pinned()
-        for m in pipe.components.values()
-        if isinstance(m, torch.nn.Module)
-        for p in m.parameters()
+        p.device.type == "cpu" and not p.is_pinned() for m in module_components(pipe).values() for p in m.parameters()
     ), "weights back in ordinary CPU memory"

@@ -1,7 +1,6 @@
-"""Helpers for the fault-injection tests (``test_storage_faults.py``): a tiny block model, where each
-group of an applied handle is stored, snapshots of the weights to compare with, byte flips, and
-running a scenario in a forked child so that a signal (SIGBUS from a truncated mapping) fails the
-test instead of killing pytest.
+"""Fault injection for the file storages' tests (``test_storage_faults.py``): where each group of an applied
+handle is stored, copies of the weights to compare with, byte flips, and running a scenario in a forked child so
+that a signal (SIGBUS from a truncated mapping) fails the test instead of killing pytest.
 
 Imported by the child processes that those tests spawn too, so it imports nothing heavier than torch.
 """
@@ -22,38 +21,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-WIDTH = 64
-BLOCKS = 6
-#: how the group keys of :class:`Blocks` under block-level ``model_group_offload`` read
-BLOCK_KEY = "module/blocks.{}"
-
-
-class Blocks(nn.Module):
-    """A stack of small blocks (Linear + Tanh): block-level group offload makes one group, and one
-    group file, per block (``module/blocks.0`` ...)."""
-
-    def __init__(self, n: int = BLOCKS, width: int = WIDTH) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-def make_blocks(seed: int = 0, n: int = BLOCKS, width: int = WIDTH) -> Blocks:
-    """Deterministic weights for a seed; different seeds give different group files."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return Blocks(n, width)
-
-
-def make_inputs(seed: int, count: int = 1, batch: int = 2, width: int = WIDTH) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(10_000 + seed)
-    return [torch.randn(batch, width, generator=g) for _ in range(count)]
-
 
 # -- what an applied handle stored where -------------------------------------------------------------
 
@@ -99,7 +66,7 @@ def all_groups(handle) -> dict[str, list[tuple[str, torch.Tensor]]]:
     return {g.key: [(slot.name, slot.tensor) for slot in g.slots] for g in handle._runtime.groups}
 
 
-def snapshot(components: dict[str, nn.Module]) -> dict[int, torch.Tensor]:
+def copy_by_identity(components: dict[str, nn.Module]) -> dict[int, torch.Tensor]:
     """A copy of every parameter and buffer, keyed by the identity of the tensor object (memmode
     swaps ``.data`` of these same objects, so this survives apply and remove)."""
     out = {}
@@ -112,7 +79,7 @@ def snapshot(components: dict[str, nn.Module]) -> dict[int, torch.Tensor]:
 
 
 def differing(groups: dict[str, list[tuple[str, torch.Tensor]]], snap: dict[int, torch.Tensor]) -> dict[str, list[str]]:
-    """Group key -> names of its tensors that no longer equal the snapshot bit for bit (NaN never equals)."""
+    """Group key -> names of its tensors that no longer equal the copy bit for bit (NaN never equals)."""
     out = {}
     for key, tensors in groups.items():
         bad = [name for name, t in tensors if t.data.device.type != "cpu" or not _bit_equal(t.data, snap[id(t)])]

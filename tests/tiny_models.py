@@ -1,6 +1,11 @@
-"""Tiny models with the shapes that broke memmode on real checkpoints, written for this suite.
+"""Small torch models (no pipeline) that several test modules build. Imported by the child processes some
+tests start too, so it imports nothing heavier than torch.
 
-None of them is tuned to one pipeline: each reproduces a *kind* of structure that real models have.
+- ``Blocks`` (``make_blocks``, ``make_inputs``): a stack of small blocks, one group and one group file per block
+  under block-level group offload, with deterministic weights per seed.
+
+The others have the shapes that broke memmode on real checkpoints. None of them is tuned to one pipeline: each
+reproduces a *kind* of structure that real models have.
 
 - ``NestedTied``: an embedding and an output head sharing one weight, blocks kept two containers
   deep (stages of blocks, a ``ModuleList`` of ``ModuleList``s: no forward of their own).
@@ -18,6 +23,36 @@ import torch
 from torch import nn
 
 VOCAB, WIDTH = 50, 16
+BLOCK_WIDTH = 64
+BLOCKS = 6
+#: how the group keys of :class:`Blocks` under block-level ``model_group_offload`` read
+BLOCK_KEY = "module/blocks.{}"
+
+
+class Blocks(nn.Module):
+    """A stack of small blocks (Linear + Tanh): block-level group offload makes one group, and one
+    group file, per block (``module/blocks.0`` ...)."""
+
+    def __init__(self, n: int = BLOCKS, width: int = BLOCK_WIDTH) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def make_blocks(seed: int = 0, n: int = BLOCKS, width: int = BLOCK_WIDTH) -> Blocks:
+    """Deterministic weights for a seed; different seeds give different group files."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Blocks(n, width)
+
+
+def make_inputs(seed: int, count: int = 1, batch: int = 2, width: int = BLOCK_WIDTH) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 + seed)
+    return [torch.randn(batch, width, generator=g) for _ in range(count)]
 
 
 class NestedTied(nn.Module):

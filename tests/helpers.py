@@ -1,0 +1,223 @@
+"""What the tests share besides fixtures (those are in ``conftest.py``): the placements a sweep crosses, checks of
+outputs and of weights, what memmode left on a model, signal-to-noise ratios, and which slice of a large sweep a
+run takes.
+
+Imports nothing heavier than torch and memmode_core: the child processes some tests start import it too.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Iterator
+from itertools import chain
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import memmode_core as memmode
+from memmode_core import MemmodeError
+from memmode_core.contracts.targets import Target
+from memmode_core.engine.hooks import is_wrapped
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+#: every offloading placement, with the variants that lay groups out differently
+OFFLOADING_PLACEMENTS = [
+    ("model_cpu_offload", {}),
+    ("model_group_offload", {"offload_type": "block_level"}),
+    ("model_group_offload", {"offload_type": "leaf_level"}),
+    ("sequential_cpu_offload", {}),
+    ("text_encoder_offload", {}),
+]
+
+#: every storage that runs without CUDA (``pinned`` needs it): ``poison`` is the suite's own (``fake_plugins``)
+STORAGES = ["ram", "poison", "disk", "mmap"]
+#: the storages that keep each offloaded group in a file
+FILE_STORAGES = ["disk", "mmap"]
+
+
+def placement_id(placement) -> str:
+    """``model_group_offload-offload_type=leaf_level``: a test id for ``(mode, options)``."""
+    mode, options = placement
+    return "-".join([mode, *(f"{k}={v}" for k, v in options.items())])
+
+
+# -- outputs ---------------------------------------------------------------------------------------------------
+
+
+def assert_same_outputs(got: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...], atol: float = 1e-5) -> None:
+    """Call by call: finite, and within ``atol`` of the expected output."""
+    for index, (g, e) in enumerate(zip(got, expected), start=1):
+        assert torch.isfinite(g).all(), f"call {index} produced non-finite values"
+        torch.testing.assert_close(g, e, atol=atol, rtol=0, msg=lambda m, index=index: f"call {index}: {m}")
+
+
+def assert_bit_equal(got: torch.Tensor, expected: torch.Tensor, what: str = "output") -> None:
+    """Finite (a placeholder that reached a computation turns values into NaN) and equal bit for bit."""
+    finite = torch.isfinite(got)
+    assert finite.all(), f"{what}: {int((~finite).sum())} of {got.numel()} values are not finite (an offloaded weight?)"
+    assert got.shape == expected.shape, f"{what}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+    assert torch.equal(got, expected), f"{what} differs from full load by {(got - expected).abs().max().item():.3g}"
+
+
+def nbytes(tensors) -> int:
+    """How many bytes ``tensors`` hold."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
+    """Signal-to-noise ratio of ``approximation`` against ``reference``, in dB (infinite when they are equal)."""
+    reference, approximation = reference.detach().double(), approximation.detach().double()
+    noise = (reference - approximation).pow(2).sum()
+    return float("inf") if noise == 0 else float(10 * torch.log10(reference.pow(2).sum() / noise))
+
+
+# -- weights ---------------------------------------------------------------------------------------------------
+
+
+def module_components(pipe) -> dict[str, nn.Module]:
+    """A pipeline's components that are modules, by name."""
+    return {name: component for name, component in pipe.components.items() if isinstance(component, nn.Module)}
+
+
+def _named(target, tensors) -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensors(module)`` of a module, or of each module of a pipeline as ``<component>.<name>``."""
+    if isinstance(target, nn.Module):
+        yield from tensors(target)
+        return
+    for component, module in module_components(target).items():
+        for name, tensor in tensors(module):
+            yield f"{component}.{name}", tensor
+
+
+def tensors_of(target) -> dict[str, torch.Tensor]:
+    """A copy of every parameter and buffer of a module or pipeline, by name: non-persistent buffers (which
+    ``state_dict`` leaves out) and every name of a tied weight included."""
+
+    def tensors(module):
+        return chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))
+
+    return {name: t.detach().clone() for name, t in _named(target, tensors)}
+
+
+def state_of(target) -> dict[str, torch.Tensor]:
+    """A copy of the state dict of a module, or of each module of a pipeline (tensors on the meta device left out)."""
+    return {
+        name: t.detach().clone()
+        for name, t in _named(target, lambda module: module.state_dict().items())
+        if not t.is_meta
+    }
+
+
+def assert_same_tensors(
+    got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, nan_equal: bool = False, skip: tuple = ()
+) -> None:
+    """The same names, each on the CPU in its dtype and equal bit for bit, but for names starting with one of
+    ``skip``. With ``nan_equal``, NaN equals NaN (a quantized layer's ``weight`` stand-in is NaN)."""
+    assert got.keys() == expected.keys()
+    for name, tensor in got.items():
+        want = expected[name]
+        assert tensor.device.type == "cpu", f"{name} is on {tensor.device}"
+        assert tensor.dtype == want.dtype, f"{name} is {tensor.dtype}, was {want.dtype}"
+        if name.startswith(skip):
+            continue
+        if nan_equal:
+            same = torch.equal(tensor.isnan(), want.isnan()) and torch.equal(tensor.nan_to_num(), want.nan_to_num())
+        else:
+            same = torch.equal(tensor, want)
+        assert same, f"{name} changed"
+
+
+def files_under(folder: Path) -> list[Path]:
+    """Every file below ``folder``, sorted."""
+    return sorted(p for p in folder.rglob("*") if p.is_file())
+
+
+# -- what memmode leaves on a target ---------------------------------------------------------------------------
+
+
+def hook_count(target) -> int:
+    """Modules whose forward memmode wraps, plus any torch forward hook memmode registered."""
+    modules = [m for comp in Target.of(target).components.values() for m in comp.modules()]
+    torch_hooks = sum(
+        1
+        for m in modules
+        for hook in chain(m._forward_pre_hooks.values(), m._forward_hooks.values())
+        if getattr(hook, "__module__", "").startswith("memmode_core.")
+    )
+    return torch_hooks + sum(1 for m in modules for method in ("forward", "encode", "decode") if is_wrapped(m, method))
+
+
+def assert_refused(model: nn.Module, error: type, match: str | None = None, **apply_kwargs) -> MemmodeError:
+    """``apply`` (``mode`` ``model_group_offload`` and ``device`` ``cpu`` unless given) raises ``error``, a
+    ``MemmodeError``, and leaves ``model`` as it was: the same weights, no wrapper, no handle."""
+    before = state_of(model)
+    mode, device = apply_kwargs.pop("mode", "model_group_offload"), apply_kwargs.pop("device", "cpu")
+    with pytest.raises(error, match=match) as info:
+        memmode.apply(model, mode, device=device, **apply_kwargs)
+    assert isinstance(info.value, MemmodeError), f"{type(info.value).__name__} is not a MemmodeError"
+    assert_same_tensors(state_of(model), before)
+    assert hook_count(model) == 0 and getattr(model, "_memmode_handle", None) is None
+    assert memmode.remove(model) is False
+    return info.value
+
+
+def snapshot(target, data: bool = True) -> dict:
+    """Everything apply could touch: tensor identities, data (unless ``data=False``), devices, hooks, attributes."""
+    state: dict = {"<target>": getattr(target, "_memmode_handle", None)}
+    for cname, comp in Target.of(target).components.items():
+        for name, t in chain(comp.named_parameters(), comp.named_buffers()):
+            state[(cname, name)] = (id(t), t.data_ptr() if data else None, t.device, t.dtype, tuple(t.shape))
+        state[(cname, "<hooks>")] = hook_count(comp)
+        state[(cname, "<attrs>")] = (
+            getattr(comp, "_hf_hook", None),
+            getattr(comp, "_memmode_handle", None),
+            type(comp),
+        )
+    return state
+
+
+# -- which slice of a large sweep this run takes ---------------------------------------------------------------
+
+FULL_MATRIX_ENV = "MEMMODE_TEST_FULL_MATRIX"
+ROTATION_ENV = "MEMMODE_TEST_ROTATION"
+#: a sweep is cut into this many slices; a CI run runs one (a full run, all)
+SLICES = 5
+
+
+def full_matrix() -> bool:
+    """Whether this run takes every case of every sweep (``MEMMODE_TEST_FULL_MATRIX=1``)."""
+    return os.environ.get(FULL_MATRIX_ENV) == "1"
+
+
+def rotation() -> int:
+    """Which slice of the sweeps this run takes: ``MEMMODE_TEST_ROTATION`` if set, else derived from the commit
+    checked out (so a failure reproduces on the same commit, and consecutive commits cover every slice)."""
+    if os.environ.get(ROTATION_ENV, "").strip():
+        return int(os.environ[ROTATION_ENV]) % SLICES
+    return zlib.crc32(_head_commit().encode()) % SLICES
+
+
+def in_slice(index: int, position: int) -> bool:
+    """Whether this run takes the ``position``-th case of the ``index``-th family of a sweep: one case in ``SLICES``,
+    offset by family, so that every family has cases in every slice (a full run takes them all)."""
+    return full_matrix() or (index + position) % SLICES == rotation()
+
+
+def _head_commit() -> str:
+    git = Path(__file__).resolve().parent.parent / ".git"
+    try:
+        head = (git / "HEAD").read_text().strip()
+        if head.startswith("ref: "):
+            ref = head[5:]
+            path = git / ref
+            if path.exists():
+                return path.read_text().strip()
+            packed = (git / "packed-refs").read_text().splitlines()
+            return next((line.split()[0] for line in packed if line.endswith(" " + ref)), ref)
+        return head
+    except OSError:
+        return ""
