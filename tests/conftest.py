@@ -9,11 +9,11 @@ import tempfile
 
 import pytest
 import torch
-from fake_plugins import Int8Plugin, PoisonPlugin
-from tiny_pipelines import FAMILIES
 
 import memmode_core as memmode
+from fake_plugins import Int8Plugin, PoisonPlugin
 from memmode_core.discovery import plugins
+from tiny_pipelines import FAMILIES
 
 # The suite's pipelines are tiny: one thread runs them fastest, and two threads fighting over two
 # busy cores make each call tens of times slower.

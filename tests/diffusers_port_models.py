@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 from diffusers import AutoencoderKL, DiffusionPipeline, FluxTransformer2DModel, WanTransformer3DModel
 from diffusers.models.modeling_utils import ModelMixin
-from tiny_components import FLUX_BLOCKS, WAN_TRANSFORMER, blocks, configured
 from torch import nn
+
+from tiny_components import FLUX_BLOCKS, WAN_TRANSFORMER, blocks, configured
 
 FEATURES = 16
 

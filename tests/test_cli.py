@@ -113,9 +113,9 @@ def test_run_model_loads_straight_into_the_mode_and_plan_reads_only_headers(tmp_
     """``run --model`` goes through memmode.load (never from_pretrained); ``plan --model`` predicts from config
     files and checkpoint headers, without mapping a weight, exactly what planning the loaded pipeline gives."""
     from diffusers import DiffusionPipeline
-    from tiny_pipelines import make_pipeline
 
     from memmode_core.files import checkpoint
+    from tiny_pipelines import make_pipeline
 
     make_pipeline("wan22").save_pretrained(tmp_path / "wan")
     common = [

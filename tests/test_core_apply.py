@@ -8,6 +8,9 @@ from itertools import chain
 
 import pytest
 import torch
+from torch import nn
+
+import memmode_core as memmode
 from fake_plugins import Int8Rows, PoisonSession, PoisonStorage, StoragePlugin
 from helpers import (
     assert_bit_equal,
@@ -20,17 +23,14 @@ from helpers import (
     state_of,
     tensors_of,
 )
-from tiny_models import make_blocks
-from tiny_pipelines import full_load_outputs, make_pipeline, run, two_calls
-from torch import nn
-
-import memmode_core as memmode
 from memmode_core import StorageUnavailableError, hookimpl
 from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError, MemmodeError, UnknownModeError
 from memmode_core.contracts.targets import Target
 from memmode_core.engine.hooks import is_wrapped
 from memmode_core.engine.pipeline_hooks import ExecutionDeviceHook
 from memmode_core.quantization import quantize_component
+from tiny_models import make_blocks
+from tiny_pipelines import full_load_outputs, make_pipeline, run, two_calls
 
 
 class RecordingQuantizer(Int8Rows):

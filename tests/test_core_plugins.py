@@ -10,10 +10,10 @@ import types
 
 import pytest
 import torch
-from fake_plugins import PoisonPlugin
-from helpers import assert_same_tensors, state_of
 
 import memmode_core as memmode
+from fake_plugins import PoisonPlugin
+from helpers import assert_same_tensors, state_of
 from memmode_core import hookimpl
 from memmode_core.contracts.errors import DuplicatePluginError, InvalidOptionError, PluginLoadError, UnknownModeError
 from memmode_core.contracts.storage import Storage

@@ -8,6 +8,9 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline, FluxTransformer2DModel, ModelMixin
 from diffusers.configuration_utils import ConfigMixin, register_to_config
+from torch import nn
+
+import memmode_core as memmode
 from helpers import (
     OFFLOADING_PLACEMENTS,
     STORAGES,
@@ -19,13 +22,10 @@ from helpers import (
     state_of,
     tensors_of,
 )
-from tiny_components import FLUX_BLOCKS, configured, seeded
-from tiny_pipelines import ALL_FAMILIES as FAMILIES
-from torch import nn
-
-import memmode_core as memmode
 from memmode_core import IncompatibleModeError, InvalidOptionError
 from memmode_core.contracts.layout import Policy
+from tiny_components import FLUX_BLOCKS, configured, seeded
+from tiny_pipelines import ALL_FAMILIES as FAMILIES
 
 pytestmark = pytest.mark.usefixtures("qint8")
 

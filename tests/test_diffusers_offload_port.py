@@ -65,6 +65,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from torch import nn
+
+import memmode_core as memmode
 from diffusers_port_models import (
     BlockModel,
     NestedContainerModel,
@@ -89,15 +92,12 @@ from helpers import (
     snapshot,
     state_of,
 )
-from tiny_components import seeded
-from tiny_pipelines import full_load_outputs, make_pipeline, run
-from torch import nn
-
-import memmode_core as memmode
 from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError, MemmodeError
 from memmode_core.contracts.layout import Policy, block_groups
 from memmode_core.contracts.storage import is_placeholder
 from memmode_core.engine.hooks import MARKER
+from tiny_components import seeded
+from tiny_pipelines import full_load_outputs, make_pipeline, run
 
 #: storages that leave a placeholder in every offloaded parameter: resting weights are visible
 PLACEHOLDER_STORAGES = {"poison", "disk"}

@@ -38,17 +38,17 @@ import types
 from pathlib import Path
 
 import pytest
-import tiny_loras
-import tiny_pipelines
 import tomllib
 import torch
 from diffusers import DiffusionPipeline
-from helpers import requires_cuda
-from plugin_guide import PACKAGES as GUIDE_DISTRIBUTIONS
-from plugin_guide import files_from_the_guide
 
 import memmode_core
+import tiny_loras
+import tiny_pipelines
+from helpers import requires_cuda
 from memmode_core.cli import main as memmode_main
+from plugin_guide import PACKAGES as GUIDE_DISTRIBUTIONS
+from plugin_guide import files_from_the_guide
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -244,8 +244,9 @@ class Substitution:
                 weight_dtype=torch.bfloat16,
             )
         if "lora_path" in uses:
-            import videox_fun_models
             from safetensors.torch import save_file
+
+            import videox_fun_models
 
             names["lora_path"] = str(self.tmp / "lora.safetensors")
             save_file(videox_fun_models.make_lora(names["pipe"].transformer, seed=3), names["lora_path"])

@@ -24,6 +24,8 @@ import shutil
 from collections import namedtuple
 
 import pytest
+
+import memmode_core as memmode
 from helpers import (
     FILE_STORAGES,
     OFFLOADING_PLACEMENTS,
@@ -37,13 +39,11 @@ from helpers import (
     requires_cuda,
     state_of,
 )
-from tiny_models import make_blocks
-from tiny_pipelines import FAMILIES, full_load_outputs, make_pipeline, run, two_calls
-
-import memmode_core as memmode
 from memmode_core import InvalidOptionError, MemmodeError, StorageUnavailableError
 from memmode_core.files import format as group_format
 from memmode_core.files import store as group_files
+from tiny_models import make_blocks
+from tiny_pipelines import FAMILIES, full_load_outputs, make_pipeline, run, two_calls
 
 PLACEMENTS = OFFLOADING_PLACEMENTS
 PLACEMENT_IDS = [placement_id(p) for p in PLACEMENTS]

@@ -16,6 +16,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
+
 from helpers import sqnr_db
 
 pytestmark = pytest.mark.skipif(
@@ -31,6 +32,7 @@ def build_transformer():
     """A Wan-shaped transformer in bfloat16 (time embedder kept in float32, as from_pretrained does),
     frozen for inference (FSDP2 refuses trainable parameters of mixed dtypes in one group)."""
     from diffusers import WanTransformer3DModel
+
     from tiny_components import WAN_TRANSFORMER, cast, configured
 
     with torch.random.fork_rng(devices=[]):

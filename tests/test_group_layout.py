@@ -16,6 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers import DiTTransformer2DModel, FluxPipeline, VQModel
+
+import memmode_core as memmode
 from helpers import (
     STORAGES,
     assert_bit_equal,
@@ -25,14 +27,12 @@ from helpers import (
     snapshot,
     tensors_of,
 )
+from memmode_core import IncompatibleModeError, InvalidOptionError
+from memmode_core.contracts.layout import block_groups
 from tiny_components import blocks, configured, kl_vae, seeded
 from tiny_dit_pipelines import DIT_TRANSFORMER
 from tiny_models import TIED_MODELS, make_tied, token_ids
 from tiny_pipelines import make_pipeline, run
-
-import memmode_core as memmode
-from memmode_core import IncompatibleModeError, InvalidOptionError
-from memmode_core.contracts.layout import block_groups
 
 #: the placements that cut a model into several groups
 SPLITTING = [

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_pipelines import make_pipeline, run
 
 import memmode_core as memmode
 from memmode_core.engine.hooks import is_wrapped
+from tiny_pipelines import make_pipeline, run
 
 
 def test_each_wrapper_is_a_named_hook_that_says_what_it_does():

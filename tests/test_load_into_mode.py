@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import DiffusionPipeline
-from helpers import nbytes, placement_id
-from tiny_pipelines import FAMILIES, make_pipeline, run
 
 import memmode_core as memmode
+from helpers import nbytes, placement_id
 from memmode_core import CheckpointError, IncompatibleModeError
 from memmode_core.quantization import packed_record
+from tiny_pipelines import FAMILIES, make_pipeline, run
 
 PLACEMENTS = [
     ("model_full_load", {}),
@@ -340,6 +340,7 @@ def test_peak_memory_while_loading_is_a_few_groups_not_the_model(tmp_path):
     of anonymous memory, 40% of the model, every group written (in_place=False: the path that copies the
     most), each in a fresh interpreter. Measured precisely, with the targets, in benchmarks/load_into_mode.py."""
     from diffusers import WanTransformer3DModel
+
     from tiny_components import WAN_TRANSFORMER, configured
 
     folder = tmp_path / "model"

@@ -25,12 +25,12 @@ import os
 
 import pytest
 import torch
-from helpers import OFFLOADING_PLACEMENTS, STORAGES, assert_same_outputs, full_matrix, hook_count, nbytes, placement_id
-from tiny_loras import LORA_FAMILIES, TEXT_ENCODER_LORA_COMPONENTS, load_lora, lora_components
-from tiny_pipelines import full_load_outputs, make_pipeline, run
 
 import memmode_core as memmode
+from helpers import OFFLOADING_PLACEMENTS, STORAGES, assert_same_outputs, full_matrix, hook_count, nbytes, placement_id
 from memmode_core.contracts.errors import IncompatibleModeError
+from tiny_loras import LORA_FAMILIES, TEXT_ENCODER_LORA_COMPONENTS, load_lora, lora_components
+from tiny_pipelines import full_load_outputs, make_pipeline, run
 
 pytestmark = pytest.mark.usefixtures("poison_storage")
 

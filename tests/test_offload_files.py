@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import requires_cuda
 from safetensors import safe_open
 
+from helpers import requires_cuda
 from memmode_core import StorageUnavailableError
 from memmode_core.contracts import packing
 from memmode_core.engine.staging import StagingRing, chunk_plan

@@ -26,9 +26,11 @@ from __future__ import annotations
 import contextlib
 import inspect
 
-import helpers
 import pytest
 import torch
+
+import helpers
+import memmode_core as memmode
 from helpers import (
     OFFLOADING_PLACEMENTS,
     SLICES,
@@ -44,13 +46,11 @@ from helpers import (
     sqnr_db,
     tensors_of,
 )
-from tiny_pipelines import ALL_FAMILIES as FAMILIES
-from tiny_pipelines import full_load_outputs, two_calls
-
-import memmode_core as memmode
 from memmode_core.contracts.layout import Policy
 from memmode_core.contracts.targets import takes_timestep
 from memmode_core.engine.reads import PlaceholderTrap
+from tiny_pipelines import ALL_FAMILIES as FAMILIES
+from tiny_pipelines import full_load_outputs, two_calls
 
 NAMES = sorted(FAMILIES)
 #: placements that cut a component into several groups

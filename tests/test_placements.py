@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+
+import memmode_core as memmode
 from fake_plugins import PoisonSession
 from helpers import (
     OFFLOADING_PLACEMENTS,
@@ -14,16 +17,13 @@ from helpers import (
     requires_cuda,
     snapshot,
 )
-from tiny_models import make_tied
-from tiny_pipelines import full_load_outputs, make_pipeline, run, two_calls
-from torch import nn
-
-import memmode_core as memmode
 from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError
 from memmode_core.contracts.layout import Policy, block_groups
 from memmode_core.engine.groups import claim_groups
 from memmode_core.engine.ledger import Ledger
 from memmode_core.engine.runtime import Runtime
+from tiny_models import make_tied
+from tiny_pipelines import full_load_outputs, make_pipeline, run, two_calls
 
 PLACEMENTS = [*OFFLOADING_PLACEMENTS, ("model_group_offload", {"num_blocks_per_group": 2})]
 

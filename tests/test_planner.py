@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_pipelines import make_pipeline, run
 
 import memmode_core as memmode
 from memmode_core.contracts.errors import InvalidOptionError
 from memmode_core.contracts.options import parse_byte_size
 from memmode_core.contracts.targets import Target
 from memmode_core.planning.planner import NoModeFitsError, default_calls
+from tiny_pipelines import make_pipeline, run
 
 
 def _measured_sequence(family: str) -> list[str]:

@@ -19,10 +19,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from plugin_guide import GUIDE, PACKAGES, files_from_the_guide
 
 import memmode_core
 from memmode_core.discovery import plugins
+from plugin_guide import GUIDE, PACKAGES, files_from_the_guide
 
 
 def test_the_guide_holds_three_complete_packages():

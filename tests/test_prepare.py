@@ -15,12 +15,12 @@ from collections import Counter
 
 import pytest
 import torch
-from tiny_pipelines import FAMILIES, make_pipeline, run
 
 import memmode_core as memmode
 from memmode_core.builtin.placements import GroupOffloadOptions
 from memmode_core.contracts.options import Option, Options, options_type, resolve_options
 from memmode_core.engine.groups import claim_groups
+from tiny_pipelines import FAMILIES, make_pipeline, run
 
 #: function name -> what the step is; each must run once per apply (plans: once per quantized component)
 STEPS = {

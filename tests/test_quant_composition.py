@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FILE_STORAGES, OFFLOADING_PLACEMENTS, assert_same_outputs, full_matrix, placement_id, requires_cuda
-from tiny_pipelines import make_pipeline, two_calls
 
 import memmode_core as memmode
+from helpers import FILE_STORAGES, OFFLOADING_PLACEMENTS, assert_same_outputs, full_matrix, placement_id, requires_cuda
 from memmode_core.discovery import plugins
+from tiny_pipelines import make_pipeline, two_calls
 
 QUANTIZERS = ["qfloat8", "qfloat4"]
 PLACEMENTS = OFFLOADING_PLACEMENTS

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import nbytes, sqnr_db
 
+from helpers import nbytes, sqnr_db
 from memmode_qfloat4 import BLOCK, QFloat4
 from memmode_qfloat8 import E4M3_MAX, QFloat8
 from memmode_qfloat8.format import e4m3_values

@@ -6,11 +6,10 @@ import logging
 
 import pytest
 import torch
-from helpers import nbytes, sqnr_db
-from tiny_pipelines import make_pipeline, run
 from torch import nn
 
 import memmode_core as memmode
+from helpers import nbytes, sqnr_db
 from memmode_core import IncompatibleModeError, InvalidOptionError, QuantizedWeightWriteError, Quantizer
 from memmode_core.quantization import (
     QuantizedLinear,
@@ -21,6 +20,7 @@ from memmode_core.quantization import (
 )
 from memmode_qfloat4 import QFloat4
 from memmode_qfloat8 import QFloat8, convert
+from tiny_pipelines import make_pipeline, run
 
 QUANTIZERS = {"qfloat8": QFloat8, "qfloat4": QFloat4}
 

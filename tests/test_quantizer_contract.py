@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_pipelines import make_pipeline, run
 
 import memmode_core as memmode
 from memmode_core import quantization
 from memmode_core.contracts.quantizer import DEFAULT_EXCLUDE
+from tiny_pipelines import make_pipeline, run
 
 
 class Int8Rows(memmode.Quantizer):

@@ -23,6 +23,9 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline, ModelMixin
 from diffusers.configuration_utils import ConfigMixin, register_to_config
+from torch import nn
+
+import memmode_core as memmode
 from helpers import (
     OFFLOADING_PLACEMENTS,
     STORAGES,
@@ -33,13 +36,10 @@ from helpers import (
     state_of,
     tensors_of,
 )
-from tiny_models import ReadsOutsideForward
-from torch import nn
-
-import memmode_core as memmode
 from memmode_core import OffloadedWeightReadError
 from memmode_core.engine import forwards
 from memmode_core.engine.reads import PlaceholderTrap
+from tiny_models import ReadsOutsideForward
 
 WIDTH = 8
 PLACEMENTS = [p for p in OFFLOADING_PLACEMENTS if p[0] != "text_encoder_offload"]

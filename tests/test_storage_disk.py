@@ -4,11 +4,11 @@ file is the only copy; buffers stay readable; what it reports."""
 from __future__ import annotations
 
 import torch
-from helpers import assert_same_outputs, module_components, nbytes
-from tiny_pipelines import full_load_outputs, make_pipeline, two_calls
 
 import memmode_core as memmode
+from helpers import assert_same_outputs, module_components, nbytes
 from memmode_core.files import format as group_format
+from tiny_pipelines import full_load_outputs, make_pipeline, two_calls
 
 
 def test_at_rest_parameters_hold_no_memory_and_buffers_keep_their_values(tmp_path):

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import memmode_core as memmode
 from fault_injection import (
     all_groups,
     copy_by_identity,
@@ -45,11 +47,9 @@ from fault_injection import (
     stored_groups,
 )
 from helpers import FILE_STORAGES, assert_refused, hook_count, module_components
+from memmode_core import InvalidOptionError, MemmodeError, StorageUnavailableError
 from tiny_models import BLOCK_KEY, BLOCKS, make_blocks, make_inputs
 from tiny_pipelines import make_pipeline, run
-
-import memmode_core as memmode
-from memmode_core import InvalidOptionError, MemmodeError, StorageUnavailableError
 
 TESTS_DIR = Path(__file__).resolve().parent
 GROUP_FILES = "memmode-*.safetensors"

@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import torch
-from helpers import assert_same_outputs
 from safetensors.torch import load_file
-from tiny_pipelines import full_load_outputs, make_pipeline, two_calls
 
 import memmode_core as memmode
+from helpers import assert_same_outputs
+from tiny_pipelines import full_load_outputs, make_pipeline, two_calls
 
 
 def mapped_ranges(folder: Path) -> list[tuple[int, int]]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_same_outputs, nbytes, requires_cuda
-from tiny_pipelines import full_load_outputs, make_pipeline, two_calls
 
 import memmode_core as memmode
+from helpers import assert_same_outputs, nbytes, requires_cuda
 from memmode_core import InvalidOptionError, StorageUnavailableError
 from memmode_storage_pinned.slabs import GROUP_ALIGNMENT, PAGE, Spot, plan, round_up
 from memmode_storage_pinned.storage import PinnedStorage
+from tiny_pipelines import full_load_outputs, make_pipeline, two_calls
 
 requires_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 MiB = 1 << 20

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import module_components
 from peft.tuners.tuners_utils import BaseTunerLayer
+
+from helpers import module_components
 from tiny_loras import (
     DENOISERS,
     LORA_FAMILIES,

@@ -5,6 +5,7 @@ builds, block lists, Wan 2.2's two experts); every family the pipeline sweep run
 
 import pytest
 import torch
+
 from helpers import in_slice, module_components
 from tiny_pipelines import ALL_FAMILIES, full_load_outputs, make_pipeline, run
 

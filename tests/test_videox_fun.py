@@ -12,12 +12,11 @@ import logging
 
 import pytest
 import torch
-import videox_fun_models as vf
-from helpers import assert_same_outputs, assert_same_tensors, sqnr_db, state_of
-from tiny_pipelines import full_load_outputs, make_pipeline, two_calls
 from torch import nn
 
 import memmode_core as memmode
+import videox_fun_models as vf
+from helpers import assert_same_outputs, assert_same_tensors, sqnr_db, state_of
 from memmode_core.compat import _component_names, apply_gpu_memory_mode
 from memmode_core.contracts.errors import (
     IncompatibleModeError,
@@ -26,6 +25,7 @@ from memmode_core.contracts.errors import (
     UnknownModeError,
 )
 from memmode_core.quantization import WeightStandIn, is_quantized, packed_record
+from tiny_pipelines import full_load_outputs, make_pipeline, two_calls
 
 LOSSLESS = ("model_full_load", "model_cpu_offload", "model_group_offload", "sequential_cpu_offload")
 QFLOAT8 = ("model_full_load_and_qfloat8", "model_cpu_offload_and_qfloat8")

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import OFFLOADING_PLACEMENTS, assert_same_outputs, hook_count, placement_id
-from tiny_pipelines import make_pipeline, run
 from torch import nn
 
 import memmode_core as memmode
+from helpers import OFFLOADING_PLACEMENTS, assert_same_outputs, hook_count, placement_id
+from tiny_pipelines import make_pipeline, run
 
 FAMILY = "flux"
 

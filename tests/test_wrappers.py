@@ -14,13 +14,13 @@ import inspect
 import pytest
 import torch
 from diffusers import DiffusionPipeline
-from helpers import OFFLOADING_PLACEMENTS, placement_id
-from tiny_pipelines import make_pipeline, run
 from torch import nn
 
 import memmode_core as memmode
+from helpers import OFFLOADING_PLACEMENTS, placement_id
 from memmode_core.engine.hooks import MethodWrapper
 from memmode_core.engine.pipeline_hooks import watches_call_end
+from tiny_pipelines import make_pipeline, run
 
 
 class Kinds(nn.Module):

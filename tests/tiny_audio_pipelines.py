@@ -41,6 +41,22 @@ from diffusers import (
 from diffusers.models.transformers.ace_step_transformer import AceStepTransformer1DModel
 from diffusers.pipelines.ace_step import AceStepConditionEncoder
 from diffusers.pipelines.ace_step.pipeline_ace_step import DEFAULT_DIT_INSTRUCTION, SFT_GEN_PROMPT
+from transformers import (
+    ClapAudioConfig,
+    ClapConfig,
+    ClapFeatureExtractor,
+    ClapModel,
+    ClapTextConfig,
+    ClapTextModelWithProjection,
+    GPT2Config,
+    GPT2LMHeadModel,
+    Qwen2Tokenizer,
+    Qwen3Config,
+    Qwen3Model,
+    SpeechT5HifiGan,
+    SpeechT5HifiGanConfig,
+)
+
 from tiny_components import (
     NEGATIVE,
     PROMPT,
@@ -58,21 +74,6 @@ from tiny_components import (
     roberta_tokenizer,
     unet_levels,
     vocabulary,
-)
-from transformers import (
-    ClapAudioConfig,
-    ClapConfig,
-    ClapFeatureExtractor,
-    ClapModel,
-    ClapTextConfig,
-    ClapTextModelWithProjection,
-    GPT2Config,
-    GPT2LMHeadModel,
-    Qwen2Tokenizer,
-    Qwen3Config,
-    Qwen3Model,
-    SpeechT5HifiGan,
-    SpeechT5HifiGanConfig,
 )
 
 #: ACE-Step's lyrics (the pipeline prepends a language header and appends ``<|endoftext|>``).

@@ -65,6 +65,19 @@ from diffusers import (
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
 )
+from transformers import (
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    GemmaConfig,
+    GemmaModel,
+    GlmConfig,
+    GlmModel,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    T5Config,
+    T5EncoderModel,
+)
+
 from tiny_components import (
     BERT_MAX_LENGTH,
     FLUX_BLOCKS,
@@ -94,18 +107,6 @@ from tiny_components import (
     qwen_tokenizer,
     t5_encoder,
     t5_tokenizer,
-)
-from transformers import (
-    CLIPTextModel,
-    CLIPTextModelWithProjection,
-    GemmaConfig,
-    GemmaModel,
-    GlmConfig,
-    GlmModel,
-    Qwen2_5_VLConfig,
-    Qwen2_5_VLForConditionalGeneration,
-    T5Config,
-    T5EncoderModel,
 )
 
 #: DiT-XL/2's layout: a class-conditional adaLN-zero DiT (learned sigma).

@@ -107,6 +107,7 @@ from functools import cache
 
 import torch
 from diffusers import DiffusionPipeline
+
 from tiny_pipelines import FAMILIES, make_pipeline
 
 __all__ = [

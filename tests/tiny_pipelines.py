@@ -19,13 +19,14 @@ API: ``make_pipeline(family, seed, dtype)``, ``call_kwargs(family, seed)``, ``ru
 
 from __future__ import annotations
 
+import torch
+from diffusers import DiffusionPipeline
+
 import tiny_audio_pipelines
 import tiny_dit_pipelines
 import tiny_prior_pipelines
 import tiny_unet_pipelines
 import tiny_video_pipelines
-import torch
-from diffusers import DiffusionPipeline
 from tiny_components import NEGATIVE_PROMPT, PROMPT, Family
 
 __all__ = [

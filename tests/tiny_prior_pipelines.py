@@ -77,6 +77,8 @@ from diffusers import (
 from diffusers.pipelines.deprecated.wuerstchen import PaellaVQModel, WuerstchenDiffNeXt, WuerstchenPrior
 from diffusers.pipelines.shap_e import ShapERenderer
 from diffusers.pipelines.stable_diffusion.stable_unclip_image_normalizer import StableUnCLIPImageNormalizer
+from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPVisionModelWithProjection
+
 from tiny_components import (
     CLIP_MAX_LENGTH,
     IMAGE_CALL,
@@ -97,7 +99,6 @@ from tiny_components import (
     sd_scheduler,
     with_trained_zero_convs,
 )
-from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPVisionModelWithProjection
 
 EMBED_DIM = 32  # CLIP hidden size and projection: the image-embedding width of the unCLIP-style families
 IMAGE_SIZE = 32  # CLIP vision encoders' input size

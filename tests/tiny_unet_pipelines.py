@@ -44,6 +44,8 @@ from diffusers import (
     UniPCMultistepScheduler,
 )
 from diffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertConfig, LDMBertModel
+from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
 from tiny_components import (
     BERT_MAX_LENGTH,
     IMAGE_CALL,
@@ -68,7 +70,6 @@ from tiny_components import (
     unet_levels,
     vocabulary,
 )
-from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
 #: sd_upscale's low-resolution input: 8 x 8 pixels, upscaled to 32 x 32.
 LOW_RES_SIZE = 8

@@ -72,6 +72,17 @@ from diffusers import (
 )
 from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE as HUNYUAN_TEMPLATE
 from diffusers.pipelines.wan import pipeline_wan_i2v
+from transformers import (
+    CLIPTextModel,
+    CLIPVisionModel,
+    CLIPVisionModelWithProjection,
+    LlamaConfig,
+    LlamaModel,
+    LlamaTokenizer,
+    T5Config,
+    T5EncoderModel,
+)
+
 from tiny_components import (
     IMAGE_CALL,
     MAX_SEQUENCE_LENGTH,
@@ -104,16 +115,6 @@ from tiny_components import (
     t5_encoder,
     t5_tokenizer,
     unet_levels,
-)
-from transformers import (
-    CLIPTextModel,
-    CLIPVisionModel,
-    CLIPVisionModelWithProjection,
-    LlamaConfig,
-    LlamaModel,
-    LlamaTokenizer,
-    T5Config,
-    T5EncoderModel,
 )
 
 _LLAMA_SPECIALS = [

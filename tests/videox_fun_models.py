@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import torch
 from diffusers import WanPipeline
+
 from tiny_pipelines import ALL_FAMILIES, call_kwargs, make_pipeline
 
 FAMILIES = ("wan21", "wan22")
