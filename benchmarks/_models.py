@@ -21,6 +21,30 @@ def _config(heads: int, head_dim: int, layers: int) -> dict:
     )
 
 
+def released_wan_config(*, heads: int, layers: int, ffn_dim: int, text_dim: int = 4096, **extra) -> dict:
+    """A ``WanTransformer3DModel`` config in the released Wan 2.x layout (head size 128 unless ``extra`` says
+    otherwise): Wan 2.1 1.3B is 12 heads, ffn 8960; the 14B models are 40 heads, 40 layers, ffn 13824."""
+    return dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=heads,
+        attention_head_dim=extra.pop("attention_head_dim", 128),
+        in_channels=16,
+        out_channels=16,
+        text_dim=text_dim,
+        freq_dim=256,
+        ffn_dim=ffn_dim,
+        num_layers=layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        **extra,
+    )
+
+
+def flags(args, *names: str) -> list[str]:
+    """``["--name", "<value>", ...]`` for the ``args`` attributes ``names``: what a benchmark hands its children."""
+    return [item for name in names for item in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+
+
 def wan_transformer(*, heads: int, head_dim: int, layers: int, seed: int = 0, dtype=torch.float32):
     """A diffusers ``WanTransformer3DModel`` with Wan 2.x 14B proportions (feed-forward 2.7x the hidden
     size), sized by ``heads * head_dim`` and ``layers``.

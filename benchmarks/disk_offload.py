@@ -34,6 +34,8 @@ import threading
 import time
 from pathlib import Path
 
+from _models import flags
+
 VARIANTS = ("no offload", "diffusers disk", "memmode disk", "memmode mmap")
 REFERENCE = "diffusers disk"
 #: (variant, time ratio at most, RSS ratio at most, RSS ratio strictly below)
@@ -185,22 +187,7 @@ def main() -> None:
         return
 
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="memmode-disk-bench-"))
-    argv = [
-        "--heads",
-        str(args.heads),
-        "--layers",
-        str(args.layers),
-        "--height",
-        str(args.height),
-        "--width",
-        str(args.width),
-        "--text-tokens",
-        str(args.text_tokens),
-        "--threads",
-        str(args.threads),
-        "--dir",
-        str(base),
-    ]
+    argv = [*flags(args, "heads", "layers", "height", "width", "text_tokens", "threads"), "--dir", str(base)]
     workers: list[Worker] = []
     try:
         for variant in VARIANTS:

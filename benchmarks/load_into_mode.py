@@ -54,6 +54,8 @@ import threading
 import time
 from pathlib import Path
 
+from _models import flags, released_wan_config
+
 #: variant -> (checkpoint: "bf16" / "f32", reference variant of its ratios)
 VARIANTS = {
     "diffusers_group_disk": ("bf16", "diffusers_group_disk"),
@@ -83,36 +85,10 @@ SAMPLE_S = 0.020
 def wan_config(quick: bool, layers: int = 30) -> dict:
     """Wan 2.1 1.3B's transformer config with ``layers`` blocks (``--quick``: a tiny one of the same shape)."""
     if quick:
-        return dict(
-            patch_size=[1, 2, 2],
-            num_attention_heads=2,
-            attention_head_dim=64,
-            in_channels=16,
-            out_channels=16,
-            text_dim=256,
-            freq_dim=256,
-            ffn_dim=512,
-            num_layers=4,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            eps=1e-6,
-            rope_max_seq_len=1024,
+        return released_wan_config(
+            heads=2, layers=4, ffn_dim=512, text_dim=256, attention_head_dim=64, eps=1e-6, rope_max_seq_len=1024
         )
-    return dict(
-        patch_size=[1, 2, 2],
-        num_attention_heads=12,
-        attention_head_dim=128,
-        in_channels=16,
-        out_channels=16,
-        text_dim=4096,
-        freq_dim=256,
-        ffn_dim=8960,
-        num_layers=layers,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        eps=1e-6,
-        rope_max_seq_len=1024,
-    )
+    return released_wan_config(heads=12, layers=layers, ffn_dim=8960, eps=1e-6, rope_max_seq_len=1024)
 
 
 # -- the checkpoints, built once ------------------------------------------------------------------------
@@ -313,16 +289,7 @@ def run_variant(variant: str, folder: Path, scratch: Path, args: argparse.Namesp
             str(folder),
             "--workdir",
             str(workdir),
-            "--threads",
-            str(args.threads),
-            "--frames",
-            str(args.frames),
-            "--height",
-            str(args.height),
-            "--width",
-            str(args.width),
-            "--text-tokens",
-            str(args.text_tokens),
+            *flags(args, "threads", "frames", "height", "width", "text_tokens"),
         ]
         done = subprocess.run(argv, capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]

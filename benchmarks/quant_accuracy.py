@@ -51,7 +51,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _models import wan_transformer  # noqa: E402
+from _models import released_wan_config, wan_transformer  # noqa: E402
 
 TARGETS = {"qfloat8": (None, 0.55), "qfloat4": (18.0, 0.30)}  # (SQNR floor, bytes ratio ceiling)
 
@@ -326,19 +326,7 @@ def predicted_at_full_size() -> dict[str, float]:
     from memmode_core.quantization import plan_quantization
 
     with torch.device("meta"):
-        model = WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=40,
-            attention_head_dim=128,
-            in_channels=16,
-            out_channels=16,
-            text_dim=4096,
-            freq_dim=256,
-            ffn_dim=13824,
-            num_layers=40,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-        )
+        model = WanTransformer3DModel(**released_wan_config(heads=40, layers=40, ffn_dim=13824))
     keep = set(model._keep_in_fp32_modules)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if tensor.is_floating_point() and keep.isdisjoint(name.split(".")):

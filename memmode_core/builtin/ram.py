@@ -7,12 +7,11 @@ synchronous; the ``pinned`` storage plugin is the asynchronous one.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 
 from memmode_core.contracts.costs import StorageCost, copying_cost
 from memmode_core.contracts.hookspecs import hookimpl
+from memmode_core.contracts.options import Options
 from memmode_core.contracts.storage import Storage, StorageSession, Tensors, host_copy, to_device
 
 
@@ -55,7 +54,7 @@ class RamStorage(Storage):
     name = "ram"
     description = "pageable CPU memory (synchronous copies; always available)"
 
-    def open(self, *, device: torch.device, offload_dir: str | None, options: Mapping[str, object]) -> StorageSession:
+    def open(self, *, device: torch.device, offload_dir: str | None, options: Options) -> StorageSession:
         return RamSession()
 
     def cost(self, device: torch.device) -> StorageCost:
