@@ -123,7 +123,7 @@ def _quantize(prepared: Prepared) -> dict[str, Any]:
         module = targets[name]
         if name in prepared.packed_ahead:
             packed_now, bytes_before = prepared.packed_ahead[name]
-            _install_forwards(module, quantizer, request.weight_dtype)
+            quantization.install_forwards(module, quantizer, request.weight_dtype)
             done[name] = quantization.summarize(quantizer, plan, packed_now, bytes_before)
         else:
             done[name] = quantization.quantize(
@@ -150,14 +150,6 @@ def _refuse_stale_quantization(prepared: Prepared) -> None:
                 f"this plan of {prepared.mode} was prepared before {name}.{done[0]} was quantized (it was executed "
                 f"already, or the model was quantized since); prepare it again"
             )
-
-
-def _install_forwards(component: nn.Module, quantizer: Any, weight_dtype: torch.dtype | None) -> None:
-    """The dequantizing forward on every packed layer of ``component`` (packed while it was loaded)."""
-    for module in component.modules():
-        record = quantization.packed_record(module)
-        if record is not None:
-            quantization.install_forward(module, quantizer, weight_dtype or record.compute_dtype or record.dtype)
 
 
 def install(prepared: Prepared, session, reserved: dict[str, int] | None = None) -> tuple[Runtime, Ledger]:

@@ -7,7 +7,6 @@ what was resolved, laid out and planned, and what a refused re-apply puts back.
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Any
 
 from memmode_core.engine import pipeline_hooks
@@ -25,11 +24,7 @@ class Handle:
     """What ``apply`` returns: the applied mode, its ledger, and the way back."""
 
     def __init__(self, prepared: Prepared, runtime: Runtime, ledger: Ledger, quantized: dict[str, Any]) -> None:
-        target = prepared.target
         request = prepared.request
-        self._target = weakref.ref(target.obj) if _weakrefable(target.obj) else (lambda obj=target.obj: obj)
-        self._components = target.components
-        self._is_pipeline = target.is_pipeline
         #: the plan this handle executed: what a refused re-apply puts back, and rebuilds lay out again
         self.prepared = prepared
         self.mode = prepared.mode
@@ -53,7 +48,11 @@ class Handle:
 
     @property
     def target(self) -> Any:
-        return self._target()
+        return self.prepared.target.obj
+
+    @property
+    def _components(self) -> dict:
+        return self.prepared.target.components
 
     @property
     def active(self) -> bool:
@@ -114,10 +113,11 @@ class Handle:
 
     def _attach(self) -> None:
         """Mark the target and its placed components as placed by this handle."""
-        if self._is_pipeline:
+        is_pipeline = self.prepared.target.is_pipeline
+        if is_pipeline:
             pipeline_hooks.install(self._components, self.device, self.remove)
         self._guards = pipeline_hooks.install_guards(
-            self.target if self._is_pipeline else None, self._components, self.mode, self._runtime.end_call
+            self.target if is_pipeline else None, self._components, self.mode, self._runtime.end_call
         )
         for obj in [self.target, *self._components.values()]:
             setattr(obj, HANDLE_ATTRIBUTE, self)
@@ -158,14 +158,6 @@ def _as_dict(summary: Any) -> dict:
     if hasattr(summary, "as_dict"):
         return summary.as_dict()
     return dict(summary) if isinstance(summary, dict) else {"summary": str(summary)}
-
-
-def _weakrefable(obj: Any) -> bool:
-    try:
-        weakref.ref(obj)
-        return True
-    except TypeError:
-        return False
 
 
 def handle_of(target: Any) -> Handle | None:

@@ -38,11 +38,11 @@ from memmode_core.contracts.placement import Placement
 from memmode_core.contracts.quantizer import Quantizer
 from memmode_core.contracts.resolver import Resolver
 from memmode_core.contracts.storage import Storage
+from memmode_core.discovery.first_party import CORE
 
 ENTRY_POINT_GROUP = "memmode"
 AUTOLOAD_ENV = "MEMMODE_DISABLE_PLUGIN_AUTOLOAD"
 DISABLE_ENV = "MEMMODE_DISABLE_PLUGINS"
-CORE_DISTRIBUTION = "memmode-core"
 #: this source tree's version (``memmode_core.__version__``; pyproject.toml says the same)
 CORE_VERSION = "0.1.0"
 
@@ -145,7 +145,7 @@ class PluginInfo:
 
 def core_version() -> str:
     try:
-        return metadata.version(CORE_DISTRIBUTION)
+        return metadata.version(CORE)
     except metadata.PackageNotFoundError:
         return CORE_VERSION
 
@@ -162,8 +162,7 @@ BUILTIN_PLUGINS = {
 def builtin_sources() -> list[PluginSource]:
     version = core_version()
     return [
-        PluginSource(name, importlib.import_module(module), CORE_DISTRIBUTION, version)
-        for name, module in BUILTIN_PLUGINS.items()
+        PluginSource(name, importlib.import_module(module), CORE, version) for name, module in BUILTIN_PLUGINS.items()
     ]
 
 

@@ -181,18 +181,13 @@ def claim_groups(
             i = parent[i]
         return i
 
-    claimed: list[list[Slot]] = [[] for _ in specs]
     owners: list[list[tuple[nn.Module, str]]] = [[] for _ in specs]
     for index, spec in enumerate(specs):
         for module in spec.owners:
-            prefix = paths.get(id(module), type(module).__name__)
-            owners[index].append((module, prefix))
-            for attr, tensor, is_buffer in _direct_tensors(module):
-                first = owner_of.get(id(tensor))
-                if first is None:  # a tied tensor registered twice is claimed once, by its first owner
-                    owner_of[id(tensor)] = index
-                    claimed[index].append(Slot(f"{prefix}.{attr}" if prefix else attr, tensor, is_buffer, module, attr))
-                elif first != index:
+            owners[index].append((module, paths.get(id(module), type(module).__name__)))
+            for _, tensor, _ in _direct_tensors(module):
+                first = owner_of.setdefault(id(tensor), index)
+                if first != index:  # a tensor two specs reach: they move together
                     parent[find(index)] = find(first)
     merged: dict[int, Group] = {}
     order: list[Group] = []
@@ -208,12 +203,7 @@ def claim_groups(
             if Policy.RESIDENT in (spec.policy, group.policy):
                 group.policy = Policy.RESIDENT
         group.owners += owners[index]
-        for slot in claimed[index]:
-            group.slots.append(slot)
-            group.nbytes += slot.tensor.numel() * slot.tensor.element_size()
-    for group in order:
-        group.readable = _readable(group, components)
-    return [g for g in order if g.slots]
+    return _take_slots(order, components)
 
 
 def bind_groups(claimed: list[Group], components: dict[str, nn.Module]) -> list[Group]:
@@ -223,9 +213,15 @@ def bind_groups(claimed: list[Group], components: dict[str, nn.Module]) -> list[
     layer's ``weight`` by its packed tensors, in the same modules, tied where the weight was tied.
 
     The claimed groups are left as they are (a prepared plan can be executed again, and the planner reads
-    them); the slots are found, named and ordered exactly as :func:`claim_groups` would find them now.
+    them); the slots are taken exactly as :func:`claim_groups` takes them.
     """
-    groups = [group.fresh() for group in claimed]
+    return _take_slots([group.fresh() for group in claimed], components)
+
+
+def _take_slots(groups: list[Group], components: dict[str, nn.Module]) -> list[Group]:
+    """Give each group one slot per tensor its owners register, in owner order; a tensor tied between two owners
+    is taken once, by the first. Groups that hold nothing are dropped. Claiming merged every group that shares
+    a tensor, so a tensor in two groups means a tie made since the claim: refused."""
     taken: dict[int, Group] = {}
     for group in groups:
         for module, prefix in group.owners:

@@ -151,18 +151,16 @@ def load(
                 )
 
     # -- quantize while streaming, as the plan says --------------------------------------------------------
-    if quantizer is not None:
-        if not overrides(quantizer, "quantize") and getattr(quantizer, "packs", True):
-            for name, plan in prepared.quantization.items():
-                if plan.packs_anything:
-                    before = component_bytes(plan.component)
-                    packed = saved.stream_pack(plan, staging_dir=staging, mappings=mappings)
-                    prepared.packed_ahead[name] = (packed, before)
-        else:
-            logger.info(
-                "memmode: quantizer %s has its own quantize(); it quantizes the loaded model in memory",
-                quantizer.name,
-            )
+    if quantizer is not None and overrides(quantizer, "quantize"):
+        logger.info(
+            "memmode: quantizer %s has its own quantize(); it quantizes the loaded model in memory", quantizer.name
+        )
+    elif quantizer is not None and quantizer.packs:  # a forward-only quantizer has nothing to pack
+        for name, plan in prepared.quantization.items():
+            if plan.packs_anything:
+                before = component_bytes(plan.component)
+                packed = saved.stream_pack(plan, staging_dir=staging, mappings=mappings)
+                prepared.packed_ahead[name] = (packed, before)
 
     # the checkpoint's mappings and the streamed files are lent to file storages, which store the groups
     # lying in them by reference rather than writing them again (see memmode_core.files.borrowed)

@@ -263,11 +263,18 @@ def _seconds(cost: StorageCost | None, moved: int, onloads: int, prefetch: bool)
     return seconds * (1 - PREFETCH_OVERLAP) if prefetch else seconds
 
 
-def price(prepared: Prepared, sequence: list[str], *, replayed: _Replay | None = None) -> PlanEntry:
-    """The predicted cost of executing ``prepared`` for the component calls ``sequence``. ``replayed``: the
-    replay of the same layout (one layout is priced with every storage)."""
+def price(prepared: Prepared, sequence: list[str]) -> PlanEntry:
+    """The predicted cost of executing ``prepared`` for the component calls ``sequence``."""
+    return _price(prepared, *_replayed(prepared, sequence))
+
+
+def _replayed(prepared: Prepared, sequence: list[str]) -> tuple[list[_Sized], _Replay]:
     sized = _sized(prepared)
-    state = replayed or replay(sized, sequence, prepared.prefetch, prepared.target.components)
+    return sized, replay(sized, sequence, prepared.prefetch, prepared.target.components)
+
+
+def _price(prepared: Prepared, sized: list[_Sized], state: _Replay) -> PlanEntry:
+    """The entry for ``prepared`` from its sized groups and the replay of its layout."""
     storage = prepared.storage
     cost = storage_cost(storage, prepared.device) if storage is not None else None
     offloaded = sum(s.nbytes for s in sized if s.group.policy is not Policy.RESIDENT)
@@ -419,16 +426,12 @@ def plan(
 
 
 def price_all(prepared: list[Prepared], sequence: list[str]) -> list[PlanEntry]:
-    """Price each candidate; candidates sharing one layout (one per storage) share its replay."""
-    entries = []
-    replays: dict[int, _Replay] = {}
+    """Price each candidate; candidates sharing one layout (one per storage) are sized and replayed once."""
+    replays: dict[int, tuple[list[_Sized], _Replay]] = {}
     for one in prepared:
-        key = id(one.groups)
-        entry = price(one, sequence, replayed=replays.get(key))
-        if key not in replays:
-            replays[key] = replay(_sized(one), sequence, one.prefetch, one.target.components)
-        entries.append(entry)
-    return entries
+        if id(one.groups) not in replays:
+            replays[id(one.groups)] = _replayed(one, sequence)
+    return [_price(one, *replays[id(one.groups)]) for one in prepared]
 
 
 def _budget(name: str, value: Any) -> int | None:

@@ -115,15 +115,9 @@ def make_request(
         raise TypeError("offload_dir must be a path")
     given = dict(options or {})
     resolved = resolve(mode, storage=storage, device=dev, plugins=current(), storage_given=storage is not None)
-    owners = [(f"placement {resolved.placement.name}", resolved.placement.obj.options)]
-    if resolved.storage is not None:
-        owners.append((f"storage {resolved.storage.name}", resolved.storage.obj.options))
-    if resolved.quantizer is not None:
-        owners.append((f"quantizer {resolved.quantizer.name}", resolved.quantizer.obj.options))
-    typed = iter(resolve_options(owners, given))
-    placement_options = next(typed)
-    storage_options = next(typed) if resolved.storage is not None else None
-    quantizer_options = next(typed) if resolved.quantizer is not None else None
+    placement_options, storage_options, quantizer_options = typed_options(
+        resolved.placement, resolved.storage, resolved.quantizer, given
+    )
     request = Request(
         mode=resolved.mode,
         placement=resolved.placement,
@@ -167,16 +161,9 @@ def candidate_request(
     quantizer and arguments of ``base``, and of the options given those each plugin declares (a
     placement's also ``variant``). An option no plugin of the candidate declares does not reach it."""
     given = {**base.given, **variant}
-    owners = [(f"placement {placement.name}", placement.obj.options)]
-    if storage is not None:
-        owners.append((f"storage {storage.name}", storage.obj.options))
-    if base.quantizer is not None:
-        owners.append((f"quantizer {base.quantizer.name}", base.quantizer.obj.options))
-    declared = [_declared_names(declaration) for _, declaration in owners]
-    typed = iter(resolve_options(owners, {k: v for k, v in given.items() if any(k in d for d in declared)}))
-    placement_options = next(typed)
-    storage_options = next(typed) if storage is not None else None
-    quantizer_options = next(typed) if base.quantizer is not None else None
+    placement_options, storage_options, quantizer_options = typed_options(
+        placement, storage, base.quantizer, given, only_declared=True
+    )
     mode = Mode(placement.name, base.mode.quantizer)
     return dataclasses.replace(
         base,
@@ -190,8 +177,24 @@ def candidate_request(
     )
 
 
-def _declared_names(declaration: Any) -> set[str]:
-    return {o.name for o in declared_options(declaration)}
+def typed_options(
+    placement: Registration,
+    storage: Registration | None,
+    quantizer: Registration | None,
+    given: Mapping[str, Any],
+    *,
+    only_declared: bool = False,
+) -> tuple[Options, Options | None, Options | None]:
+    """Each plugin's typed options from the keywords ``given`` (None for a plugin the mode has not).
+    ``only_declared``: leave out a keyword none of them declares (a candidate takes what applies to it)
+    instead of refusing it."""
+    plugins = [("placement", placement), ("storage", storage), ("quantizer", quantizer)]
+    owners = [(f"{kind} {reg.name}", reg.obj.options) for kind, reg in plugins if reg is not None]
+    if only_declared:
+        declared = {o.name for _, declaration in owners for o in declared_options(declaration)}
+        given = {k: v for k, v in given.items() if k in declared}
+    typed = iter(resolve_options(owners, given))
+    return tuple(next(typed) if reg is not None else None for _, reg in plugins)
 
 
 def _names(value: Any, what: str) -> tuple[str, ...] | None:

@@ -277,12 +277,17 @@ def quantize_component(
     plan = check_component(quantizer, name, component, exclude=exclude, options=options, plan=plan)
     before = component_bytes(component)
     packed_now = _pack_all(plan) if plan.packs_anything else 0
+    install_forwards(component, quantizer, weight_dtype)
+    return summarize(quantizer, plan, packed_now, before)
+
+
+def install_forwards(component: nn.Module, quantizer: Quantizer, weight_dtype: torch.dtype | None) -> None:
+    """The dequantizing forward on every packed layer of ``component``, computing in ``weight_dtype`` or, without
+    one, in the dtype the layer computed in before (its own before packing)."""
     for module in component.modules():
         record = packed_record(module)
         if record is not None:
-            dtype = weight_dtype or record.compute_dtype or record.dtype
-            install_forward(module, quantizer, dtype)
-    return summarize(quantizer, plan, packed_now, before)
+            install_forward(module, quantizer, weight_dtype or record.compute_dtype or record.dtype)
 
 
 # -- the entry points: a quantizer's override, or the mechanics above -------------------------------------
