@@ -23,9 +23,10 @@ The modules are layered, one folder per layer, and imports only point down, even
    group vocabulary (``layout``: ``GroupSpec``, ``Policy``), packing;
 1. mechanics: ``engine/`` (``groups``: the group model and claiming; ``runtime``, the composition of
    ``moving``, ``changes`` and ``forwards``; ``hooks``: named hooks and their registry; ``pipeline_hooks``,
-   ``reads``, ``watch``, ``inputs``, ``ledger``, ``staging``), ``files/`` (group files, checkpoints) and
-   ``quantization/`` (``packed``, ``sizes``, ``standin``, ``forward``, ``selection``, ``quantizing``,
-   ``saved``: everything a quantizer does besides packing one weight);
+   ``reads``, ``watch``, ``inputs``, ``ledger``, ``staging``, ``streams``: the one door to the accelerator),
+   ``files/`` (group files, checkpoints) and ``quantization/`` (``packed``, ``sizes``, ``standin``,
+   ``forward``, ``selection``, ``quantizing``, ``saved``: everything a quantizer does besides packing one
+   weight);
 2. ``discovery/``: plugins, grammar, the one table of first-party names (built-in plugins are loaded by
    module name, like entry points);
 3. ``planning/``: ``prepared`` (the request and the prepared plan), ``layout`` (a placement's layout as core
@@ -33,7 +34,8 @@ The modules are layered, one folder per layer, and imports only point down, even
    a storage costs, measured where it is not declared);
 4. ``builtin/``: the built-in plugins (the placements, the ``auto`` resolver, the ``ram`` storage);
 5. top level: ``applying`` (apply, execute, remove, convert), ``handle`` (the ``Handle``), ``loading/``,
-   ``compat`` (the VideoX-Fun drop-in), ``cli/``, ``demo``.
+   ``compat`` (the VideoX-Fun drop-in), ``cli/``, ``demo``, ``testing/`` (the strict model of asynchronous
+   copies).
 """
 
 from __future__ import annotations

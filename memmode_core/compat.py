@@ -35,11 +35,13 @@ from torch import nn
 
 from memmode_core.applying import apply
 from memmode_core.builtin.placements import SMALL_TABLES
+from memmode_core.contracts.devices import resolve_device
 from memmode_core.contracts.errors import InvalidOptionError
 from memmode_core.contracts.targets import Target
 from memmode_core.discovery.first_party import DEFAULT_STORAGE
 from memmode_core.discovery.grammar import SEPARATOR, lookup
 from memmode_core.discovery.plugins import current
+from memmode_core.engine.streams import active
 from memmode_core.handle import Handle
 
 logger = logging.getLogger("memmode.compat")
@@ -194,13 +196,11 @@ def _group_offload_options(
     if num_blocks_per_group is not None:
         options["num_blocks_per_group"] = num_blocks_per_group
     if use_stream is not None:
-        compute = torch.device(device) if device is not None else None
-        if (
-            use_stream
-            and (compute is None or compute.type != "cuda")
-            and not (compute is None and torch.cuda.is_available())
-        ):
-            logger.info("use_stream=True ignored: CUDA streams need a CUDA compute device (device=%r)", device)
+        compute = torch.device(device) if device is not None else resolve_device(None)
+        if use_stream and not active().has_streams(compute):
+            logger.info(
+                "use_stream=True ignored: streams need an accelerator as the compute device (device=%r)", device
+            )
         else:
             options["use_stream"] = use_stream
     if low_cpu_mem_usage and storage is None:

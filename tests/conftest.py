@@ -6,13 +6,17 @@ import gc
 import importlib.metadata
 import sys
 import tempfile
+import zlib
 
 import pytest
 import torch
 
 import memmode_core as memmode
 from fake_plugins import Int8Plugin, PoisonPlugin
+from helpers import HAS_CUDA
 from memmode_core.discovery import plugins
+from memmode_core.engine.streams import installed
+from memmode_core.testing import StrictStreams
 from tiny_pipelines import FAMILIES
 
 # The suite's pipelines are tiny: one thread runs them fastest, and two threads fighting over two
@@ -65,6 +69,22 @@ def isolated_plugins(monkeypatch):
     plugins.reset()
     yield
     plugins.reset()
+
+
+@pytest.fixture(autouse=True)
+def strict_streams(request):
+    """For tests marked ``accelerator`` (``helpers.on_accelerator``) without CUDA: the strict model of
+    asynchronous copies, installed for the test (seeded by its name, so a failure repeats) and checked
+    after it — every copy landed and finished, no buffer released or overwritten too early. The model
+    (its ``counts`` say what ran), or None where the test runs on real CUDA or not on an accelerator."""
+    if HAS_CUDA or request.node.get_closest_marker("accelerator") is None:
+        yield None
+        return
+    model = StrictStreams(seed=zlib.crc32(request.node.nodeid.encode()))
+    with installed(model):
+        yield model
+        model.check()
+    assert not model.errors, f"errors the test swallowed: {model.errors}"
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ import torch
 
 from memmode_core import Quantizer, Storage, StorageSession, hookimpl
 from memmode_core.contracts.storage import placeholder
+from memmode_core.engine.streams import active
 
 
 class PoisonSession(StorageSession):
@@ -27,7 +28,8 @@ class PoisonSession(StorageSession):
 
     def fetch(self, key, device, stream=None):
         self.fetches += 1
-        return {name: t.clone().to(device) for name, t in self.groups[key].items()}
+        streams = active()  # through the stream layer, so that the strict model sees the copies
+        return {name: streams.to_device(t.clone(), device) for name, t in self.groups[key].items()}
 
     def restore(self, key):
         return self.groups[key]

@@ -22,7 +22,20 @@ from memmode_core import MemmodeError
 from memmode_core.contracts.targets import Target
 from memmode_core.engine.hooks import is_wrapped
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+HAS_CUDA = torch.cuda.is_available()
+
+
+def requires_cuda(why: str) -> pytest.MarkDecorator:
+    """For what only real CUDA shows (its allocator's counters, ``cudaHostRegister``): a visible skip without it.
+    Everything else about the accelerator path runs under ``ACCELERATOR`` instead."""
+    return pytest.mark.skipif(not HAS_CUDA, reason=f"needs a CUDA device: {why}")
+
+
+#: the accelerator the ``accelerator``-marked tests compute on: CUDA where there is one, else the CPU, made an
+#: accelerator with streams by the strict model of asynchronous copies that ``conftest.py`` installs for them
+ACCELERATOR = "cuda" if HAS_CUDA else "cpu"
+#: marks for a test or a parameter that runs the accelerator path (see ``ACCELERATOR``)
+on_accelerator = pytest.mark.accelerator
 
 #: every offloading placement, with the variants that lay groups out differently
 OFFLOADING_PLACEMENTS = [

@@ -131,8 +131,6 @@ REFUSALS = [
 
 @pytest.mark.parametrize("kwargs, error", REFUSALS, ids=[str(k) for k, _ in REFUSALS])
 def test_refusals_are_typed_and_leave_the_pipeline_untouched(kwargs, error, recorder):
-    if kwargs.get("use_stream") and torch.cuda.is_available():
-        pytest.skip("use_stream is valid with CUDA")
     pipe = make_pipeline("wan22")
     before = snapshot(pipe)
     kwargs = dict(kwargs)

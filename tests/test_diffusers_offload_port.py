@@ -25,8 +25,11 @@ lossless, so outputs are compared bit for bit with a fresh un-offloaded model (`
 CPU, where onloading from the ``ram`` storage changes no data, every case also runs under the test
 ``poison`` storage (``fake_plugins.PoisonStorage``: NaN placeholders while offloaded), which proves each
 group is onloaded before it computes, and under ``disk`` and ``mmap``, which read real files. The
-CUDA-only upstream cases (streams, ``record_stream``, accelerator memory) are ported as the same tests
-with ``device="cuda"`` and run where CUDA is (``pinned`` storage and prefetch streams included).
+accelerator-only upstream cases (streams, ``record_stream``) are ported as the same tests on
+``helpers.ACCELERATOR`` (``pinned`` storage and prefetch streams included): on CUDA where there is one,
+else on the CPU under the strict model of asynchronous copies (``memmode_core.testing.StrictStreams``),
+where a copy not waited for leaves NaN and a buffer released too early is an error. Only what needs
+CUDA's own allocator counters (accelerator memory) still needs a CUDA device.
 
 Not ported, because memmode differs by design:
 
@@ -44,7 +47,7 @@ Not ported, because memmode differs by design:
   option is refused at ``apply`` — that part is ported.
 - ``non_blocking=True`` and ``record_stream=`` options: memmode decides both itself (async copies
   from the ``pinned`` storage on the prefetch stream, every prefetched tensor ``record_stream``-ed);
-  the upstream variants collapse into the CUDA stream tests.
+  the upstream variants collapse into the accelerator stream tests.
 - The warning logged when a group-offloaded model or pipeline is moved with ``.to(accelerator)``:
   memmode logs nothing there (it notices the moved tensors at the next call); no equivalent to test.
 - ``exclude_modules`` moving the excluded component to the onload device: memmode's
@@ -82,12 +85,14 @@ from diffusers_port_models import (
     tiny_wan_transformer,
 )
 from helpers import (
+    ACCELERATOR,
     FILE_STORAGES,
     STORAGES,
     assert_bit_equal,
     assert_same_tensors,
     hook_count,
     module_components,
+    on_accelerator,
     requires_cuda,
     snapshot,
     state_of,
@@ -102,15 +107,19 @@ from tiny_pipelines import full_load_outputs, make_pipeline, run
 #: storages that leave a placeholder in every offloaded parameter: resting weights are visible
 PLACEHOLDER_STORAGES = {"poison", "disk"}
 
-#: storages on CUDA, where prefetch streams are on: pageable and page-locked copies, and files read
-#: through the staging ring (a group not onloaded is a device mismatch there: no poison needed)
-CUDA_STORAGES = ["ram", "pinned", "disk"]
+#: storages on the accelerator, where prefetch streams are on: pageable and page-locked copies, and files read
+#: through the staging ring (a group not onloaded is a device mismatch on CUDA, and under the strict model a
+#: device copy reads NaN until it is waited for; ``poison`` adds NaN placeholders at rest)
+ACCELERATOR_STORAGES = ["ram", "poison", "pinned", "disk", "mmap"]
+#: the storages whose copies come from pageable memory: they block the host, as CUDA's do (no async copy)
+PAGEABLE = {"ram", "poison"}
 
 
-def places(cpu=STORAGES, cuda=CUDA_STORAGES) -> list:
-    """``(device, storage)`` parameters: ``cpu`` storages on the CPU, ``cuda`` ones where CUDA is."""
+def places(cpu=STORAGES, accelerator=ACCELERATOR_STORAGES) -> list:
+    """``(device, storage)`` parameters: ``cpu`` storages on the CPU, ``accelerator`` ones on ``ACCELERATOR``
+    (CUDA, or the CPU under the strict model of asynchronous copies)."""
     return [pytest.param("cpu", s, id=f"cpu-{s}") for s in cpu] + [
-        pytest.param("cuda", s, id=f"cuda-{s}", marks=requires_cuda) for s in cuda
+        pytest.param(ACCELERATOR, s, id=f"accel-{s}", marks=on_accelerator) for s in accelerator
     ]
 
 
@@ -138,6 +147,29 @@ def reference(factory: Callable[[], nn.Module], device: str = "cpu", seed: int =
     if key not in _REFERENCES:
         _REFERENCES[key] = forward(seeded(factory).to(device), seed, device=device)
     return _REFERENCES[key]
+
+
+def assert_prefetched(strict_streams, storage: str, streamed: bool = True) -> None:
+    """Under the strict model (no-op on real CUDA or off the accelerator): whether the prefetch ran on a side
+    stream — the compute stream waited for its copies and each prefetched tensor was ``record_stream``-ed — with
+    its copies asynchronous, from page-locked memory, for every storage but the ``PAGEABLE`` ones (their copies
+    block the host, as they do on CUDA)."""
+    if strict_streams is None:
+        return
+    counts = strict_streams.counts
+    if not streamed:
+        assert counts["waits"] == counts["async_copies"] == 0, f"streams used: {dict(counts)}"
+        return
+    assert counts["waits"] > 0 and counts["record_streams"] > 0, f"no prefetch on a side stream: {dict(counts)}"
+    if storage not in PAGEABLE:
+        assert counts["async_copies"] > 0, f"no asynchronous copy: {dict(counts)}"
+
+
+def onloaded_groups(handle: memmode.Handle) -> list[str]:
+    """Groups that stream, yet hold their device copy: between calls there must be none. Unlike
+    :func:`resting_weights`, this holds for every storage and on every device, the CPU under the strict model
+    of asynchronous copies included (where device and host tensors both live on the ``cpu`` device)."""
+    return [g.key for g in handle._runtime.groups if g.policy is not Policy.RESIDENT and g.resident]
 
 
 def resting_weights(module: nn.Module, handle: memmode.Handle) -> list[str]:
@@ -187,7 +219,7 @@ FORWARD_PASS_OPTIONS = {
 
 
 def _forward_pass_cases() -> list:
-    """Every group size on every place; on CUDA also without streams (upstream's default there)."""
+    """Every group size on every place; on the accelerator also without streams (upstream's default there)."""
     cases = [
         pytest.param(*where.values, options, id=f"{where.id}-{label}", marks=where.marks)
         for where in PLACES
@@ -195,29 +227,31 @@ def _forward_pass_cases() -> list:
     ]
     cases += [
         pytest.param(
-            "cuda",
+            ACCELERATOR,
             storage,
             {**FORWARD_PASS_OPTIONS[label], "use_stream": False},
-            id=f"cuda-{storage}-{label}-nostream",
-            marks=requires_cuda,
+            id=f"accel-{storage}-{label}-nostream",
+            marks=on_accelerator,
         )
-        for storage in CUDA_STORAGES
+        for storage in ACCELERATOR_STORAGES
         for label in ("block1", "leaf")
     ]
     return cases
 
 
 @pytest.mark.parametrize("device, storage, options", _forward_pass_cases())
-def test_offloading_forward_pass(device, storage, options, tmp_path):
+def test_offloading_forward_pass(device, storage, options, tmp_path, strict_streams):
     """``test_offloading_forward_pass`` (precision half): every group size and offload type gives the
     full-load output, the forward wrappers are in place while the mode is applied and all gone after
-    ``remove()``, which leaves the model computing the same on its own."""
+    ``remove()``, which leaves the model computing the same on its own. On the accelerator with streams,
+    the second call prefetches on a side stream (see :func:`assert_prefetched`); without, nothing streams."""
     model = seeded(BlockModel)
     handle = place(model, "model_group_offload", device, storage, tmp_path, **options)
     assert hook_count(model) > 0
     assert_bit_equal(forward(model, device=device), reference(BlockModel, device))
     assert_bit_equal(forward(model, device=device), reference(BlockModel, device), "second call")
     assert handle.report().onloads > 0
+    assert_prefetched(strict_streams, storage, streamed=options.get("use_stream", True))
     handle.remove()
     assert hook_count(model) == 0
     assert_bit_equal(forward(model.to(device), device=device), reference(BlockModel, device), "after remove()")
@@ -235,23 +269,27 @@ def _peak(mode: str, device: str, **options) -> int:
     return peak
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
-def test_offloading_reduces_peak_device_memory(device):
+@pytest.mark.parametrize(
+    "device, streams",
+    [pytest.param("cpu", False, id="cpu"), pytest.param(ACCELERATOR, True, id="accel", marks=on_accelerator)],
+)
+def test_offloading_reduces_peak_device_memory(device, streams):
     """``test_offloading_forward_pass`` (memory half): ``leaf <= leaf+stream < block1 <= block1+stream
     < block3 < full load``, read from memmode's ledger (peak weight bytes on the device), which counts
-    on a CPU too. A prefetched group is on the device early, so streams may only add to a peak."""
+    on a CPU too. A prefetched group is on the device early, so streams may only add to a peak; they
+    exist on the accelerator only."""
     leaf = _peak("model_group_offload", device, use_stream=False, **LEAF)
     block1 = _peak("model_group_offload", device, use_stream=False, **BLOCK)
     block3 = _peak("model_group_offload", device, offload_type="block_level", num_blocks_per_group=3, use_stream=False)
     full = _peak("model_full_load", device)
     assert leaf < block1 < block3 < full
-    if device == "cuda":
+    if streams:
         leaf_stream = _peak("model_group_offload", device, use_stream=True, **LEAF)
         block1_stream = _peak("model_group_offload", device, use_stream=True, **BLOCK)
         assert leaf <= leaf_stream < block1 <= block1_stream < block3
 
 
-@requires_cuda
+@requires_cuda("torch.cuda.max_memory_allocated is the CUDA caching allocator's own counter")
 def test_offloading_reduces_accelerator_memory():
     """``test_offloading_forward_pass`` with the accelerator's own counter, as upstream measures it."""
 
@@ -384,11 +422,11 @@ def test_error_raised_if_group_offloading_applied_on_offloaded_module(scheme, ta
 @pytest.mark.parametrize("num_blocks_per_group", [1, 2])
 @pytest.mark.parametrize("device, storage", PLACES)
 def test_block_level_stream_with_invocation_order_different_from_initialization_order(
-    device, storage, num_blocks_per_group, tmp_path
+    device, storage, num_blocks_per_group, tmp_path, strict_streams
 ):
     """Blocks created in one order and called in another (upstream: a device mismatch with streams
     before diffusers 0.34; it only checks that the call runs). Here three calls, the first of which
-    records the prefetch order on CUDA, equal full load at one and two blocks per group."""
+    records the prefetch order on the accelerator, equal full load at one and two blocks per group."""
     model = seeded(ReorderedBlockModel)
     place(
         model,
@@ -401,6 +439,7 @@ def test_block_level_stream_with_invocation_order_different_from_initialization_
     )
     for call in range(3):
         assert_bit_equal(forward(model, device=device), reference(ReorderedBlockModel, device), f"call {call + 1}")
+    assert_prefetched(strict_streams, storage)
 
 
 def _track_outputs(model: nn.Module) -> dict[str, list[torch.Tensor]]:
@@ -535,7 +574,7 @@ def test_group_offloading_with_layerwise_casting(device, storage, options, tmp_p
 
 @pytest.mark.parametrize("options", [pytest.param(BLOCK, id="block"), pytest.param(LEAF, id="leaf")])
 @pytest.mark.parametrize("storage", sorted(FILE_STORAGES))
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param(ACCELERATOR, id="accel", marks=on_accelerator)])
 def test_group_offloading_with_disk(device, storage, options, tmp_path):
     """``test_group_offloading_with_disk``: the offload folder holds exactly one safetensors file per
     offloaded group (at block level: the groups of the block layout, no extra and no missing file),
@@ -593,10 +632,13 @@ def _pipeline_cases() -> list:
                     family,
                     mode,
                     options,
-                    id=f"{device}-{storage}-{family}-{label}",
-                    marks=[requires_cuda] if device == "cuda" else [],
+                    id=f"{where}-{storage}-{family}-{label}",
+                    marks=[on_accelerator] if where == "accel" else [],
                 )
-                for device, storages in (("cpu", ("ram", "poison")), ("cuda", ("ram", "pinned")))
+                for where, device, storages in (
+                    ("cpu", "cpu", ("ram", "poison")),
+                    ("accel", ACCELERATOR, ("ram", "pinned")),
+                )
                 for storage in storages
             ]
     for label in ("model_cpu_offload", "group-block"):
@@ -647,7 +689,7 @@ def test_pipeline_offload_forward_pass(device, storage, family, mode, options, t
     "device, storage",
     [
         pytest.param("cpu", "poison", id="cpu-poison"),
-        pytest.param("cuda", "pinned", id="cuda-pinned", marks=requires_cuda),
+        pytest.param(ACCELERATOR, "pinned", id="accel-pinned", marks=on_accelerator),
     ],
 )
 def test_offload_forward_pass_twice(device, storage, mode, tmp_path):
@@ -669,7 +711,7 @@ def test_offload_forward_pass_twice(device, storage, mode, tmp_path):
 
 
 @pytest.mark.parametrize("options", [pytest.param(BLOCK, id="block"), pytest.param(LEAF, id="leaf")])
-@pytest.mark.parametrize("device, storage", places(cpu=["ram", "poison"], cuda=["pinned"]))
+@pytest.mark.parametrize("device, storage", places(cpu=["ram", "poison"], accelerator=["pinned"]))
 def test_component_level_group_offload_inside_a_pipeline(device, storage, options, tmp_path):
     """``test_group_offloading_inference``: group offloading applied component by component (text
     encoders and transformer) while the VAE is left alone on the device; the pipeline's output equals
@@ -689,11 +731,12 @@ def test_component_level_group_offload_inside_a_pipeline(device, storage, option
     assert hook_count(pipe) == 0
 
 
-@pytest.mark.parametrize("device, storage", places(cpu=["poison"], cuda=["pinned"]))
+@pytest.mark.parametrize("device, storage", places(cpu=["poison"], accelerator=["pinned"]))
 def test_pipeline_level_group_offloading_sanity_checks(device, storage, tmp_path):
     """``exclude_components`` (diffusers' ``exclude_modules``): the excluded component (the first
     module name in sorted order, as upstream picks it) gets no wrapper and keeps its real weights where
-    the user put it; every other component rests offloaded between calls; the output equals full load."""
+    the user put it; every other component rests offloaded between calls (its groups hold no device copy, and
+    under a placeholder storage its weights are placeholders); the output equals full load."""
     family = "flux"
     pipe = make_pipeline(family)
     modules = module_components(pipe)
@@ -705,6 +748,9 @@ def test_pipeline_level_group_offloading_sanity_checks(device, storage, tmp_path
         assert_bit_equal(run(pipe, family, call), expected[call], f"call {call + 1}")
     assert hook_count(modules[excluded]) == 0
     assert all(p.device.type == device and not is_placeholder(p) for p in modules[excluded].parameters())
-    for name, module in modules.items():
-        if name != excluded:
-            assert not resting_weights(module, handle), f"{name} keeps weights between calls"
+    assert {g.component for g in handle._runtime.groups} == set(modules) - {excluded}
+    assert not onloaded_groups(handle), "groups left on the device between calls"
+    if storage in PLACEHOLDER_STORAGES:
+        for name, module in modules.items():
+            if name != excluded:
+                assert not resting_weights(module, handle), f"{name} keeps weights between calls"

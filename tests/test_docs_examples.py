@@ -11,7 +11,8 @@ A block that is not meant to run says so in the markdown: a fence info string fo
 HTML comment on the line before the fence:
 
 - ``<!-- not-run: reason -->``: code that cannot run here (quoted from another project);
-- ``<!-- needs-cuda: reason -->``: run by ``test_cuda_blocks_run`` where CUDA is (a visible skip without it);
+- ``<!-- accelerator: reason -->``: run by ``test_accelerator_blocks_run`` on the accelerator: CUDA where there is
+  one, else the CPU under the strict model of asynchronous copies (``memmode_core.testing.StrictStreams``);
 - ``<!-- signature: memmode_core.NAME -->``: a signature, compared with the real one;
 - ``<!-- file: path -->``: a file of a package of the plugin guide, which tests/test_plugin_docs.py builds,
   installs and runs (not run twice here).
@@ -45,7 +46,7 @@ from diffusers import DiffusionPipeline
 import memmode_core
 import tiny_loras
 import tiny_pipelines
-from helpers import requires_cuda
+from helpers import on_accelerator
 from memmode_core.cli import main as memmode_main
 from plugin_guide import PACKAGES as GUIDE_DISTRIBUTIONS
 from plugin_guide import files_from_the_guide
@@ -57,7 +58,7 @@ CUDA = torch.cuda.is_available()
 #: every HTML-comment mark other than ``file:`` (page, mark, reason): a new one is a reviewed change
 MARKED = {
     ("docs/getting-started.md", "signature", "memmode_core.apply"),
-    ("docs/storages.md", "needs-cuda", "without CUDA the pinned storage is unavailable, as this page says"),
+    ("docs/storages.md", "accelerator", "the pinned storage is unavailable without an accelerator with streams"),
     ("docs/videox-fun.md", "not-run", "VideoX-Fun's own code, quoted; tests/test_videox_fun.py runs a copy of it"),
 }
 RUN_LANGUAGES = {"python", "bash", "console"}
@@ -73,7 +74,7 @@ class Block:
     line: int  # of the opening fence, 1-based
     language: str
     text: str
-    mark: str | None = None  # not-run, needs-cuda, signature, file
+    mark: str | None = None  # not-run, accelerator, signature, file
     reason: str = ""
 
     @property
@@ -119,7 +120,7 @@ def test_every_block_is_run_or_marked():
         if block.mark == "file":
             continue  # run by tests/test_plugin_docs.py
         if block.mark is not None:
-            assert block.mark in ("not-run", "needs-cuda", "signature"), f"{block.name}: unknown mark {block.mark}"
+            assert block.mark in ("not-run", "accelerator", "signature"), f"{block.name}: unknown mark {block.mark}"
             marks.add((str(block.page.relative_to(ROOT)), block.mark, block.reason))
         elif block.language not in RUN_LANGUAGES | NOT_CODE_LANGUAGES:
             unrunnable.append(f"{block.name} (```{block.language})")
@@ -391,19 +392,22 @@ def pages_to_run() -> list[Path]:
 
 @pytest.mark.parametrize("page", pages_to_run(), ids=lambda p: p.name)
 def test_page_runs(page, tmp_path, monkeypatch, tiny_models, request):
-    """Every block of the page but those marked needs-cuda (``test_cuda_blocks_run`` runs the page with them)."""
-    _run_page(page, tmp_path, monkeypatch, tiny_models, request, cuda_blocks=False)
+    """Every block of the page but those marked accelerator (``test_accelerator_blocks_run`` runs the page with
+    them)."""
+    _run_page(page, tmp_path, monkeypatch, tiny_models, request, accelerator_blocks=False)
 
 
-@requires_cuda
+@on_accelerator
 @pytest.mark.parametrize(
-    "page", [p for p in pages_to_run() if any(b.mark == "needs-cuda" for b in blocks_of(p))], ids=lambda p: p.name
+    "page", [p for p in pages_to_run() if any(b.mark == "accelerator" for b in blocks_of(p))], ids=lambda p: p.name
 )
-def test_cuda_blocks_run(page, tmp_path, monkeypatch, tiny_models, request):
-    _run_page(page, tmp_path, monkeypatch, tiny_models, request, cuda_blocks=True)
+def test_accelerator_blocks_run(page, tmp_path, monkeypatch, tiny_models, request):
+    """The whole page, its accelerator blocks included, on the accelerator: without CUDA the CPU is one, under
+    the strict model, and a block's default device (``cpu``) computes through the accelerator path."""
+    _run_page(page, tmp_path, monkeypatch, tiny_models, request, accelerator_blocks=True)
 
 
-def _run_page(page, tmp_path, monkeypatch, tiny_models, request, *, cuda_blocks: bool) -> None:
+def _run_page(page, tmp_path, monkeypatch, tiny_models, request, *, accelerator_blocks: bool) -> None:
     torch.manual_seed(0)
     blocks = blocks_of(page)
     substitution = Substitution(monkeypatch, tmp_path, tiny_models)
@@ -417,8 +421,8 @@ def _run_page(page, tmp_path, monkeypatch, tiny_models, request, *, cuda_blocks:
         if "fully_shard" in code:  # what torchrun gives each rank; here one rank
             stack.enter_context(_one_rank_process_group(tmp_path))
         for block in blocks:
-            if block.mark == "needs-cuda":
-                if not cuda_blocks:
+            if block.mark == "accelerator":
+                if not accelerator_blocks:
                     continue
                 block.mark = None
             if not runnable(block):

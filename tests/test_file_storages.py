@@ -1,6 +1,7 @@
 """What the two file storages (``disk``, ``mmap``) share: every offloading placement with them equals full load,
 call after call, on the tiny pipelines; a bad ``offload_dir`` is refused with the model or pipeline intact;
-files are cleaned up, or kept and reused on request. ``pinned`` joins on CUDA.
+files are cleaned up, or kept and reused on request. On the accelerator (CUDA, else the CPU under the strict model
+of asynchronous copies) they upload through the staging ring, and ``pinned`` joins them.
 
 What the placement x storage matrix covers (``_covered``; 18 cases, about 7 s on two CPU cores):
 
@@ -27,16 +28,18 @@ import pytest
 
 import memmode_core as memmode
 from helpers import (
+    ACCELERATOR,
     FILE_STORAGES,
     OFFLOADING_PLACEMENTS,
+    assert_bit_equal,
     assert_refused,
     assert_same_outputs,
     assert_same_tensors,
     files_under,
     full_matrix,
     module_components,
+    on_accelerator,
     placement_id,
-    requires_cuda,
     state_of,
 )
 from memmode_core import InvalidOptionError, MemmodeError, StorageUnavailableError
@@ -228,21 +231,37 @@ def test_files_written_in_a_given_folder_are_deleted_at_remove(storage, tmp_path
     assert folder.is_dir() and files_under(folder) == []
 
 
-# -- CUDA: the staging ring and the pinned storage (skipped visibly without a GPU) ---------------------
+# -- the accelerator: the staging ring and the pinned storage (CUDA, else the strict model on the CPU) ---------
+
+_ACCELERATOR_FULL_LOAD: dict[str, tuple] = {}
 
 
-@requires_cuda
+def accelerator_full_load(family: str) -> tuple:
+    """Calls 1 and 2 of the family's pipeline under model_full_load on ``ACCELERATOR``, computed once."""
+    if family not in _ACCELERATOR_FULL_LOAD:
+        reference = make_pipeline(family)
+        handle = memmode.apply(reference, "model_full_load", device=ACCELERATOR)
+        _ACCELERATOR_FULL_LOAD[family] = two_calls(reference, family)
+        handle.remove()
+    return _ACCELERATOR_FULL_LOAD[family]
+
+
+@on_accelerator
 @pytest.mark.parametrize("storage", ["pinned", *FILE_STORAGES])
 @pytest.mark.parametrize("mode, options", PLACEMENTS, ids=PLACEMENT_IDS)
-def test_cuda_every_placement_equals_full_load(mode, options, storage):
+def test_on_the_accelerator_every_placement_equals_full_load(mode, options, storage, strict_streams):
     family = "wan22"
-    reference = make_pipeline(family)
-    memmode.apply(reference, "model_full_load", device="cuda")
-    expected = two_calls(reference, family)
+    expected = accelerator_full_load(family)
     pipe = make_pipeline(family)
-    handle = memmode.apply(pipe, mode, device="cuda", storage=storage, **options)
-    assert_same_outputs(two_calls(pipe, family), expected)
-    assert_same_outputs(two_calls(pipe, family), two_calls(reference, family))
+    handle = memmode.apply(pipe, mode, device=ACCELERATOR, storage=storage, **options)
+    for _ in range(2):
+        for index, (got, want) in enumerate(zip(two_calls(pipe, family), expected), start=1):
+            assert_bit_equal(got, want, f"call {index}")
+    if strict_streams is not None:
+        # from page-locked memory: the pinned storage's slabs, or the file storages' staging ring
+        assert strict_streams.counts["pinned_copies"] > 0
+        if mode == "model_group_offload":  # the placement that prefetches on a side stream
+            assert strict_streams.counts["async_copies"] > 0
     handle.remove()
     assert all(
         p.device.type == "cpu" and not p.is_pinned() for m in module_components(pipe).values() for p in m.parameters()

@@ -6,12 +6,12 @@ The layers, bottom to top, one folder each (documented in ``memmode_core/__init_
 0. ``contracts/`` — interfaces and vocabulary: errors, typed options, hookspecs, devices, costs, the
    placement, quantizer, resolver and storage contracts, targets, the group vocabulary (``layout``), packing;
 1. mechanics — ``engine/`` (groups, runtime = moving + changes + forwards, hooks, inputs, watch, ledger,
-   staging, pipeline hooks), ``files/`` (group files) and ``quantization/`` (the packed-layer mechanics);
+   staging, streams, pipeline hooks), ``files/`` (group files) and ``quantization/`` (the packed-layer mechanics);
 2. ``discovery/`` — plugins, grammar, the first-party table (it checks registrations against the contracts);
 3. ``planning/`` — the prepared plan, the layout as core adjusts it, the planner, storage costs;
 4. ``builtin/`` — the built-in plugins (``auto`` uses the planner);
 5. the top-level modules: applying, the handle, loading, the VideoX-Fun drop-in, the CLI and its demo
-   pipeline, the package itself.
+   pipeline, the testing tools, the package itself.
 
 Every import counts — at module level or inside a function, and ``from memmode_core import X`` (an edge to
 the package itself, which imports every layer) — except those under ``if TYPE_CHECKING:``, which never run
@@ -31,7 +31,7 @@ LAYERS = [
     ("discovery", ["discovery"]),
     ("planner", ["planning"]),
     ("builtin", ["builtin"]),
-    ("top", ["applying", "handle", "compat", "loading", "cli", "demo", "__init__", "__main__"]),
+    ("top", ["applying", "handle", "compat", "loading", "cli", "demo", "testing", "__init__", "__main__"]),
 ]
 
 
@@ -183,3 +183,30 @@ def test_the_folders_are_the_layers():
         else:
             top = name.split(".")[0]
             assert layer_of(name) == layer_of(top), f"memmode_core.{name} is not in its folder's layer"
+
+
+#: where memmode may name ``torch.cuda``: only what is CUDA-only by nature (``cudaHostRegister`` slabs); every
+#: other stream, event, copy and memory call goes through ``memmode_core/engine/streams.py``
+CUDA_ONLY = {"plugins/memmode-storage-pinned/memmode_storage_pinned/slabs.py"}
+
+
+def _uses_torch_cuda(tree: ast.AST) -> list[int]:
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr == "cuda" and ast.unparse(node.value) == "torch"
+    ]
+
+
+def test_only_the_stream_layer_speaks_to_the_accelerator():
+    """No ``torch.cuda`` in memmode_core or the plugins outside the CUDA-only slabs: the rest is device-generic,
+    and the strict model of asynchronous copies, which replaces the stream layer, sees every call."""
+    root = PACKAGE.parent
+    found = {}
+    for path in [*PACKAGE.rglob("*.py"), *(root / "plugins").glob("*/*/*.py")]:
+        lines = _uses_torch_cuda(ast.parse(path.read_text()))
+        relative = path.relative_to(root).as_posix()
+        if lines and relative not in CUDA_ONLY:
+            found[relative] = lines
+    assert not found, f"torch.cuda outside the stream layer: {found}"
+    assert all(_uses_torch_cuda(ast.parse((root / p).read_text())) for p in CUDA_ONLY), "stale CUDA_ONLY entry"

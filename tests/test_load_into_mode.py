@@ -22,7 +22,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 import memmode_core as memmode
-from helpers import nbytes, placement_id
+from helpers import ACCELERATOR, nbytes, on_accelerator, placement_id
 from memmode_core import CheckpointError, IncompatibleModeError
 from memmode_core.quantization import packed_record
 from tiny_pipelines import FAMILIES, make_pipeline, run
@@ -449,19 +449,21 @@ def test_a_borrowed_checkpoint_changed_after_loading_is_refused_naming_it(storag
         loaded_output(loaded, family)
 
 
-@pytest.mark.cuda
-def test_any_checkpoint_is_stored_in_place_on_cuda(tmp_path):
-    """On a CUDA compute device every onload copies into fresh device memory: checkpoints from any tool are
-    borrowed whatever their alignment, and outputs equal from_pretrained + apply."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
+@on_accelerator
+@pytest.mark.parametrize("in_place", [pytest.param(None, id="default"), pytest.param(True, id="forced")])
+def test_any_checkpoint_is_stored_in_place_on_the_accelerator(in_place, strict_streams):
+    """On an accelerator every onload copies into fresh device memory: checkpoints from any tool are borrowed
+    whatever their alignment (``in_place=True`` forces it anywhere), uploaded from the checkpoint's own pages
+    through the staging ring, and outputs equal from_pretrained + apply."""
     family = "flux"
     folder = saved_folder(family)
-    handle = memmode.load(folder, "model_group_offload", device="cuda", storage="disk")
+    handle = memmode.load(folder, "model_group_offload", device=ACCELERATOR, storage="disk", in_place=in_place)
     assert handle.report().storage_bytes["borrowed_bytes"] > 0
     pipe = from_pretrained(folder)
-    memmode.apply(pipe, "model_group_offload", device="cuda", storage="disk")
+    memmode.apply(pipe, "model_group_offload", device=ACCELERATOR, storage="disk")
     assert torch.equal(loaded_output(handle, family), run(pipe, family))
+    if strict_streams is not None:
+        assert strict_streams.counts["async_copies"] > 0 and strict_streams.counts["pinned_copies"] > 0
 
 
 def test_a_checkpoint_with_legacy_names_is_loaded_by_its_library(tmp_path, caplog):

@@ -18,9 +18,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import requires_cuda
+from helpers import ACCELERATOR, on_accelerator
 from memmode_core import StorageUnavailableError
 from memmode_core.contracts import packing
+from memmode_core.engine import streams
 from memmode_core.engine.staging import StagingRing, chunk_plan
 from memmode_core.files import folder as offload_folder
 from memmode_core.files import format as group_format
@@ -317,7 +318,7 @@ def test_two_processes_writing_one_folder_at_once_leave_valid_files(tmp_path):
         assert group_format.matches(path, layout, host), path
 
 
-# -- uploads to a GPU: how the staging ring cuts a group into chunks (the copies themselves need CUDA) --
+# -- uploads to an accelerator: how the staging ring cuts a group into chunks, and the copies -----------
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 7, 64, 4096, 1 << 20])
@@ -370,24 +371,33 @@ def test_a_forked_child_leaves_the_parents_files_alone(tmp_path, monkeypatch):
     assert not s.folder.exists()
 
 
-@requires_cuda
+@on_accelerator
 @pytest.mark.parametrize("chunk_bytes", [64, 4096, 1 << 20])
-def test_cuda_staging_ring_uploads_across_chunk_boundaries(chunk_bytes):
+def test_staging_ring_uploads_across_chunk_boundaries(chunk_bytes, strict_streams):
+    """On the accelerator (CUDA, else the strict model, whose copies land only once waited for)."""
     tensors = group()
     host = group_format.host_tensors(tensors)
     layout = group_format.Layout.of(host)
-    data = torch.cat([host[e.name].reshape(-1).view(torch.uint8) for e in layout.entries])
+    data = torch.zeros(layout.data_bytes, dtype=torch.uint8)  # the data section, alignment gaps included
+    for e in layout.entries:
+        data[e.start : e.end] = host[e.name].reshape(-1).view(torch.uint8)
+    device = torch.device(ACCELERATOR)
+    backend = streams.active()
     ring = StagingRing(chunk_bytes=chunk_bytes)
-    stream = torch.cuda.Stream()
+    stream = backend.new_stream(device)
     for _ in range(3):  # reused chunks: each refill waits for the copies that read it
         out = ring.upload(
             layout,
             lambda chunk, offset: chunk.copy_(data[offset : offset + chunk.numel()]),
-            torch.device("cuda"),
+            device,
             stream,
         )
-        stream.synchronize()
+        done = backend.new_event(device)
+        backend.record(done, stream)
+        backend.wait_host(done)  # the copies finished: the tensors may be read, and released, anywhere
         for name, tensor in tensors.items():
-            assert out[name].device.type == "cuda" and torch.equal(out[name].cpu(), tensor), name
+            assert out[name].device == device and torch.equal(out[name].cpu(), tensor), name
     assert ring.pinned_bytes == 2 * chunk_bytes
     ring.close()
+    if strict_streams is not None:
+        assert strict_streams.counts["async_copies"] > 0 and strict_streams.counts["pinned_copies"] > 0

@@ -27,10 +27,12 @@ from torch import nn
 
 import memmode_core as memmode
 from helpers import (
+    ACCELERATOR,
     OFFLOADING_PLACEMENTS,
     STORAGES,
     assert_same_tensors,
     nbytes,
+    on_accelerator,
     placement_id,
     requires_cuda,
     state_of,
@@ -387,7 +389,10 @@ def test_a_device_mismatch_inside_a_placed_forward_is_a_clear_error():
     assert_same_tensors(tensors_of(target), before)
 
 
-@requires_cuda
+@requires_cuda(
+    "with storage='ram' only a real device turns a read outside forward into torch's device-mismatch error "
+    "(cuda:0 and cpu); on the CPU, under the strict model too, the resting copy computes correctly"
+)
 def test_an_undeclared_read_outside_forward_names_the_module_on_cuda():
     torch.manual_seed(0)
     target = ReadsOutsideForward()
@@ -395,6 +400,20 @@ def test_an_undeclared_read_outside_forward_names_the_module_on_cuda():
     with pytest.raises(OffloadedWeightReadError, match="ReadsOutsideForward"):
         target(torch.randn(2, 16, device="cuda"))
     handle.remove()
+
+
+@on_accelerator
+def test_an_undeclared_read_outside_forward_is_a_typed_error_on_the_accelerator():
+    """A storage whose resting copy is a placeholder (``disk``): on the accelerator the read meets either a
+    device mismatch (CUDA) or the placeholder's NaN (the strict model), and both become the typed error."""
+    torch.manual_seed(0)
+    target = ReadsOutsideForward()
+    before = tensors_of(target)
+    handle = memmode.apply(target, "model_group_offload", device=ACCELERATOR, storage="disk")
+    with pytest.raises(OffloadedWeightReadError, match=r"ReadsOutsideForward|blocks\.0\.scale\.weight"):
+        target(torch.randn(2, 16).to(ACCELERATOR))
+    handle.remove()
+    assert_same_tensors(tensors_of(target), before)
 
 
 @pytest.mark.parametrize("storage", ["poison", "disk"])

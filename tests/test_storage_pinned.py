@@ -1,5 +1,7 @@
 """The ``pinned`` storage: exact-size packing and the bounded mode (pure planning, tested everywhere),
-refusal without CUDA, and page-locked copies on CUDA (skipped visibly without a GPU)."""
+refusal without an accelerator, page-locked copies on the accelerator (CUDA, else the CPU under the strict
+model of asynchronous copies), the slabs' registration with the CUDA runtime faked, and what only real CUDA
+shows (``is_pinned()`` after ``cudaHostRegister``)."""
 
 from __future__ import annotations
 
@@ -7,13 +9,16 @@ import pytest
 import torch
 
 import memmode_core as memmode
-from helpers import assert_same_outputs, nbytes, requires_cuda
+from helpers import ACCELERATOR, HAS_CUDA, assert_bit_equal, assert_same_outputs, nbytes, on_accelerator, requires_cuda
 from memmode_core import InvalidOptionError, StorageUnavailableError
+from memmode_core.engine import streams
 from memmode_storage_pinned.slabs import GROUP_ALIGNMENT, PAGE, Spot, plan, round_up
 from memmode_storage_pinned.storage import PinnedStorage
 from tiny_pipelines import full_load_outputs, make_pipeline, two_calls
 
-requires_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+requires_no_accelerator = pytest.mark.skipif(
+    torch.accelerator.is_available(), reason="checks the refusal on a machine without an accelerator"
+)
 MiB = 1 << 20
 
 
@@ -57,67 +62,98 @@ def test_pinned_limit_is_a_size_option():
         option.validate("lots")
 
 
-# -- without CUDA: unavailable, and said so ------------------------------------------------------------
+# -- without an accelerator: unavailable, and said so ----------------------------------------------------
+
+NO_ACCELERATOR = "no accelerator with streams"
 
 
-@requires_no_cuda
-def test_without_cuda_pinned_is_listed_as_unavailable_with_the_reason():
+@requires_no_accelerator
+def test_without_an_accelerator_pinned_is_listed_as_unavailable_with_the_reason():
     (row,) = [r for r in memmode.list_plugins() if r.kind == "storage" and r.name == "pinned"]
     assert row.distribution == "memmode-storage-pinned" and row.version
-    assert not row.available and "no CUDA device" in row.reason
+    assert not row.available and NO_ACCELERATOR in row.reason
 
 
-@requires_no_cuda
-def test_without_cuda_asking_for_pinned_raises_and_touches_nothing():
+@requires_no_accelerator
+def test_without_an_accelerator_asking_for_pinned_raises_and_touches_nothing():
     pipe = make_pipeline("flux")
-    with pytest.raises(StorageUnavailableError, match="pinned.*no CUDA device"):
+    with pytest.raises(StorageUnavailableError, match=f"pinned.*{NO_ACCELERATOR}"):
         memmode.apply(pipe, "model_group_offload", storage="pinned")
     assert memmode.remove(pipe) is False
     assert_same_outputs(two_calls(pipe, "flux"), full_load_outputs("flux"))
 
 
-@requires_cuda
-def test_cuda_pinned_is_available_for_a_cuda_device_only():
+@on_accelerator
+def test_pinned_is_available_for_the_accelerator_only():
     storage = PinnedStorage()
-    assert storage.unavailable_reason() is None and storage.unavailable_reason(torch.device("cuda")) is None
-    assert "compute device is cpu" in storage.unavailable_reason(torch.device("cpu"))
+    assert storage.unavailable_reason() is None and storage.unavailable_reason(torch.device(ACCELERATOR)) is None
+    # a device copies cannot overlap with: the CPU on CUDA; under the model the CPU is the accelerator
+    other = torch.device("cpu") if HAS_CUDA else torch.device("meta")
+    assert f"compute device is {other}" in storage.unavailable_reason(other)
 
 
-# -- on CUDA ------------------------------------------------------------------------------------------
+# -- on the accelerator ---------------------------------------------------------------------------------
 
 
-@requires_cuda
-def test_cuda_the_offloaded_copies_are_page_locked_exactly_and_released_at_remove():
+def _in_a_slab(tensor: torch.Tensor, slabs) -> bool:
+    return any(s.tensor.data_ptr() <= tensor.data_ptr() < s.tensor.data_ptr() + s.nbytes for s in slabs)
+
+
+@on_accelerator
+def test_the_offloaded_copies_are_in_exactly_sized_slabs_and_copied_asynchronously(strict_streams):
     pipe = make_pipeline("wan22")
-    handle = memmode.apply(pipe, "model_group_offload", device="cuda", storage="pinned")
+    reference = make_pipeline("wan22")
+    handle = memmode.apply(pipe, "model_group_offload", device=ACCELERATOR, storage="pinned")
     offloaded = [p for name in ("transformer", "transformer_2") for p in pipe.components[name].parameters()]
-    assert all(p.is_pinned() for p in offloaded)
-    stats = handle.report().storage_bytes
     session = handle._runtime.session
+    assert all(_in_a_slab(p, session._pins.slabs) for p in offloaded), "at rest in the page-locked slabs"
+    stats = handle.report().storage_bytes
     pinned_groups = [g for g in handle._runtime.groups if session._pins.spots.get(g.key) is not None]
     total = sum(g.nbytes for g in pinned_groups)
     slack = len(session._pins.slabs) * PAGE + len(pinned_groups) * GROUP_ALIGNMENT
     assert total > 0 and total <= stats["pinned_bytes"] < total + slack, "exact sizes, not powers of two"
     assert stats["pageable_bytes"] == 0
+    memmode.apply(reference, "model_full_load", device=ACCELERATOR)
+    for got, want in zip(two_calls(pipe, "wan22"), two_calls(reference, "wan22")):
+        assert_bit_equal(got, want)
+    if strict_streams is not None:
+        assert strict_streams.counts["pinned_copies"] > 0 and strict_streams.counts["async_copies"] > 0
+    slabs = session._pins.slabs
+    handle.remove()
+    assert all(p.device.type == "cpu" for p in offloaded)
+    assert not any(_in_a_slab(p, slabs) for p in offloaded), "back in ordinary memory"
+
+
+@requires_cuda("is_pinned() reports the page-locking done by cudaHostRegister and undone by cudaHostUnregister")
+def test_cuda_the_offloaded_copies_are_page_locked_and_unlocked_at_remove():
+    pipe = make_pipeline("wan22")
+    handle = memmode.apply(pipe, "model_group_offload", device="cuda", storage="pinned")
+    offloaded = [p for name in ("transformer", "transformer_2") for p in pipe.components[name].parameters()]
+    assert all(p.is_pinned() for p in offloaded)
     handle.remove()
     assert not any(p.is_pinned() for p in offloaded), "unregistered at remove"
     assert all(p.device.type == "cpu" for p in offloaded)
 
 
-@requires_cuda
-def test_cuda_pinned_limit_keeps_the_rest_pageable():
+@on_accelerator
+def test_pinned_limit_keeps_the_rest_pageable(strict_streams):
     pipe = make_pipeline("wan22")
     limit = 64 << 10
-    handle = memmode.apply(pipe, "model_group_offload", device="cuda", storage="pinned", pinned_limit=limit)
+    handle = memmode.apply(pipe, "model_group_offload", device=ACCELERATOR, storage="pinned", pinned_limit=limit)
     stats = handle.report().storage_bytes
     assert 0 < stats["pinned_bytes"] <= limit and stats["pageable_bytes"] > 0
     reference = make_pipeline("wan22")
-    memmode.apply(reference, "model_full_load", device="cuda")
-    assert_same_outputs(two_calls(pipe, "wan22"), two_calls(reference, "wan22"))
+    memmode.apply(reference, "model_full_load", device=ACCELERATOR)
+    for got, want in zip(two_calls(pipe, "wan22"), two_calls(reference, "wan22")):
+        assert_bit_equal(got, want)
+    if strict_streams is not None:
+        assert strict_streams.counts["pinned_copies"] > 0
     handle.remove()
 
 
-# -- the session's bookkeeping, with the CUDA runtime faked (registration is the only CUDA call) ---------
+# -- the session's bookkeeping for a CUDA device, with the CUDA runtime faked (registration is its only CUDA call) --
+
+CUDA = torch.device("cuda")
 
 
 class FakeCudart:
@@ -140,7 +176,7 @@ def test_session_packs_copies_reuses_and_unlocks(monkeypatch):
     fake = FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     monkeypatch.setattr(torch.cuda, "check_error", lambda code: None if code == 0 else pytest.fail(str(code)))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(streams.active(), "synchronize", lambda device: None)
     g = torch.Generator().manual_seed(0)
     groups = {
         "a": {
@@ -154,7 +190,7 @@ def test_session_packs_copies_reuses_and_unlocks(monkeypatch):
         "c": {"w": torch.randn(4096, generator=g)},
     }
     sizes = {k: nbytes(v.values()) for k, v in groups.items()}
-    session = PinnedSession(torch.device("cpu"), limit=round_up(sizes["a"] + 64 + sizes["b"], PAGE))
+    session = PinnedSession(CUDA, limit=round_up(sizes["a"] + 64 + sizes["b"], PAGE))
     session.reserve(sizes)
     assert len(fake.registered) == 1, "a and b share one slab; c is beyond the limit"
     rest = {key: session.put(key, tensors) for key, tensors in groups.items()}
@@ -185,8 +221,8 @@ def test_later_reservations_add_slabs_without_moving_earlier_groups(monkeypatch)
     fake = FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     monkeypatch.setattr(torch.cuda, "check_error", lambda code: None)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    session = PinnedSession(torch.device("cpu"), limit=None)
+    monkeypatch.setattr(streams.active(), "synchronize", lambda device: None)
+    session = PinnedSession(CUDA, limit=None)
     session.reserve({"g": 4096})
     first = session.put("g", {"w": torch.arange(1024, dtype=torch.float32)})
     session.reserve({"g@1": 64})

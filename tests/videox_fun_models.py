@@ -243,7 +243,9 @@ def videox_fun_chain(
         pipeline.enable_sequential_cpu_offload(device=device)
     elif mode == "model_group_offload":
         # safe_enable_group_offload(pipeline, onload_device=device, offload_device="cpu",
-        # offload_type="leaf_level", use_stream=True): streams need CUDA
+        # offload_type="leaf_level", use_stream=True): diffusers' own group offload, which drives CUDA streams
+        # itself and knows nothing of memmode's streams layer (nor of the strict model that makes the CPU an
+        # accelerator in tests), so streams only on a real CUDA device
         for component in pipeline.components.values():
             if hasattr(component, "enable_group_offload"):
                 component.enable_group_offload(

@@ -25,6 +25,7 @@ from memmode_core.contracts.options import (
 )
 from memmode_core.contracts.placement import Placement
 from memmode_core.contracts.targets import Target, is_fsdp_wrapped
+from memmode_core.engine.streams import active
 
 TEXT_ENCODER_PREFIX = "text_encoder"
 
@@ -94,17 +95,20 @@ class GroupOffloadOptions(Options):
 
 class ModelGroupOffload(Placement):
     name = "model_group_offload"
-    description = "every component streamed in groups of blocks (or leaf modules), prefetched on CUDA"
+    description = "every component streamed in groups of blocks (or leaf modules), prefetched on an accelerator"
     options = GroupOffloadOptions
     #: the planner prices both granularities
     plan_variants = ({"offload_type": "block_level"}, {"offload_type": "leaf_level"})
 
     def check(self, target: Target, options: GroupOffloadOptions, device: torch.device) -> None:
-        if options.use_stream and device.type != "cuda":
-            raise InvalidOptionError(f"use_stream=True needs a CUDA device; the compute device is {device}")
+        if options.use_stream and not active().has_streams(device):
+            raise InvalidOptionError(
+                f"use_stream=True needs an accelerator with streams (CUDA, ROCm, XPU...); the compute device is "
+                f"{device}"
+            )
 
     def prefetch(self, options: GroupOffloadOptions, device: torch.device) -> bool:
-        return device.type == "cuda" if options.use_stream is None else bool(options.use_stream)
+        return active().has_streams(device) if options.use_stream is None else bool(options.use_stream)
 
     def layout(self, target: Target, options: GroupOffloadOptions) -> list[GroupSpec]:
         specs: list[GroupSpec] = []

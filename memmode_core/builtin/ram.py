@@ -12,12 +12,14 @@ import torch
 from memmode_core.contracts.costs import StorageCost, copying_cost
 from memmode_core.contracts.hookspecs import hookimpl
 from memmode_core.contracts.options import Options
-from memmode_core.contracts.storage import Storage, StorageSession, Tensors, host_copy, to_device
+from memmode_core.contracts.storage import Storage, StorageSession, Tensors, host_copy
+from memmode_core.engine.streams import active
 
 
 class RamSession(StorageSession):
     def __init__(self) -> None:
         self._groups: dict[str, Tensors] = {}
+        self.streams = active()
 
     def put(self, key: str, tensors: Tensors, readable: frozenset[str] = frozenset()) -> Tensors:
         copies = {name: host_copy(t) for name, t in tensors.items()}
@@ -25,10 +27,11 @@ class RamSession(StorageSession):
         return copies
 
     def fetch(self, key: str, device: torch.device, stream=None) -> Tensors:
-        return to_device(self._groups[key], device)
+        # on the current stream: the engine makes its copy stream current around a prefetch
+        return {name: self.streams.to_device(t, device) for name, t in self._groups[key].items()}
 
     def zero_copy(self, device: torch.device) -> bool:
-        return device.type == "cpu"
+        return self.streams.is_host(device)
 
     def restore(self, key: str) -> Tensors:
         return self._groups[key]

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 import memmode_core as memmode
+from memmode_core.engine.streams import active
 
 
 @dataclass
@@ -165,5 +166,6 @@ def _step_callback(bar):
 
 
 def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    streams = active()
+    if streams.has_streams(device):
+        streams.synchronize(device)

@@ -12,24 +12,29 @@ from memmode_core.contracts.errors import InvalidOptionError
 
 
 def resolve_device(device: Any) -> torch.device:
+    """The compute device: ``device`` checked, with the current index filled in for the process's accelerator;
+    None means that accelerator (CUDA, ROCm, XPU, ... through ``torch.accelerator``) when there is one, else the CPU."""
     if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        if accelerator is None:
+            return torch.device("cpu")
+        return torch.device(accelerator.type, torch.accelerator.current_device_index())
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise InvalidOptionError(f"device={device!r} is not a torch device: {exc}") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise InvalidOptionError(f"device={device!r}: CUDA is not available on this machine")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-    elif dev.type == "meta":
+    if dev.type == "meta":
         raise InvalidOptionError("device='meta' cannot compute anything")
-    elif dev.type != "cpu" and not _accelerator_available(dev.type):
+    if dev.type == "cpu":
+        return dev
+    if not _accelerator_available(dev.type):
         raise InvalidOptionError(
             f"device={device!r}: no {dev.type} device is available in this process (torch.{dev.type} is missing or "
             f"reports none); memmode would fail at the first forward"
         )
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if dev.index is None and accelerator is not None and accelerator.type == dev.type:
+        dev = torch.device(dev.type, torch.accelerator.current_device_index())
     return dev
 
 

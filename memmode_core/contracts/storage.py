@@ -14,7 +14,9 @@ A :class:`Storage` is what a plugin registers; ``open`` gives a :class:`StorageS
    session and the model still holds its original weights.
 3. ``fetch(key, device, stream)`` returns the group's tensors on the compute device. With a
    ``stream`` the copies are issued on that stream (asynchronously where the memory allows); the
-   engine makes the compute stream wait for them.
+   engine makes the compute stream wait for them. Copies, allocations and page-locked memory go
+   through :mod:`memmode_core.engine.streams` (``streams.active()``), never CUDA's own module, so that
+   they serve every accelerator and can be checked by ``memmode_core.testing.StrictStreams``.
 4. ``restore(key)`` returns the tensors in ordinary CPU memory, for ``remove()``.
    ``check(key)`` comes before every onload and every restore: a storage whose copies can break
    behind its back (files) says so there, with a typed error, instead of handing back wrong bytes.
@@ -45,7 +47,7 @@ class StorageSession:
     def put(self, key: str, tensors: Tensors, readable: frozenset[str] = frozenset()) -> Tensors:
         raise NotImplementedError
 
-    def fetch(self, key: str, device: torch.device, stream: torch.cuda.Stream | None = None) -> Tensors:
+    def fetch(self, key: str, device: torch.device, stream: torch.Stream | None = None) -> Tensors:
         raise NotImplementedError
 
     def restore(self, key: str) -> Tensors:
@@ -108,11 +110,6 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type == "cpu":
         return tensor
     return tensor.to("cpu")
-
-
-def to_device(tensors: Tensors, device: torch.device, non_blocking: bool = False) -> Tensors:
-    """Copy to ``device`` (no copy when the tensors already live there)."""
-    return {name: t.to(device, non_blocking=non_blocking) for name, t in tensors.items()}
 
 
 #: ``data_ptr`` of each live placeholder's single element -> the placeholder (see :func:`is_known_placeholder`)

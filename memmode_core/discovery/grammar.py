@@ -34,6 +34,7 @@ from memmode_core.discovery.plugins import (
     provided_by,
     registration_disabled,
 )
+from memmode_core.engine.streams import active
 
 SEPARATOR = "_and_"
 
@@ -94,9 +95,10 @@ def resolve(
 
 
 def default_storage(device: torch.device, plugins: PluginSet) -> str:
-    """``pinned`` when computing on CUDA and that plugin is installed and usable, else ``ram``."""
+    """``pinned`` when computing on an accelerator with streams and that plugin is installed and usable,
+    else ``ram``."""
     pinned = plugins.get("storage", ACCELERATOR_STORAGE)
-    if device.type == "cuda" and pinned is not None and pinned.obj.unavailable_reason(device) is None:
+    if active().has_streams(device) and pinned is not None and pinned.obj.unavailable_reason(device) is None:
         return ACCELERATOR_STORAGE
     return DEFAULT_STORAGE
 

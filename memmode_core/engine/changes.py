@@ -192,11 +192,11 @@ class Changes:
             self._refresh()
 
     def _refresh(self) -> None:
-        if self._cuda:
-            torch.cuda.synchronize(self.device)
+        if self._async:
+            self.streams.synchronize(self.device)
         for name in self.components:
             for group in list(self._resident[name]):
-                group.assign({n: t.to("cpu") for n, t in group.tensors().items()})
+                group.assign({n: self.streams.to_host(t) for n, t in group.tensors().items()})
                 group.resident = False
                 group.ready_event = None
                 del self._resident[name][group]
@@ -349,7 +349,7 @@ class Changes:
             if computed_from_placeholder(current, group.at_rest.get(slot.name)):
                 newest[slot.name] = restored[slot.name].to(dtype=current.dtype)
             else:
-                newest[slot.name] = current if current.device.type == "cpu" else current.to("cpu")
+                newest[slot.name] = current if self.streams.is_host(current.device) else self.streams.to_host(current)
         return newest
 
     def _restore_replacements(self, group: Group, restored: Tensors) -> None:
@@ -366,8 +366,8 @@ class Changes:
                 continue
             if computed_from_placeholder(now, group.at_rest.get(slot.name)):
                 now.data = restored[slot.name].to(dtype=now.dtype)
-            elif now.device.type not in ("cpu", "meta"):  # meta: another library's (accelerate's) to give back
-                now.data = now.data.to("cpu")
+            elif not now.is_meta and not self.streams.is_host(now.device):  # meta: accelerate's to give back
+                now.data = self.streams.to_host(now.data)
 
 
 def computed_from_placeholder(current: torch.Tensor, at_rest: torch.Tensor | None) -> bool:

@@ -100,8 +100,8 @@ class Group:
         #: the device copy is assigned (it may still be in flight: see ``ready_event``)
         self.resident = False
         self.at_rest: Tensors = {}
-        #: CUDA event the compute stream must wait on before using a prefetched group
-        self.ready_event: torch.cuda.Event | None = None
+        #: event the compute stream must wait on before using a prefetched group (recorded after its copies)
+        self.ready_event: torch.Event | None = None
         #: the group that followed this one in the recorded execution order
         self.next: Group | None = None
         #: slot names whose at-rest value must stay readable (buffers, a component root's own parameters)

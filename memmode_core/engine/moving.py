@@ -11,18 +11,17 @@ idle ones (:meth:`Moving._switch_to`).
 Weights are swapped through ``tensor.data``, so parameters and buffers keep their identity: code
 that holds a reference to a parameter (an optimizer, an adapter, a tied weight) keeps seeing it.
 
-Prefetching (CUDA only): during a component's first call the order in which its groups are
-onloaded is recorded. From then on, onloading a group also starts copying the next one in that
-order on a side stream; an event recorded after those copies is what the compute stream waits on
-before the next group's modules run, and every prefetched tensor is marked as used by the compute
-stream (``record_stream``) so the caching allocator never hands its memory to a new copy while a
-kernel may still read it. A group that was not prefetched (first call, a layer skipped or called
-out of order) is simply onloaded on the compute stream when it is entered.
+Prefetching (on an accelerator with streams, through :mod:`~memmode_core.engine.streams`): during a
+component's first call the order in which its groups are onloaded is recorded. From then on,
+onloading a group also starts copying the next one in that order on a side stream; an event
+recorded after those copies is what the compute stream waits on before the next group's modules
+run, and every prefetched tensor is marked as used by the compute stream (``record_stream``) so the
+caching allocator never hands its memory to a new copy while a kernel may still read it. A group
+that was not prefetched (first call, a layer skipped or called out of order) is simply onloaded on
+the compute stream when it is entered.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 
@@ -31,6 +30,7 @@ from memmode_core.contracts.storage import StorageSession, Tensors
 from memmode_core.engine.groups import Group
 from memmode_core.engine.hooks import not_traced
 from memmode_core.engine.ledger import Ledger, clock
+from memmode_core.engine.streams import active
 
 
 class Moving:
@@ -58,21 +58,25 @@ class Moving:
         self._depth: dict[str, int] = {name: 0 for name in components}
         #: component -> its groups resident now (a dict: ordered, O(1) removal)
         self._resident: dict[str, dict[Group, None]] = {name: {} for name in components}
-        self._cuda = device.type == "cuda"
+        #: streams, events and copies (the real accelerator API, or a test double)
+        self.streams = active()
+        #: copies can run on a side stream: prefetch, and synchronise before weights leave the device
+        self._async = self.streams.has_streams(device)
         #: the storage's copies are the device tensors: onload and offload only keep the books
         self._zero_copy = session is not None and session.zero_copy(device)
         self._prefetch = prefetch
         self._offload_after_call = offload_after_call
-        #: where prefetches are copied; without CUDA a prefetch is a synchronous early onload
-        self._copy_stream = torch.cuda.Stream(device) if prefetch and self._cuda else None
+        #: where prefetches are copied; without streams a prefetch is a synchronous early onload
+        self._copy_stream = self.streams.new_stream(device) if prefetch and self._async else None
         #: component -> groups in the order of their first onload during the component's first call
         self._recording: dict[str, list[Group]] = {name: [] for name in components} if prefetch else {}
-        #: CUDA (start, end) events of copies whose duration is not yet added to the ledger
-        self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        #: (start, end) timing events of copies whose duration is not yet added to the ledger
+        self._timings: list[tuple[torch.Event, torch.Event]] = []
 
     def _onload_resident(self, group: Group) -> None:
         start = clock()
-        group.assign({n: t.to(self.device) for n, t in group.tensors().items()})
+        with self.streams.label(group.key):
+            group.assign({n: self.streams.to_device(t, self.device) for n, t in group.tensors().items()})
         group.resident = True
         self.ledger.onloaded(group.nbytes, clock() - start)
 
@@ -82,10 +86,11 @@ class Moving:
         if group.resident:
             event = group.ready_event
             if event is not None:
-                stream = torch.cuda.current_stream(self.device)
-                stream.wait_event(event)
-                for slot in group.slots:
-                    slot.tensor.data.record_stream(stream)
+                streams = self.streams
+                stream = streams.current_stream(self.device)
+                streams.wait(stream, event)
+                for slot in group.slots:  # allocated on the copy stream, read on this one
+                    streams.record_stream(slot.tensor.data, stream)
                 group.ready_event = None
         else:
             if group.component != self.active:
@@ -97,15 +102,17 @@ class Moving:
         if nxt is not None and not nxt.resident:
             self._fetch(nxt, self._copy_stream)
 
-    def _fetch(self, group: Group, stream: torch.cuda.Stream | None) -> None:
+    def _fetch(self, group: Group, stream: torch.Stream | None) -> None:
         for part in group.parts:  # a broken file is a typed error here, never wrong bytes or a SIGBUS
             self.session.check(part.key)
-        if self._cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                start.record()
+        if self._async:
+            streams = self.streams
+            start = streams.new_event(self.device, timing=True)
+            end = streams.new_event(self.device, timing=True)
+            with streams.on(stream), streams.label(group.key):
+                streams.record(start)
                 tensors = self._fetch_parts(group, stream)
-                end.record()
+                streams.record(end)
             self._timings.append((start, end))
             group.ready_event = end if stream is not None else None
             seconds = 0.0
@@ -140,8 +147,8 @@ class Moving:
             seconds = clock() - start
             if replaced:  # kept, in ordinary memory; the component's next call stores them (see changed())
                 for slot in replaced:
-                    if slot.tensor.device.type != "cpu":
-                        slot.tensor.data = slot.tensor.data.to("cpu")
+                    if not self.streams.is_host(slot.tensor.device):
+                        slot.tensor.data = self.streams.to_host(slot.tensor.data)
                 self._mark_changed(group.component)
         group.resident = False
         group.ready_event = None
@@ -169,8 +176,8 @@ class Moving:
             self.active = None
 
     def _offload_component(self, component: str) -> None:
-        if self._cuda:
-            torch.cuda.synchronize(self.device)  # prefetches in flight land before their groups leave
+        if self._async:
+            self.streams.synchronize(self.device)  # prefetches in flight land before their groups leave
         for group in list(self._resident[component]):
             self.offload(group)
 
@@ -180,8 +187,8 @@ class Moving:
             return
         pending = []
         for start, end in self._timings:
-            if end.query():
-                self.ledger.seconds += start.elapsed_time(end) / 1000.0
+            if self.streams.done(end):
+                self.ledger.seconds += self.streams.elapsed(start, end)
             else:
                 pending.append((start, end))
         self._timings = pending

@@ -124,13 +124,13 @@ class Runtime(Forwards, Changes, Moving):
     def _remove(self) -> None:
         watch.unwatch(self)
         self._remove_all_hooks()
-        if self._cuda:
-            torch.cuda.synchronize(self.device)
+        if self._async:
+            self.streams.synchronize(self.device)
         failed: dict[str, str] = {}
         for group in self.groups:
             try:
                 if group.policy is Policy.RESIDENT:
-                    group.assign({n: t.to("cpu") for n, t in group.tensors().items()})
+                    group.assign({n: self.streams.to_host(t) for n, t in group.tensors().items()})
                 else:
                     restored = self._restore(group)
                     restored.update(self._replaced_since(group, restored))

@@ -1,4 +1,4 @@
-"""Copying group bytes that live in pageable memory or in a file to a CUDA device, asynchronously.
+"""Copying group bytes that live in pageable memory or in a file to an accelerator, asynchronously.
 
 A copy from pageable host memory to a GPU is synchronous: the driver bounces it through a small
 page-locked buffer of its own, one call at a time, and the copy cannot be queued on a stream
@@ -9,7 +9,8 @@ file) while the DMA engine drains the other into the device tensors, and every d
 ordered on the stream the engine gave to ``fetch``, so the engine's event covers them.
 
 The ring is small (``2 x 16 MiB`` by default) and allocated on first use, so a storage that never
-uploads to a GPU never pins anything.
+uploads to a GPU never pins anything. Every stream, event, copy and allocation goes through
+:mod:`~memmode_core.engine.streams`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from memmode_core.contracts.storage import Tensors
+from memmode_core.engine.streams import active
 from memmode_core.files.format import Layout
 
 CHUNK_BYTES = 16 << 20
@@ -35,42 +37,42 @@ class StagingRing:
         self.count = chunks
         self._chunks: list[torch.Tensor] = []
         #: per chunk: the event recorded after the last device copy that read it
-        self._drained: list[torch.cuda.Event | None] = []
+        self._drained: list[torch.Event | None] = []
         self._next = 0
+        self.streams = active()
 
     @property
     def pinned_bytes(self) -> int:
         return sum(c.numel() for c in self._chunks)
 
-    def upload(self, layout: Layout, fill: Fill, device: torch.device, stream: torch.cuda.Stream | None) -> Tensors:
+    def upload(self, layout: Layout, fill: Fill, device: torch.device, stream: torch.Stream | None) -> Tensors:
         """The group's tensors on ``device``, their copies queued on ``stream`` (or the current stream)."""
+        streams = self.streams
         if not self._chunks:
-            self._chunks = [
-                torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(self.count)
-            ]
+            self._chunks = [streams.pinned_empty(self.chunk_bytes) for _ in range(self.count)]
             self._drained = [None] * self.count
-        stream = stream if stream is not None else torch.cuda.current_stream(device)
-        with torch.cuda.stream(stream):  # allocated on, and written by, that stream
-            out = {e.name: torch.empty(e.shape, dtype=e.dtype, device=device) for e in layout.entries}
+        stream = stream if stream is not None else streams.current_stream(device)
+        with streams.on(stream):  # allocated on, and written by, that stream
+            out = {e.name: streams.empty(e.shape, e.dtype, device) for e in layout.entries}
             flat = {name: t.reshape(-1).view(torch.uint8) for name, t in out.items()}
             for begin, end, pieces in chunk_plan(layout, self.chunk_bytes):
                 chunk = self._take()[: end - begin]
                 fill(chunk, begin)
                 for name, lo, hi, at in pieces:
-                    flat[name][lo:hi].copy_(chunk[at : at + hi - lo], non_blocking=True)
-                self._release(stream)
+                    streams.copy_(flat[name][lo:hi], chunk[at : at + hi - lo], non_blocking=True)
+                self._release(stream, device)
         return out
 
     def _take(self) -> torch.Tensor:
         """The next chunk, once the device has finished reading what it last held."""
         event = self._drained[self._next]
         if event is not None:
-            event.synchronize()
+            self.streams.wait_host(event)
         return self._chunks[self._next]
 
-    def _release(self, stream: torch.cuda.Stream) -> None:
-        event = torch.cuda.Event()
-        event.record(stream)
+    def _release(self, stream: torch.Stream, device: torch.device) -> None:
+        event = self.streams.new_event(device)
+        self.streams.record(event, stream)
         self._drained[self._next] = event
         self._next = (self._next + 1) % self.count
 
@@ -78,7 +80,7 @@ class StagingRing:
         """Wait for copies still reading the chunks, then let them go."""
         for event in self._drained:
             if event is not None:
-                event.synchronize()
+                self.streams.wait_host(event)
         self._chunks, self._drained = [], []
 
 

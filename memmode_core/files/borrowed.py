@@ -41,6 +41,7 @@ import torch
 from memmode_core.contracts.errors import StorageUnavailableError
 from memmode_core.contracts.storage import Tensors
 from memmode_core.engine.staging import Fill
+from memmode_core.engine.streams import active
 from memmode_core.files.format import DATA_ALIGNMENT, Layout
 from memmode_core.files.groupfile import FileStamp, GroupFile
 
@@ -117,7 +118,8 @@ def borrow(layout: Layout, tensors: Tensors, device: torch.device) -> BorrowedFi
     extras: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         found = next(((s, o) for s in lent if (o := s.offset_of(tensor)) is not None), None)
-        if found is None or (device.type == "cpu" and found[1] % DATA_ALIGNMENT and not found[0].any_alignment):
+        computes_in_place = active().is_host(device)  # on an accelerator it is copied to fresh memory anyway
+        if found is None or (computes_in_place and found[1] % DATA_ALIGNMENT and not found[0].any_alignment):
             # in no lent mapping, or where computing on it in place could change bits: a copy of its own
             # (64-byte aligned, as in memmode's group files)
             extras[name] = tensor

@@ -48,6 +48,7 @@ from memmode_core.contracts.errors import InvalidOptionError, StorageUnavailable
 from memmode_core.contracts.options import Options, boolean, one_of, option
 from memmode_core.contracts.storage import Storage, StorageSession, Tensors
 from memmode_core.engine.staging import Fill, StagingRing
+from memmode_core.engine.streams import active
 from memmode_core.files import folder as offload_folder
 from memmode_core.files import format as group_format
 from memmode_core.files.borrowed import borrow
@@ -301,8 +302,8 @@ class GroupFileSession(StorageSession):
         self.files: dict[str, GroupFile] = {}
         #: see :class:`GroupFileOptions`
         self.verify = "size"
-        #: page-locked bounce buffers for uploads to a CUDA device (allocated on the first upload)
-        self.staging = StagingRing() if device.type == "cuda" else None
+        #: page-locked bounce buffers for uploads to an accelerator (allocated on the first upload)
+        self.staging = StagingRing() if active().has_streams(device) else None
 
     def reserve(self, sizes: Mapping[str, int]) -> None:
         self.store.reserve(sizes)
@@ -318,10 +319,8 @@ class GroupFileSession(StorageSession):
             raise StorageUnavailableError(f"storage {self.store.owner!r} holds no group {key!r}")
         group_file.check(self.verify)
 
-    def upload(
-        self, group_file: GroupFile, fill: Fill, device: torch.device, stream: torch.cuda.Stream | None
-    ) -> Tensors:
-        """The group on a CUDA ``device``, its bytes supplied chunk by chunk by ``fill``."""
+    def upload(self, group_file: GroupFile, fill: Fill, device: torch.device, stream: torch.Stream | None) -> Tensors:
+        """The group on an accelerator ``device``, its bytes supplied chunk by chunk by ``fill``."""
         return self.staging.upload(group_file.layout, fill, device, stream)
 
     def discard(self, key: str) -> None:

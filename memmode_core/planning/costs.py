@@ -3,8 +3,8 @@
 A storage declares its :class:`~memmode_core.contracts.costs.StorageCost` or answers None
 (:meth:`Storage.cost`). :func:`storage_cost` is the figure the planner uses:
 
-- a declared copy from host memory (pageable or page-locked) to CUDA at the default bandwidth is
-  priced at the bandwidth measured there once per process (:func:`measured_bandwidth`);
+- a declared copy from host memory (pageable or page-locked) to an accelerator with streams at the
+  default bandwidth is priced at the bandwidth measured there once per process (:func:`measured_bandwidth`);
 - a storage that declares nothing, or whose ``cost`` fails, is **measured** (:func:`probe`): a
   session stores a weight-like group (random normal bfloat16, which compresses about as real
   weights do), reports what it holds (``stats()``), and fetches of a large and of a tiny group are
@@ -24,6 +24,7 @@ import torch
 from memmode_core.contracts.costs import DEFAULT_BANDWIDTH, StorageCost, onload_latency
 from memmode_core.contracts.options import resolve_options
 from memmode_core.contracts.storage import Storage
+from memmode_core.engine.streams import Streams, active
 
 #: Bytes of the group :func:`probe` stores and fetches to measure bandwidth.
 PROBE_BYTES = 8 << 20
@@ -39,33 +40,33 @@ def storage_cost(storage: Storage, device: torch.device) -> StorageCost:
         cost = None
     if not isinstance(cost, StorageCost):
         return probe(storage, device)
+    streams = active()
     if (
         not cost.measured
-        and device.type == "cuda"
+        and streams.has_streams(device)
         and cost.kind in _MEASURED_KINDS
         and cost.fetch_bytes_per_second == DEFAULT_BANDWIDTH[cost.kind]
     ):
-        return dataclasses.replace(cost, fetch_bytes_per_second=measured_bandwidth(device.type, cost.kind))
+        return dataclasses.replace(cost, fetch_bytes_per_second=measured_bandwidth(streams, device, cost.kind))
     return cost
 
 
 @functools.cache
-def measured_bandwidth(device_type: str, kind: str) -> float:
-    """Host-to-device bytes/s, measured once per process on CUDA for pageable and pinned memory."""
-    if device_type != "cuda" or kind not in _MEASURED_KINDS or not torch.cuda.is_available():
+def measured_bandwidth(streams: Streams, device: torch.device, kind: str) -> float:
+    """Host-to-device bytes/s, measured once per process (and backend) for pageable and page-locked memory."""
+    if kind not in _MEASURED_KINDS or not streams.has_streams(device):
         return DEFAULT_BANDWIDTH[kind]
     nbytes = 256 << 20
-    host = torch.empty(nbytes, dtype=torch.uint8)
-    if kind == "pinned":
-        host = host.pin_memory()
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dev.copy_(host)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    dev.copy_(host, non_blocking=kind == "pinned")
-    end.record()
-    end.synchronize()
-    return nbytes / (start.elapsed_time(end) / 1e3)
+    host = streams.pinned_empty(nbytes) if kind == "pinned" else torch.empty(nbytes, dtype=torch.uint8)
+    dev = streams.empty((nbytes,), torch.uint8, device)
+    streams.copy_(dev, host)
+    start = streams.new_event(device, timing=True)
+    end = streams.new_event(device, timing=True)
+    streams.record(start)
+    streams.copy_(dev, host, non_blocking=kind == "pinned")
+    streams.record(end)
+    streams.wait_host(end)
+    return nbytes / max(streams.elapsed(start, end), 1e-9)
 
 
 _probed: dict[tuple[type, str], StorageCost] = {}
@@ -115,11 +116,12 @@ def _probe(storage: Storage, device: torch.device) -> StorageCost:
 
 
 def _best_time(run, *, repeat: int, device: torch.device) -> float:
+    streams = active()
     best = math.inf
     for _ in range(repeat):
         start = time.perf_counter()
         run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if streams.has_streams(device):
+            streams.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return best

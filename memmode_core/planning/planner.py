@@ -46,6 +46,7 @@ from memmode_core.discovery.first_party import STORAGE_TIE_ORDER
 from memmode_core.discovery.grammar import Mode, lookup
 from memmode_core.discovery.plugins import Registration, current
 from memmode_core.engine.groups import Group
+from memmode_core.engine.streams import active
 from memmode_core.planning.costs import storage_cost
 from memmode_core.planning.prepared import (
     CANDIDATES,
@@ -357,8 +358,9 @@ def _storages(plugins, preg: Registration, base: Request) -> list[Registration |
 
 
 def default_vram_budget(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
+    streams = active()
+    if not streams.is_host(device):
+        free, _ = streams.memory_info(device)
         return int(free * DEFAULT_VRAM_SHARE)
     return None
 

@@ -9,7 +9,7 @@ Memory holds the groups that are on the device at the time, whatever the size of
 
 How a group comes back depends on the device:
 
-- to a CUDA device, the file is read chunk by chunk into a small page-locked staging ring and
+- to an accelerator, the file is read chunk by chunk into a small page-locked staging ring and
   copied on the engine's stream (:mod:`memmode_core.engine.staging`);
 - on the CPU, the file is mapped privately for as long as the group is onloaded: its pages in the
   page cache are the weights, and the mapping goes with the offload. Reading into fresh memory
@@ -20,12 +20,11 @@ How a group comes back depends on the device:
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from memmode_core.contracts.costs import StorageCost, copying_cost
-from memmode_core.contracts.storage import Tensors, host_copy, placeholder, to_device
+from memmode_core.contracts.storage import Tensors, host_copy, placeholder
+from memmode_core.engine.streams import active
 from memmode_core.files.store import GroupFileSession, GroupFileStorage, GroupFileStore
 
 
@@ -41,17 +40,20 @@ class DiskSession(GroupFileSession):
         self._buffers[key] = buffers
         return {name: buffers[name] if name in readable else placeholder(t) for name, t in tensors.items()}
 
-    def fetch(self, key: str, device: torch.device, stream: torch.cuda.Stream | None = None) -> Tensors:
+    def fetch(self, key: str, device: torch.device, stream: torch.Stream | None = None) -> Tensors:
         group_file, buffers = self.files[key], self._buffers[key]
-        if device.type == "cuda":
+        streams = active()
+        if streams.has_streams(device):
             with group_file.filler() as fill:
                 tensors = self.upload(group_file, fill, device, stream)
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                tensors.update(to_device(buffers, device, non_blocking=True))
+            with streams.on(stream):
+                tensors.update({n: streams.to_device(t, device, non_blocking=True) for n, t in buffers.items()})
             return tensors
         _, tensors = group_file.map()
         tensors.update(buffers)  # the values the module holds now, which are the ones it computes with
-        return to_device(tensors, device)
+        if streams.is_host(device):
+            return tensors
+        return {name: streams.to_device(t, device) for name, t in tensors.items()}
 
     def restore(self, key: str) -> Tensors:
         tensors = self.files[key].read()

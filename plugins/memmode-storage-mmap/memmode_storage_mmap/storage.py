@@ -20,6 +20,7 @@ import torch
 
 from memmode_core.contracts.costs import StorageCost, copying_cost
 from memmode_core.contracts.storage import Tensors
+from memmode_core.engine.streams import active
 from memmode_core.files.store import GroupFileSession, GroupFileStorage, GroupFileStore
 
 
@@ -35,16 +36,17 @@ class MmapSession(GroupFileSession):
         return dict(views)
 
     def zero_copy(self, device: torch.device) -> bool:
-        return device.type == "cpu"
+        return active().is_host(device)
 
-    def fetch(self, key: str, device: torch.device, stream: torch.cuda.Stream | None = None) -> Tensors:
+    def fetch(self, key: str, device: torch.device, stream: torch.Stream | None = None) -> Tensors:
         flat, views = self._mapped[key]
-        if device.type == "cpu":
+        streams = active()
+        if streams.is_host(device):
             return dict(views)
-        if device.type == "cuda":
+        if streams.has_streams(device):
             group_file = self.files[key]
             return self.upload(group_file, group_file.mapped_filler(flat), device, stream)
-        return {name: view.to(device) for name, view in views.items()}
+        return {name: streams.to_device(view, device) for name, view in views.items()}
 
     def restore(self, key: str) -> Tensors:
         # copies into ordinary memory: after remove() the files (perhaps deleted) are not held open

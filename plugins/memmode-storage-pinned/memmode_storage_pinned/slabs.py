@@ -11,6 +11,10 @@ rounding of each slab to whole pages and at most 63 bytes of alignment per group
 A slab is page-aligned and made of whole pages that belong to it alone: ``cudaHostRegister``
 locks whole pages and refuses a page that is already registered, so two registrations must never
 share one.
+
+``cudaHostRegister`` is CUDA's (ROCm builds map it to HIP's); it is the only CUDA call of the storage. On
+any other accelerator a slab is allocated page-locked by PyTorch's host allocator instead
+(:meth:`~memmode_core.engine.streams.Streams.pinned_empty`), which rounds it up to its block size.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+
+from memmode_core.engine.streams import active
 
 #: groups are packed into slabs of about this size (fewer, larger registrations are cheaper, and a
 #: slab freed by close() is a large contiguous release)
@@ -70,27 +76,39 @@ def plan(
 
 
 class Slab:
-    """``nbytes`` (whole pages) of CPU memory, page-aligned, page-locked until :meth:`unregister`."""
+    """``nbytes`` (whole pages) of CPU memory, page-locked from :meth:`register` until :meth:`unregister`.
 
-    def __init__(self, nbytes: int) -> None:
+    For a CUDA ``device`` it is ordinary page-aligned memory that ``register`` locks in place, exactly
+    (``exact``); elsewhere ``register`` allocates it from the accelerator's page-locked host allocator.
+    """
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
         self.nbytes = nbytes
-        # one spare page so that a page-aligned range of nbytes fits whatever malloc returned
-        backing = torch.empty(nbytes + PAGE, dtype=torch.uint8)
-        skip = -backing.data_ptr() % PAGE
-        self.tensor = backing[skip : skip + nbytes]
+        self.exact = device.type == "cuda"
+        self.tensor: torch.Tensor | None = None
+        if self.exact:
+            # one spare page so that a page-aligned range of nbytes fits whatever malloc returned
+            backing = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+            skip = -backing.data_ptr() % PAGE
+            self.tensor = backing[skip : skip + nbytes]
         self.registered = False
 
     def register(self) -> None:
-        _check(
-            torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, PORTABLE),
-            f"cudaHostRegister of {self.nbytes} bytes",
-        )
+        if not self.exact:
+            self.tensor = active().pinned_empty(self.nbytes)
+        else:  # CUDA only, by nature: cudaHostRegister
+            _check(
+                torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, PORTABLE),
+                f"cudaHostRegister of {self.nbytes} bytes",
+            )
         self.registered = True
 
     def unregister(self) -> None:
+        """Unlock (CUDA); an allocator's page-locked block is freed with its last view instead."""
         if self.registered:
             self.registered = False
-            _check(torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr()), "cudaHostUnregister")
+            if self.exact:
+                _check(torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr()), "cudaHostUnregister")
 
 
 def _check(result, what: str) -> None:

@@ -1,4 +1,4 @@
-"""The ``pinned`` storage: offloaded groups wait in page-locked CPU memory, copied to the GPU
+"""The ``pinned`` storage: offloaded groups wait in page-locked CPU memory, copied to the accelerator
 asynchronously on the engine's prefetch stream.
 
 A copy from page-locked memory is a plain DMA that the GPU runs while it computes; a copy from
@@ -11,7 +11,6 @@ keeps the remaining groups in pageable memory.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import weakref
 from collections.abc import Mapping
@@ -21,9 +20,11 @@ import torch
 
 from memmode_core.contracts import packing
 from memmode_core.contracts.costs import StorageCost, copying_cost
+from memmode_core.contracts.devices import resolve_device
 from memmode_core.contracts.errors import StorageUnavailableError
 from memmode_core.contracts.options import Options, byte_size, option
 from memmode_core.contracts.storage import Storage, StorageSession, Tensors, host_copy
+from memmode_core.engine.streams import active
 
 from .slabs import SLAB_BYTES, Slab, Spot, plan
 
@@ -34,7 +35,8 @@ class _Pins:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        #: a forked child inherits this object but not the CUDA context the slabs are registered with
+        self.streams = active()
+        #: a forked child inherits this object but not the device context the slabs are registered with
         self.pid = os.getpid()
         self.slabs: list[Slab] = []
         self.spots: dict[str, Spot | None] = {}
@@ -48,7 +50,7 @@ class _Pins:
             return
         try:
             if any(slab.registered for slab in self.slabs):
-                torch.cuda.synchronize(self.device)
+                self.streams.synchronize(self.device)
             for slab in self.slabs:
                 slab.unregister()
         finally:
@@ -77,7 +79,7 @@ class PinnedSession(StorageSession):
         added: list[Slab] = []
         try:
             for nbytes in slab_sizes:
-                added.append(Slab(nbytes))
+                added.append(Slab(nbytes, self.device))
                 added[-1].register()
         except (RuntimeError, MemoryError) as exc:
             for slab in added:
@@ -106,12 +108,18 @@ class PinnedSession(StorageSession):
         self._pins.groups[key] = kept
         return kept
 
-    def fetch(self, key: str, device: torch.device, stream: torch.cuda.Stream | None = None) -> Tensors:
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            return {name: t.to(device, non_blocking=True) for name, t in self._pins.groups[key].items()}
+    def fetch(self, key: str, device: torch.device, stream: torch.Stream | None = None) -> Tensors:
+        streams = self._pins.streams
+        with streams.on(stream):
+            return {name: streams.to_device(t, device, non_blocking=True) for name, t in self._pins.groups[key].items()}
 
     def restore(self, key: str) -> Tensors:
-        return self._pins.groups[key]
+        kept = self._pins.groups[key]
+        spot = self._pins.spots.get(key)
+        if spot is not None and not self._pins.slabs[spot.slab].exact:
+            # an allocator's page-locked block stays locked while a view of it lives: give back copies
+            return {name: t.clone() for name, t in kept.items()}
+        return kept
 
     def discard(self, key: str) -> None:
         # its room in the slab stays locked, unused, until close(): a part stored again after a
@@ -150,7 +158,8 @@ class PinnedStorage(Storage):
 
     The page-locked copies are made once, at exactly the weights' size (packed into slabs that are
     registered with ``cudaHostRegister``, instead of ``pin_memory()``'s power-of-two blocks), and
-    reused for every call. Needs CUDA.
+    reused for every call. Needs an accelerator with streams; on one other than CUDA the slabs come
+    from PyTorch's page-locked host allocator (rounded up to its block sizes).
 
     Option ``pinned_limit`` (default None: pin everything): pin at most this many bytes — an int or
     a string such as ``"24GiB"`` — and keep the groups beyond it in pageable memory (their copies
@@ -158,23 +167,24 @@ class PinnedStorage(Storage):
     """
 
     name = "pinned"
-    description = "page-locked CPU memory, exactly sized, for asynchronous copies to a CUDA GPU"
+    description = "page-locked CPU memory, exactly sized, for asynchronous copies to an accelerator"
     options = PinnedOptions
 
     def cost(self, device: torch.device) -> StorageCost:
         return copying_cost("pinned", device, pinned=1.0)  # copies run at page-locked bandwidth
 
     def unavailable_reason(self, device: torch.device | None = None) -> str | None:
-        if not torch.cuda.is_available():
-            build = (
-                " (this PyTorch is a CPU-only build)"
-                if torch.version.cuda is None and torch.version.hip is None
-                else ""
+        streams = active()
+        default = resolve_device(None)
+        if streams.can_pin(device if device is not None else default):
+            return None
+        if not streams.can_pin(default):  # nothing here to copy to asynchronously
+            build = "" if torch.accelerator.is_available() else " (this PyTorch build has no accelerator)"
+            return (
+                f"no accelerator with streams (CUDA, ROCm, XPU...){build}: page-locked memory only speeds up "
+                f"asynchronous copies to one"
             )
-            return f"no CUDA device{build}: page-locked memory only speeds up copies to a CUDA GPU"
-        if device is not None and device.type != "cuda":
-            return f"page-locked memory only speeds up copies to a CUDA GPU, and the compute device is {device}"
-        return None
+        return f"page-locked memory only speeds up copies to an accelerator, and the compute device is {device}"
 
     def open(self, *, device: torch.device, offload_dir: str | None, options: PinnedOptions) -> StorageSession:
         return PinnedSession(device, options.pinned_limit)

@@ -1,0 +1,475 @@
+"""A strict model of an accelerator's asynchronous copies, run on the CPU, for tests.
+
+:class:`StrictStreams` replaces the primitives of :mod:`memmode_core.engine.streams` — streams, events,
+copies, allocations, page-locked memory — and nothing else: installed with
+:func:`~memmode_core.engine.streams.installed`, it makes the CPU an accelerator with streams, so the
+engine, the staging ring and every storage run exactly the code they run on a GPU, against rules that
+are stricter than the hardware, so that a missing synchronisation fails every time instead of once in a
+thousand runs:
+
+- **Copies are invisible until synchronised.** A copy issued on a side stream leaves its destination
+  holding a sentinel (every byte ``0xFF``: NaN in every floating dtype, -1 in signed integers) until the
+  compute stream waits on an event recorded after the copy on that stream (directly or through other
+  streams' waits), or the host synchronises it (:meth:`~StrictStreams.wait_host`,
+  :meth:`~StrictStreams.synchronize`). Every such copy is delayed to the last moment a correct program
+  could observe it. A copy issued on the compute stream is ordered before the compute that follows, so
+  it lands at once; a blocking copy (``non_blocking=False``) lands, with everything before it on its
+  stream, before the call returns.
+- **Landing order is shuffled.** When several copies land together they land in a random interleaving
+  of their streams (per-stream order is kept, as hardware keeps it), from a seeded generator.
+- **Freeing a device buffer too early is an error naming the group.** A buffer freed while a stream
+  other than the one it was allocated on may still use it — a copy into it on another stream not yet
+  known to the host as finished, or the compute stream having waited for an event recorded for the
+  buffer's group (it reads it) — without ``record_stream`` for that stream and without a device
+  synchronisation since, is an error:
+  on a GPU the caching allocator could hand that memory to the next copy while it is still read.
+- **Page-locked host memory is guarded.** A copy from page-locked memory reads it asynchronously: the
+  buffer must not change or be freed until the host knows the copy finished. Its content at issue is
+  remembered and compared when the host learns the copy finished; a change, or a release before then,
+  is an error naming the group.
+- ``query()`` (:meth:`~StrictStreams.done`) says finished only for work the host already knows finished.
+
+An error is recorded where it happens (a buffer's release is noticed when its memory is freed) and
+raised, as :class:`StrictStreamsError`, by the next call into the model and by :meth:`~StrictStreams.check`.
+
+What it cannot tell: bandwidth, how much copying overlaps compute, the real allocator's behaviour
+(fragmentation, peak memory), kernels reading memory on a stream other than the compute stream, and
+chains of copies across streams (a copy's source is read when the copy is issued). Timing events
+measure host time between their records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+import time
+import weakref
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from memmode_core.engine.streams import Streams
+
+#: the byte every device buffer holds until a copy lands in it
+SENTINEL = 0xFF
+
+
+class StrictStreamsError(AssertionError):
+    """A synchronisation rule was broken: a buffer read, written or released while a copy was in flight."""
+
+
+class FakeStream:
+    """A stream of the model: copies issued on it, and the events it waited on, in order."""
+
+    def __init__(self, model: StrictStreams, name: str) -> None:
+        self._model = weakref.ref(model)
+        self.name = name
+        #: number of copies issued on it so far (a copy's position; an event covers positions up to its own)
+        self.issued = 0
+        #: ``(position, event)``: from ``position`` on, work on this stream runs after ``event``
+        self.waits: list[tuple[int, FakeEvent]] = []
+
+    def __enter__(self) -> FakeStream:
+        self._model()._stack().append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._model()._stack().pop()
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self._model().wait(self, event)
+
+    def __repr__(self) -> str:
+        return f"<strict stream {self.name}>"
+
+
+class FakeEvent:
+    def __init__(self, timing: bool) -> None:
+        self.timing = timing
+        self.stream: FakeStream | None = None
+        self.position = 0
+        self.time = 0.0
+        #: the group it was recorded for (what a stream waiting on it goes on to read)
+        self.label = ""
+
+    def __repr__(self) -> str:
+        where = f"{self.stream.name}@{self.position}" if self.stream is not None else "unrecorded"
+        return f"<strict event {where}>"
+
+
+@dataclass(eq=False)
+class _Buffer:
+    """A device buffer the model allocated (by the address of its storage)."""
+
+    nbytes: int
+    stream: FakeStream
+    label: str
+    #: streams ``record_stream`` was called for
+    recorded: set[FakeStream] = field(default_factory=set)
+    #: streams other than its own that were made to wait for a copy into it (they read it)
+    readers: set[FakeStream] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class _Pinned:
+    """A page-locked host buffer the model allocated."""
+
+    nbytes: int
+    label: str
+
+
+@dataclass(eq=False)
+class _Copy:
+    stream: FakeStream
+    position: int
+    label: str
+    #: the destination: its storage (weakly) and the view's geometry, and the bytes it will receive
+    dst_storage: weakref.ref
+    dst_geometry: tuple
+    value: torch.Tensor
+    dst_buffer: _Buffer | None
+    #: a page-locked source, read asynchronously: its storage (weakly), geometry and content at issue
+    src_storage: weakref.ref | None = None
+    src_geometry: tuple = ()
+    src_content: torch.Tensor | None = None
+    src_pinned: _Pinned | None = None
+    landed: bool = False
+
+    def settled(self) -> bool:
+        """Landed, and nothing more to check: no page-locked source to guard, no buffer of another stream."""
+        buffer = self.dst_buffer
+        return self.landed and self.src_pinned is None and (buffer is None or buffer.stream is self.stream)
+
+
+def _geometry(t: torch.Tensor) -> tuple:
+    return (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+
+def _view(storage: torch.UntypedStorage, geometry: tuple) -> torch.Tensor:
+    dtype, shape, stride, offset = geometry
+    return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
+
+
+class StrictStreams(Streams):
+    """The strict model (see the module docstring). ``device_type`` is the device it makes an accelerator
+    (the CPU); ``seed`` fixes the landing order; ``total_memory`` is what :meth:`memory_info` reports."""
+
+    name = "strict"
+
+    def __init__(self, *, seed: int = 0, device_type: str = "cpu", total_memory: int = 64 << 30) -> None:
+        self.device_type = device_type
+        self.total_memory = total_memory
+        self._rng = random.Random(seed)
+        self._lock = threading.RLock()
+        self._local = threading.local()
+        #: the stream computation runs on (the default stream)
+        self.compute = FakeStream(self, "compute")
+        self._side = 0
+        #: copies whose finish the host does not know yet (and that still matter), in issue order
+        self._in_flight: dict[_Copy, None] = {}
+        self._buffers: dict[int, _Buffer] = {}
+        self._pinned: dict[int, _Pinned] = {}
+        self._errors: list[str] = []
+        self._reported = 0
+        #: what ran, for tests to check that the asynchronous path was taken
+        self.counts: Counter[str] = Counter()
+
+    # -- errors -------------------------------------------------------------------------------------
+
+    @property
+    def errors(self) -> list[str]:
+        return list(self._errors)
+
+    def _fail(self, message: str) -> None:
+        self._errors.append(message)
+
+    def _raise_new(self) -> None:
+        if len(self._errors) > self._reported:
+            new = self._errors[self._reported :]
+            self._reported = len(self._errors)
+            raise StrictStreamsError("; ".join(new))
+
+    def check(self) -> None:
+        """Land and finish everything, then raise the errors not raised yet (for a test's teardown; every
+        error ever recorded stays in :attr:`errors`)."""
+        with self._lock:
+            self._finish(list(self._in_flight))
+            for buffer in self._buffers.values():
+                buffer.readers.clear()
+            self._raise_new()
+
+    # -- what a device is -----------------------------------------------------------------------------
+
+    def is_host(self, device: torch.device) -> bool:
+        return device.type != self.device_type and device.type == "cpu"
+
+    def has_streams(self, device: torch.device) -> bool:
+        return device.type == self.device_type
+
+    def can_pin(self, device: torch.device) -> bool:
+        return self.has_streams(device)
+
+    # -- streams and events ------------------------------------------------------------------------------
+
+    def _stack(self) -> list[FakeStream]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def _current(self) -> FakeStream:
+        stack = self._stack()
+        return stack[-1] if stack else self.compute
+
+    def _label(self) -> str:
+        return getattr(self._local, "label", None) or "<no group>"
+
+    def new_stream(self, device: torch.device) -> FakeStream:
+        with self._lock:
+            self._side += 1
+            return FakeStream(self, f"side{self._side}")
+
+    def current_stream(self, device: torch.device) -> FakeStream:
+        return self._current()
+
+    def on(self, stream: FakeStream | None) -> contextlib.AbstractContextManager:
+        if stream is not None and not isinstance(stream, FakeStream):
+            raise StrictStreamsError(f"{stream!r} is not a stream of the strict model")
+        return contextlib.nullcontext() if stream is None else stream
+
+    def new_event(self, device: torch.device, *, timing: bool = False) -> FakeEvent:
+        return FakeEvent(timing)
+
+    def record(self, event: FakeEvent, stream: FakeStream | None = None) -> None:
+        with self._lock:
+            self._raise_new()
+            event.stream = stream if stream is not None else self._current()
+            event.position = event.stream.issued
+            event.time = time.perf_counter()
+            event.label = self._label()
+
+    def wait(self, stream: FakeStream, event: FakeEvent) -> None:
+        with self._lock:
+            self._raise_new()
+            self.counts["waits"] += 1
+            if event.stream is None:
+                return  # an unrecorded event: nothing to wait for (as on CUDA)
+            if stream is self.compute:
+                # it lands everything the event covers, and goes on to read what the event was recorded for
+                for copy in self._land(self._covered(event)):
+                    buffer = copy.dst_buffer
+                    if buffer is not None and buffer.stream is not stream and buffer.label == event.label:
+                        buffer.readers.add(stream)
+            else:
+                stream.waits.append((stream.issued, event))
+
+    def done(self, event: FakeEvent) -> bool:
+        with self._lock:
+            self._raise_new()
+            return event.stream is None or not self._covered(event)
+
+    def wait_host(self, event: FakeEvent) -> None:
+        with self._lock:
+            self._raise_new()
+            self.counts["host_waits"] += 1
+            if event.stream is not None:
+                self._finish(self._covered(event))
+            self._raise_new()
+
+    def elapsed(self, start: FakeEvent, end: FakeEvent) -> float:
+        return max(end.time - start.time, 0.0)
+
+    def synchronize(self, device: torch.device) -> None:
+        with self._lock:
+            self._raise_new()
+            self.counts["synchronizes"] += 1
+            self._finish(list(self._in_flight))
+            for buffer in self._buffers.values():
+                buffer.readers.clear()
+            self._raise_new()
+
+    def record_stream(self, tensor: torch.Tensor, stream: FakeStream) -> None:
+        with self._lock:
+            self._raise_new()
+            self.counts["record_streams"] += 1
+            storage = tensor.untyped_storage()
+            buffer = self._buffers.get(storage.data_ptr())
+            if buffer is None and storage.nbytes():
+                self._fail(f"record_stream() on a tensor that is not a device buffer ({tuple(tensor.shape)})")
+                self._raise_new()
+            if buffer is not None:
+                buffer.recorded.add(stream)
+
+    @contextlib.contextmanager
+    def label(self, name: str) -> Iterator[None]:
+        previous = getattr(self._local, "label", None)
+        self._local.label = name
+        try:
+            yield
+        finally:
+            self._local.label = previous
+
+    # -- memory ------------------------------------------------------------------------------------------
+
+    def _device_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.nbytes() == 0:
+            return tensor  # nothing to guard (and no address of its own)
+        storage.fill_(SENTINEL)
+        key = storage.data_ptr()
+        buffer = _Buffer(storage.nbytes(), self._current(), self._label())
+        self._buffers[key] = buffer
+        weakref.finalize(storage, self._freed, key, buffer)
+        return tensor
+
+    def empty(self, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            self._raise_new()
+            return self._device_buffer(torch.empty(shape, dtype=dtype))
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            self._raise_new()
+            tensor = torch.empty(nbytes, dtype=torch.uint8)
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            pinned = _Pinned(nbytes, self._label())
+            self._pinned[key] = pinned
+            weakref.finalize(storage, self._unpinned, key, pinned)
+            return tensor
+
+    def memory_info(self, device: torch.device) -> tuple[int, int]:
+        used = sum(b.nbytes for b in self._buffers.values())
+        return max(self.total_memory - used, 0), self.total_memory
+
+    # -- copies ------------------------------------------------------------------------------------------
+
+    def to_device(self, tensor: torch.Tensor, device: torch.device, *, non_blocking: bool = False) -> torch.Tensor:
+        if not self.has_streams(device):
+            return tensor.to(device, non_blocking=non_blocking)
+        with self._lock:
+            self._raise_new()
+            dst = self._device_buffer(torch.empty_like(tensor, memory_format=torch.preserve_format))
+            self._issue(dst, tensor, non_blocking)
+            return dst
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            self._raise_new()
+            self.counts["to_host"] += 1
+            self._finish([c for c in self._in_flight if c.stream is self._current()])  # a blocking copy
+            return tensor.detach().clone()
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool = False) -> None:
+        with self._lock:
+            self._raise_new()
+            self._issue(dst, src, non_blocking)
+
+    def _issue(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+        stream = self._current()
+        stream.issued += 1
+        value = torch.empty_like(dst)
+        value.copy_(src)  # what the copy will write, from the source as it is now
+        dst_storage = dst.untyped_storage()
+        copy = _Copy(
+            stream,
+            stream.issued,
+            self._label(),
+            weakref.ref(dst_storage),
+            _geometry(dst),
+            value,
+            self._buffers.get(dst_storage.data_ptr()),
+        )
+        src_storage = src.untyped_storage() if src.device.type == "cpu" else None
+        pinned = self._pinned.get(src_storage.data_ptr()) if src_storage is not None else None
+        if pinned is not None and non_blocking:  # read by DMA later: must stay as it is until finished
+            copy.src_storage, copy.src_geometry, copy.src_pinned = weakref.ref(src_storage), _geometry(src), pinned
+            copy.src_content = src.clone()
+            self.counts["pinned_copies"] += 1
+        self.counts["copies"] += 1
+        self._in_flight[copy] = None
+        if not non_blocking:
+            self._finish([c for c in self._in_flight if c.stream is stream])
+        elif stream is self.compute:
+            self._land([copy])  # ordered before the compute that follows on this stream
+        else:
+            self.counts["async_copies"] += 1
+
+    # -- landing and finishing ---------------------------------------------------------------------------
+
+    def _covered(self, event: FakeEvent) -> list[_Copy]:
+        """Copies in flight that ``event`` covers: on its stream up to it, and what that stream waited for."""
+        streams: dict[FakeStream, int] = {}
+        todo = [(event.stream, event.position)]
+        while todo:
+            stream, position = todo.pop()
+            if streams.get(stream, -1) >= position:
+                continue
+            streams[stream] = position
+            todo += [(e.stream, e.position) for at, e in stream.waits if at <= position and e.stream is not None]
+        return [c for c in self._in_flight if c.position <= streams.get(c.stream, -1)]
+
+    def _land(self, copies: list[_Copy]) -> list[_Copy]:
+        """Write what these copies carry into their destinations, interleaving streams at random."""
+        queues: dict[FakeStream, list[_Copy]] = {}
+        for copy in copies:
+            if not copy.landed:
+                queues.setdefault(copy.stream, []).append(copy)
+        landed = []
+        while queues:
+            stream = self._rng.choice(list(queues))
+            copy = queues[stream].pop(0)
+            if not queues[stream]:
+                del queues[stream]
+            storage = copy.dst_storage()
+            if storage is not None:
+                _view(storage, copy.dst_geometry).copy_(copy.value)
+            copy.landed = True
+            landed.append(copy)
+            if copy.settled():
+                self._in_flight.pop(copy, None)
+        return landed
+
+    def _finish(self, copies: list[_Copy]) -> None:
+        """The host learns these copies finished: land them, and check the page-locked memory they read."""
+        self._land(copies)
+        for copy in copies:
+            if copy.src_pinned is not None:
+                storage = copy.src_storage()
+                if storage is not None and not torch.equal(_view(storage, copy.src_geometry), copy.src_content):
+                    self._fail(
+                        f"group {copy.label!r}: a page-locked host buffer was overwritten while a copy from it on "
+                        f"stream {copy.stream.name} was in flight (no wait_host/synchronize before reusing it)"
+                    )
+        for copy in copies:
+            self._in_flight.pop(copy, None)
+
+    # -- releases ----------------------------------------------------------------------------------------
+
+    def _freed(self, key: int, buffer: _Buffer) -> None:
+        with self._lock:
+            if self._buffers.get(key) is buffer:
+                del self._buffers[key]
+            risks = {c.stream for c in self._in_flight if c.dst_buffer is buffer and c.stream is not buffer.stream}
+            risks |= buffer.readers
+            for stream in sorted(risks - buffer.recorded, key=lambda s: s.name):
+                self._fail(
+                    f"group {buffer.label!r}: a device buffer of {buffer.nbytes} bytes allocated on stream "
+                    f"{buffer.stream.name} was released while stream {stream.name} may still use it, without "
+                    f"record_stream() for that stream or a synchronisation: its memory could be reused too early"
+                )
+
+    def _unpinned(self, key: int, pinned: _Pinned) -> None:
+        with self._lock:
+            if self._pinned.get(key) is pinned:
+                del self._pinned[key]
+            for copy in self._in_flight:
+                if copy.src_pinned is pinned:
+                    self._fail(
+                        f"group {copy.label!r}: a page-locked host buffer of {pinned.nbytes} bytes was released "
+                        f"while a copy from it on stream {copy.stream.name} was in flight"
+                    )
+                    copy.src_pinned = None
