@@ -163,6 +163,7 @@ def install(prepared: Prepared, session, reserved: dict[str, int] | None = None)
         session=session,
         ledger=ledger,
         prefetch=prepared.prefetch,
+        lookahead=prepared.residency.lookahead if prepared.residency is not None else None,
         offload_after_call=prepared.offload_after_call,
         relayout=prepared.relayout,
         pipeline=target.obj if target.is_pipeline else None,

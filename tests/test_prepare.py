@@ -186,6 +186,7 @@ def test_options_are_a_frozen_dataclass_built_once():
         "num_blocks_per_group": 2,
         "block_modules": None,
         "use_stream": None,
+        "vram_budget": None,
     }
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.num_blocks_per_group = 3

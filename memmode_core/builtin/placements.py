@@ -18,6 +18,7 @@ from memmode_core.contracts.options import (
     Options,
     boolean,
     boolean_or_none,
+    byte_size,
     names_list,
     one_of,
     option,
@@ -88,8 +89,16 @@ class GroupOffloadOptions(Options):
     )
     use_stream: bool | None = option(
         None,
-        "copy the next group on a CUDA side stream while the current one computes (default: on when computing on CUDA)",
+        "copy the next group on a side stream while the current one computes (default: on when computing on an "
+        "accelerator with streams)",
         boolean_or_none,
+    )
+    vram_budget: int | None = option(
+        None,
+        "bytes of weights the device may hold (e.g. '20GiB'): groups stay on the device while their component runs "
+        "up to it, only the rest stream (spread between the kept ones), and prefetch looks as far ahead as the room "
+        "left allows (default: every group streams)",
+        byte_size,
     )
 
 

@@ -23,6 +23,8 @@ the compute stream when it is entered.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from memmode_core.contracts.layout import Policy
@@ -46,6 +48,7 @@ class Moving:
         ledger: Ledger,
         *,
         prefetch: bool,
+        lookahead: Mapping[str, int] | None = None,
         offload_after_call: bool,
     ) -> None:
         components = self.components
@@ -65,6 +68,8 @@ class Moving:
         #: the storage's copies are the device tensors: onload and offload only keep the books
         self._zero_copy = session is not None and session.zero_copy(device)
         self._prefetch = prefetch
+        #: component -> how many streamed groups ahead a prefetch runs (default one)
+        self._lookahead = dict(lookahead or {})
         self._offload_after_call = offload_after_call
         #: where prefetches are copied; without streams a prefetch is a synchronous early onload
         self._copy_stream = self.streams.new_stream(device) if prefetch and self._async else None
@@ -98,9 +103,11 @@ class Moving:
             self._fetch(group, None)
         if self._recording and group.component in self._recording:
             self._record(group)
-        nxt = group.next
-        if nxt is not None and not nxt.resident:
-            self._fetch(nxt, self._copy_stream)
+        nxt, ahead = group.next, self._lookahead.get(group.component, 1)
+        while nxt is not None and ahead > 0:  # the next streamed groups, as far ahead as the budget allows
+            if not nxt.resident:
+                self._fetch(nxt, self._copy_stream)
+            nxt, ahead = nxt.next, ahead - 1
 
     def _fetch(self, group: Group, stream: torch.Stream | None) -> None:
         for part in group.parts:  # a broken file is a typed error here, never wrong bytes or a SIGBUS
@@ -215,7 +222,8 @@ class Moving:
             order.append(group)
 
     def _finish_recording(self, component: str) -> None:
-        """After a component's first call: link each group to the next prefetchable one."""
+        """After a component's first call: link each group to the next prefetchable streamed one (a group kept
+        on the device links too: entering it starts the copy of the streamed group that follows it)."""
         order = self._recording.pop(component, None)
         if not order:
             return

@@ -23,7 +23,7 @@ hold one re-entrant lock (``lock``; see :mod:`~memmode_core.engine.forwards`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -49,6 +49,7 @@ class Runtime(Forwards, Changes, Moving):
         session: StorageSession | None,
         ledger: Ledger,
         prefetch: bool = False,
+        lookahead: Mapping[str, int] | None = None,
         offload_after_call: bool = True,
         relayout: Callable[[str], list[GroupSpec]] | None = None,
         pipeline: object | None = None,
@@ -64,7 +65,9 @@ class Runtime(Forwards, Changes, Moving):
         self.calls: list[str] = []
         #: serializes calls of this runtime's components, edits, refresh and remove across threads
         self.lock = threading.RLock()
-        self._init_moving(device, session, ledger, prefetch=prefetch, offload_after_call=offload_after_call)
+        self._init_moving(
+            device, session, ledger, prefetch=prefetch, lookahead=lookahead, offload_after_call=offload_after_call
+        )
         self._init_changes(device, relayout=relayout, refuse_edit=refuse_edit)
         self._init_forwards(pipeline)
 

@@ -25,6 +25,7 @@ latency per synchronous onload; a prefetching placement hides most of its copies
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -57,6 +58,7 @@ from memmode_core.planning.prepared import (
     prepare_target,
     quantize_targets,
 )
+from memmode_core.planning.residency import BudgetTooSmallError, encloses, idle_groups
 
 #: Share of a prefetching placement's copy time hidden behind compute.
 PREFETCH_OVERLAP = 0.9
@@ -143,18 +145,6 @@ def call_sequence(target: Target, calls: Mapping[str, int] | Iterable[str]) -> l
     return result
 
 
-def idle_roots(component: nn.Module) -> list[nn.Module]:
-    """Submodules a default call does not run: an autoencoder's encoder side (a text-to-image/video
-    call only decodes) and a vision-language text encoder's vision tower (the prompt is text)."""
-    roots = []
-    if callable(getattr(component, "decode", None)) and isinstance(getattr(component, "decoder", None), nn.Module):
-        roots += [m for name in ("encoder", "quant_conv") if isinstance(m := getattr(component, name, None), nn.Module)]
-    for path, module in component.named_modules():
-        if path.split(".")[-1] == "visual" and path.count(".") <= 1:
-            roots.append(module)
-    return roots
-
-
 # -- sizing -----------------------------------------------------------------------------------------
 
 
@@ -167,17 +157,8 @@ class _Sized:
 
 def _sized(prepared: Prepared) -> list[_Sized]:
     """The prepared groups with their bytes once quantized, and whether a default call leaves them idle."""
-    idle_ids: dict[str, set[int]] = {}
-    for name, component in prepared.target.components.items():
-        idle_ids[name] = {id(m) for root in idle_roots(component) for m in root.modules()}
-    return [
-        _Sized(
-            group,
-            prepared.group_bytes[group.key],
-            bool(group.slots) and all(id(slot.owner) in idle_ids[group.component] for slot in group.slots),
-        )
-        for group in prepared.groups
-    ]
+    idle = idle_groups(prepared.groups, prepared.target.components)
+    return [_Sized(group, prepared.group_bytes[group.key], id(group) in idle) for group in prepared.groups]
 
 
 # -- replaying a call ---------------------------------------------------------------------------------
@@ -210,13 +191,22 @@ class _Replay:
                 self.offload(s)
 
 
-def replay(sized: list[_Sized], sequence: list[str], prefetch: bool, roots: Mapping[str, nn.Module]) -> _Replay:
+def replay(
+    sized: list[_Sized],
+    sequence: list[str],
+    prefetch: bool,
+    roots: Mapping[str, nn.Module],
+    lookahead: Mapping[str, int] | None = None,
+) -> _Replay:
     """The engine's policies over one steady-state call (the second of two identical calls).
 
     Within a component call, the groups entered at the component itself (its rest groups, the
     component's own loose parameters at leaf level) stay resident for the whole call; the others are
-    entered one after the other in definition order, each with its successor when prefetching.
+    entered one after the other in definition order, each with its ``lookahead`` successors (default
+    one) when prefetching; groups kept while their component runs (``EXCLUSIVE``) stay until another
+    component takes the device.
     """
+    lookahead = lookahead or {}
     state = _Replay()
     for s in sized:
         if s.group.policy is Policy.RESIDENT:
@@ -226,7 +216,7 @@ def replay(sized: list[_Sized], sequence: list[str], prefetch: bool, roots: Mapp
         mine = [s for s in sized if s.group.component == name and not s.idle]
         exclusive = [s for s in mine if s.group.policy is Policy.EXCLUSIVE]
         streaming = [s for s in mine if s.group.policy is Policy.STREAM]
-        enclosing = [s for s in streaming if not s.group.prefetchable or roots[name] in _owners(s.group)]
+        enclosing = [s for s in streaming if encloses(s.group, roots[name])]
         kinds[name] = (exclusive, enclosing, [s for s in streaming if s not in enclosing])
     for run in range(2):
         if run == 1:
@@ -237,20 +227,17 @@ def replay(sized: list[_Sized], sequence: list[str], prefetch: bool, roots: Mapp
             state.evict_others(name, sized)
             for s in exclusive + enclosing:
                 state.onload(s)
-            if prefetch and blocks:
-                state.onload(blocks[0])  # prefetched when the component's first group was onloaded
+            ahead = lookahead.get(name, 1) if prefetch else 0
+            for s in blocks[:ahead]:
+                state.onload(s)  # prefetched when the component's first group was onloaded
             for index, s in enumerate(blocks):
                 state.onload(s)
-                if prefetch and index + 1 < len(blocks):
-                    state.onload(blocks[index + 1])
+                for following in blocks[index + 1 : index + 1 + ahead]:
+                    state.onload(following)
                 state.offload(s)
             for s in enclosing:
                 state.offload(s)
     return state
-
-
-def _owners(group: Group) -> list[nn.Module]:
-    return [slot.owner for slot in group.slots]
 
 
 # -- pricing --------------------------------------------------------------------------------------------
@@ -271,7 +258,8 @@ def price(prepared: Prepared, sequence: list[str]) -> PlanEntry:
 
 def _replayed(prepared: Prepared, sequence: list[str]) -> tuple[list[_Sized], _Replay]:
     sized = _sized(prepared)
-    return sized, replay(sized, sequence, prepared.prefetch, prepared.target.components)
+    lookahead = prepared.residency.lookahead if prepared.residency is not None else None
+    return sized, replay(sized, sequence, prepared.prefetch, prepared.target.components, lookahead)
 
 
 def _price(prepared: Prepared, sized: list[_Sized], state: _Replay) -> PlanEntry:
@@ -330,7 +318,12 @@ def candidates(target: Any, base: Request) -> list[Prepared]:
         for variant in getattr(preg.obj, "plan_variants", None) or ({},):
             try:
                 first = candidate_request(base, preg, storages[0], variant)
-                prepared = prepare_target(target, first, quantization=shared, variant=variant)
+                try:
+                    prepared = prepare_target(target, first, quantization=shared, variant=variant)
+                except BudgetTooSmallError:  # priced as it streams everything, and judged not to fit
+                    options = dataclasses.replace(first.placement_options, vram_budget=None)
+                    first = dataclasses.replace(first, placement_options=options)
+                    prepared = prepare_target(target, first, quantization=shared, variant=variant)
             except (IncompatibleModeError, InvalidOptionError):
                 continue
             found.append(prepared)
@@ -397,7 +390,8 @@ def plan(
 ) -> list[PlanEntry]:
     """Predict every installed placement × storage (× ``quantizer``) for ``target``; see the module docstring.
 
-    ``vram_budget`` / ``ram_budget`` (bytes or strings such as ``"8GiB"``) decide ``fits``; the
+    ``vram_budget`` / ``ram_budget`` (bytes or strings such as ``"8GiB"``) decide ``fits`` (and group offload
+    keeps groups on the device up to ``vram_budget``: :mod:`memmode_core.planning.residency`); the
     entry ``auto`` would choose has ``chosen=True``. ``options`` are options applied to every
     candidate whose placement, storage or quantizer declares them (e.g. ``num_blocks_per_group=2``).
     """
@@ -420,7 +414,8 @@ def plan(
             exclude=tuple(exclude or ()),
             exclude_components=tuple(exclude_components or ()),
             storage_given=storage,
-            given=dict(options),
+            # a placement that can fit itself to the budget (group offload keeps groups up to it) does
+            given=dict(options) | ({"vram_budget": vram} if vram is not None else {}),
         )
         entries += price_all(candidates(target, base), sequence)
     judge(entries, vram, ram)

@@ -71,7 +71,10 @@ def resolve_choice(target: Any, request: Request) -> Prepared:
     resolver = request.resolver
     budgets = resolver.budgets(request.placement_options, request.device)
     own = {o.name for o in declared_options(resolver.options)}
-    base = dataclasses.replace(request, given={k: v for k, v in request.given.items() if k not in own})
+    given = {k: v for k, v in request.given.items() if k not in own}
+    if budgets.vram is not None:  # a placement that can fit itself to the budget (group offload) does
+        given["vram_budget"] = budgets.vram
+    base = dataclasses.replace(request, given=given)
     placed = Target.of(target).without(request.exclude_components)
     sequence = call_sequence(placed, default_calls(placed, budgets.steps))
     entries = price_all(candidates(target, base), sequence)

@@ -40,6 +40,7 @@ from memmode_core.discovery.plugins import Registration, current
 from memmode_core.engine.groups import Group, claim_groups
 from memmode_core.engine.pipeline_hooks import refuse_foreign_offloading
 from memmode_core.planning.layout import Layout, lay_out
+from memmode_core.planning.residency import Residency, fit
 from memmode_core.quantization import (
     QuantizationPlan,
     check_component,
@@ -242,6 +243,9 @@ class Prepared:
     packed_ahead: dict[str, tuple[int, int]] = field(default_factory=dict)
     #: the option values the planner set for this candidate (``Placement.plan_variants``)
     variant: dict[str, Any] = field(default_factory=dict)
+    #: with a ``vram_budget``: the groups kept on the device while their component runs, and the prefetch
+    #: depth (:mod:`memmode_core.planning.residency`)
+    residency: Residency | None = None
 
     def __post_init__(self) -> None:
         if not self.requested_mode:
@@ -292,7 +296,10 @@ class Prepared:
         layout = lay_out(
             self.placement, self.target, self.request.placement_options, self.device, strict=self.request.strict
         )
-        return [spec for spec in layout.specs if spec.component == component]
+        specs = [spec for spec in layout.specs if spec.component == component]
+        if self.residency is not None:  # the same groups stay (their keys are stable)
+            self.residency.apply(specs)
+        return specs
 
     def refreshed(self) -> Prepared:
         """The same request prepared again for the target as it is now (its weights changed since)."""
@@ -310,6 +317,8 @@ class Prepared:
         request = self.request
         lines = [f"{self.mode} for {self.target.label} on {self.device}" + _chosen(self)]
         lines.append(f"  placement {self.placement.name}{_options_text(request.placement_options)}")
+        if self.residency is not None:
+            lines.append(f"  {self.residency.describe()}")
         if self.storage is not None:
             where = f", offload_dir={str(request.offload_dir)!r}" if request.offload_dir is not None else ""
             lines.append(f"  storage {self.storage.name}{_options_text(request.storage_options)}{where}")
@@ -355,7 +364,7 @@ class Prepared:
         )
 
 
-_POLICY_WORDS = {Policy.RESIDENT: "resident", Policy.STREAM: "streamed", Policy.EXCLUSIVE: "moved whole"}
+_POLICY_WORDS = {Policy.RESIDENT: "resident", Policy.STREAM: "streamed", Policy.EXCLUSIVE: "kept while it runs"}
 
 
 def _options_text(options: Options | None) -> str:
@@ -396,6 +405,13 @@ def prepare_target(
         plans = dict(quantization) if quantization is not None else plan_components(quantizer, targets, request)
     layout = lay_out(placement, tgt, request.placement_options, request.device, strict=request.strict)
     groups = claim_groups(tgt.components, layout.specs)
+    sizes = group_bytes(groups, plans)
+    prefetch = placement.prefetch(request.placement_options, request.device)
+    residency = None
+    budget = getattr(request.placement_options, "vram_budget", None)
+    if budget is not None:
+        residency = fit(groups, sizes, tgt.components, budget, prefetch=prefetch)
+        residency.apply(groups)
     return Prepared(
         request=request,
         target=tgt,
@@ -403,11 +419,12 @@ def prepare_target(
         layout=layout,
         groups=groups,
         quantization=plans,
-        group_bytes=group_bytes(groups, plans),
-        prefetch=placement.prefetch(request.placement_options, request.device),
+        group_bytes=sizes,
+        prefetch=prefetch,
         offload_after_call=placement.offloads_after_call(request.placement_options),
         requested_mode=requested_mode,
         variant=dict(variant or {}),
+        residency=residency,
     )
 
 
