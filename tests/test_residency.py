@@ -60,19 +60,23 @@ def forward(model, seed: int) -> torch.Tensor:
         return model(**wan_inputs(seed))[0]
 
 
-def block_level(entries: list[memmode.PlanEntry]) -> memmode.PlanEntry:
+def group_offload(entries: list[memmode.PlanEntry], offload_type: str = "block_level") -> memmode.PlanEntry:
+    """The planner's entry for ``model_group_offload`` at ``offload_type``."""
     (entry,) = [
-        e for e in entries if e.placement == "model_group_offload" and e.options["offload_type"] == "block_level"
+        e for e in entries if e.placement == "model_group_offload" and e.options["offload_type"] == offload_type
     ]
     return entry
 
 
 @pytest.mark.parametrize("share", SHARES)
-def test_the_budget_holds_and_the_planner_predicts_the_moves(share):
+@pytest.mark.parametrize("offload_type, storage", [("block_level", "ram"), ("leaf_level", "disk")])
+def test_the_budget_holds_and_the_planner_predicts_the_moves(offload_type, storage, share):
     model = deep_wan_transformer()
     expected = [forward(model, seed) for seed in (0, 1)]
     budget = int(nbytes(model.parameters()) * share)
-    handle = memmode.apply(model, "model_group_offload", device="cpu", storage="ram", vram_budget=budget)
+    handle = memmode.apply(
+        model, "model_group_offload", device="cpu", storage=storage, offload_type=offload_type, vram_budget=budget
+    )
     residency = handle.prepared.residency
     assert residency is not None and residency.kept
     assert any(g.policy is Policy.STREAM for g in handle._runtime.groups), "a budget below the model streams"
@@ -83,9 +87,8 @@ def test_the_budget_holds_and_the_planner_predicts_the_moves(share):
     report = handle.report()
     assert report.peak_device_bytes <= budget
     handle.remove()
-    entry = block_level(
-        memmode.plan(model, device="cpu", storage="ram", vram_budget=budget, calls=report.call_sequence)
-    )
+    entries = memmode.plan(model, device="cpu", storage=storage, vram_budget=budget, calls=report.call_sequence)
+    entry = group_offload(entries, offload_type)
     assert entry.fits and entry.peak_device_bytes <= budget
     assert report.bytes_transferred == pytest.approx(entry.transfer_bytes_per_call, rel=0.05)
     assert report.peak_device_bytes == pytest.approx(entry.peak_device_bytes, rel=0.05)
@@ -130,7 +133,8 @@ def test_the_components_of_a_pipeline_share_the_budget_in_turn():
     run(pipe, FAMILY, 1)
     report = handle.report()
     handle.remove()
-    entry = block_level(memmode.plan(pipe, device="cpu", storage="ram", vram_budget=budget, calls=report.call_sequence))
+    entries = memmode.plan(pipe, device="cpu", storage="ram", vram_budget=budget, calls=report.call_sequence)
+    entry = group_offload(entries)
     assert report.bytes_transferred == pytest.approx(entry.transfer_bytes_per_call, rel=0.05)
     assert report.peak_device_bytes <= entry.peak_device_bytes <= budget
 
