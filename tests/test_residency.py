@@ -199,3 +199,19 @@ def test_prefetch_looks_ahead_within_the_budget(share, storage, strict_streams):
     if strict_streams is not None:
         assert strict_streams.counts["async_copies"] > 0 and strict_streams.counts["waits"] > 0
     handle.remove()
+
+
+def test_under_a_quantizer_the_budget_counts_packed_bytes():
+    """The budget is in the bytes the device holds, packed ones under a quantizer (a fifth of the float32 model
+    still keeps groups), and the output equals quantized full load."""
+    reference = deep_wan_transformer()
+    memmode.apply(reference, "model_full_load_and_qfloat8", device="cpu")
+    expected = [forward(reference, seed) for seed in (0, 1)]
+    model = deep_wan_transformer()
+    budget = int(nbytes(model.parameters()) * 0.2)
+    handle = memmode.apply(model, "model_group_offload_and_qfloat8", device="cpu", storage="ram", vram_budget=budget)
+    assert handle.prepared.residency.kept
+    for seed, want in enumerate(expected):
+        assert_bit_equal(forward(model, seed), want)
+    assert handle.report().peak_device_bytes <= budget
+    handle.remove()
