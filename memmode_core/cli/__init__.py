@@ -332,6 +332,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         sizes_only = SIZES_ONLY.set(True)
     else:
         pipe, sizes_only = load(), None
+    shapes = {k: getattr(args, k) for k in ("height", "width", "num_frames") if getattr(args, k) is not None}
     # placement options go to every candidate whose placement declares them
     try:
         entries = memmode.plan(
@@ -341,6 +342,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             ram_budget=args.ram,
             quantizer=args.quantizer or None,
             steps=args.steps,
+            # the call's shapes: activations predicted on fake tensors, counted against --vram with the weights
+            # (not for --model, whose skeleton has no weights on a device to run the pipeline's own code with)
+            **(shapes if args.model is None else {}),
             **args.options,
         )
     finally:
@@ -365,6 +369,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(f"{description}: predicted per call of {args.steps} steps")
     if args.options:
         print(f"options: {_describe_options(args.options)} (for each mode whose plugins declare them)")
+    shaped = any(e.activation_bytes for e in entries)
+    if shaped:
+        print(f"activations at these shapes: {format_bytes(max(e.activation_bytes for e in entries))} at peak")
     rows = []
     for e in sorted(entries, key=lambda e: (not e.fits, e.seconds_per_call, e.peak_device_bytes)):
         options = ", ".join(f"{k}={v}" for k, v in e.options.items())
@@ -375,6 +382,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 options or "-",
                 e.storage or "-",
                 format_bytes(e.peak_device_bytes),
+                *([format_bytes(e.device_bytes)] if shaped else []),
                 format_bytes(e.transfer_bytes_per_call),
                 format_bytes(e.host_bytes),
                 format_bytes(e.disk_bytes) if e.disk_bytes else "-",
@@ -384,9 +392,21 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         )
     print(
         render(
-            ["", "mode", "options", "storage", "peak on device", "moved/call", "RAM", "disk", "copy s/call", "fits"],
+            [
+                "",
+                "mode",
+                "options",
+                "storage",
+                "weights on device",
+                *(["+ activations"] if shaped else []),
+                "moved/call",
+                "RAM",
+                "disk",
+                "copy s/call",
+                "fits",
+            ],
             rows,
-            right=["peak on device", "moved/call", "RAM", "disk", "copy s/call"],
+            right=["weights on device", "+ activations", "moved/call", "RAM", "disk", "copy s/call"],
         )
     )
     chosen = next((e for e in entries if e.chosen), None)
@@ -420,9 +440,11 @@ def _add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=4, help="denoising steps per call")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt", default="a red fox running through fresh snow at dawn", help="with --model")
-    parser.add_argument("--height", type=int, help="with --model")
-    parser.add_argument("--width", type=int, help="with --model")
-    parser.add_argument("--num-frames", dest="num_frames", type=int, help="with --model (video pipelines)")
+    parser.add_argument("--height", type=int, help="with --model; for plan: predict the activations at this size")
+    parser.add_argument("--width", type=int, help="with --model; for plan: predict the activations at this size")
+    parser.add_argument(
+        "--num-frames", dest="num_frames", type=int, help="with --model (video pipelines); for plan, as --height"
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument(
         "--option",

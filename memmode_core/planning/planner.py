@@ -59,6 +59,7 @@ from memmode_core.planning.prepared import (
     quantize_targets,
 )
 from memmode_core.planning.residency import BudgetTooSmallError, encloses, idle_groups
+from memmode_core.planning.trace import call_activations
 
 #: Share of a prefetching placement's copy time hidden behind compute.
 PREFETCH_OVERLAP = 0.9
@@ -92,6 +93,9 @@ class PlanEntry:
     pinned_bytes: int
     disk_bytes: int
     seconds_per_call: float
+    #: with the call's shapes (``plan(height=..., ...)``): the largest activation peak of a component the call
+    #: runs, predicted on fake tensors (:mod:`memmode_core.planning.trace`); 0 without them
+    activation_bytes: int = 0
     fits: bool = True
     reason: str | None = None
     chosen: bool = False
@@ -101,6 +105,11 @@ class PlanEntry:
     @property
     def host_bytes(self) -> int:
         return self.pageable_bytes + self.pinned_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        """What the device needs at peak: weights, plus activations when the call's shapes were given."""
+        return self.peak_device_bytes + self.activation_bytes
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "prepared"} | {
@@ -386,6 +395,10 @@ def plan(
     calls: Mapping[str, int] | None = None,
     steps: int = DEFAULT_STEPS,
     exclude_components: Iterable[str] | None = None,
+    height: int | None = None,
+    width: int | None = None,
+    num_frames: int | None = None,
+    batch: int | None = None,
     **options: Any,
 ) -> list[PlanEntry]:
     """Predict every installed placement × storage (× ``quantizer``) for ``target``; see the module docstring.
@@ -394,6 +407,10 @@ def plan(
     keeps groups on the device up to ``vram_budget``: :mod:`memmode_core.planning.residency`); the
     entry ``auto`` would choose has ``chosen=True``. ``options`` are options applied to every
     candidate whose placement, storage or quantizer declares them (e.g. ``num_blocks_per_group=2``).
+
+    ``height``, ``width``, ``num_frames``, ``batch``: the shapes of the call to plan for. Given any, each
+    entry's ``activation_bytes`` is the activation peak of the call's components, predicted by running their
+    forwards on fake tensors, and ``vram_budget`` counts weights plus activations (``device_bytes``).
     """
     tgt = Target.of(target).without(exclude_components or ())
     dev = resolve_device(device)
@@ -401,6 +418,10 @@ def plan(
     ram = _budget("ram_budget", ram_budget)
     plugins = current()
     sequence = call_sequence(tgt, calls if calls is not None else default_calls(tgt, steps))
+    activation = 0
+    if any(v is not None for v in (height, width, num_frames, batch)):
+        peaks = call_activations(target, batch=batch or 1, height=height, width=width, num_frames=num_frames)
+        activation = max((peaks.get(name, 0) for name in set(sequence)), default=0)
     entries: list[PlanEntry] = []
     for qreg in _quantizers(plugins, quantizer):
         base = Request(
@@ -414,10 +435,13 @@ def plan(
             exclude=tuple(exclude or ()),
             exclude_components=tuple(exclude_components or ()),
             storage_given=storage,
-            # a placement that can fit itself to the budget (group offload keeps groups up to it) does
-            given=dict(options) | ({"vram_budget": vram} if vram is not None else {}),
+            # a placement that can fit itself to the budget (group offload keeps groups up to what the
+            # activations leave of it) does
+            given=dict(options) | ({"vram_budget": max(vram - activation, 1)} if vram is not None else {}),
         )
         entries += price_all(candidates(target, base), sequence)
+    for entry in entries:
+        entry.activation_bytes = activation
     judge(entries, vram, ram)
     return entries
 
@@ -456,8 +480,8 @@ def judge(entries: list[PlanEntry], vram: int | None, ram: int | None) -> None:
     device, then storages that write nothing, then least host memory)."""
     for e in entries:
         reasons = []
-        if vram is not None and e.peak_device_bytes > vram:
-            reasons.append(f"needs {format_bytes(e.peak_device_bytes)} on the device")
+        if vram is not None and e.device_bytes > vram:
+            reasons.append(f"needs {format_bytes(e.device_bytes)} on the device")
         if ram is not None and e.host_bytes > ram:
             reasons.append(f"needs {format_bytes(e.host_bytes)} of RAM")
         e.fits, e.reason = not reasons, "; ".join(reasons) or None

@@ -1,0 +1,192 @@
+"""What a call computes, without computing it: each component's forwards run on fake tensors.
+
+The planner needs, for the shapes of a real call, what weights alone do not say: the activation memory each
+component needs on the device (its peak of live tensors during a forward, inputs included) and the work each
+module does (FLOPs). :func:`trace_call` runs the pipeline call itself — tokenizers, schedulers, the pipeline's
+own tensor code, on real tensors — with every component's forward (and entry methods such as a VAE's
+``decode``) replaced by the same forward run under PyTorch's ``FakeTensorMode``: every tensor it makes has
+shape, dtype and strides but no memory, counted by :class:`LiveBytes` (a dispatch mode that follows each
+storage until its last tensor dies) and by PyTorch's ``FlopCounterMode``. The component hands back zeros of
+the fake output's shape, so the pipeline goes on as it would. Nothing of the model's weights is copied or
+changed; a call at 81 frames of 720p costs what the pipeline's own small tensors cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+from memmode_core.contracts.errors import InvalidOptionError
+from memmode_core.contracts.targets import Target
+from memmode_core.engine.forwards import entry_methods
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensors the dispatched operations made that are still alive, and their peak.
+
+    A storage counts once however many views of it live, from its first tensor to the death of its last.
+    ``start`` counts tensors that exist already (the inputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[int, list[int]] = {}
+
+    def add(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        entry = self._refs.get(key)
+        if entry is None:
+            self._refs[key] = [1, storage.nbytes()]
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        else:
+            entry[0] += 1
+        weakref.finalize(tensor, self._release, key)
+
+    def _release(self, key: int) -> None:
+        entry = self._refs.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self._refs[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for value in tree_flatten(out)[0]:
+            if isinstance(value, torch.Tensor):
+                self.add(value)
+        return out
+
+
+@dataclass
+class ComponentTrace:
+    """One component over a traced call: how often it ran, the peak of its activations (the largest of its
+    calls), and the FLOPs of each of its modules (by path within the component, summed over its calls)."""
+
+    calls: int = 0
+    activation_peak: int = 0
+    flops: dict[str, int] = field(default_factory=dict)
+
+    def flops_per_call(self) -> dict[str, float]:
+        return {path: count / max(self.calls, 1) for path, count in self.flops.items()}
+
+
+def _to_zeros(value: Any) -> Any:
+    if isinstance(value, FakeTensor):
+        return torch.zeros(value.shape, dtype=value.dtype)
+    return value
+
+
+def _traced(component: nn.Module, name: str, original: Callable, trace: ComponentTrace, inside: list) -> Callable:
+    """``original`` (a bound method of ``component``) run on fake tensors. ``forward`` is entered through the
+    module's ``__call__`` (its hooks, and FlopCounterMode's naming of submodules by path, need it); the
+    re-entry from ``__call__`` reaches ``original`` itself, as does any call of the component's methods from
+    within one (``inside``, shared by them: a VAE's ``decode`` calling its ``forward`` is one call)."""
+    # FlopCounterMode names the modules below the one it was entered through by their path from it; entered
+    # through another method, the top ones are named by their class: map those back to their attribute
+    by_class = {type(child).__name__: attr for attr, child in component.named_children()}
+    root = type(component).__name__
+
+    def path_of(key: str) -> str | None:
+        head, _, rest = key.partition(".")
+        if name == "forward":
+            return rest if head == root else None
+        attr = by_class.get(head)
+        return None if attr is None else ".".join(part for part in (attr, rest) if part)
+
+    def run_fake(*args, **kwargs):
+        if inside:
+            return original(*args, **kwargs)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = tree_map(lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, (args, kwargs))
+            live = LiveBytes()
+            for value in tree_flatten(fake)[0]:
+                if isinstance(value, torch.Tensor):
+                    live.add(value)
+            inside.append(True)
+            try:
+                with torch.no_grad(), FlopCounterMode(display=False) as counter, live:
+                    out = component(*fake[0], **fake[1]) if name == "forward" else original(*fake[0], **fake[1])
+            finally:
+                inside.pop()
+        trace.calls += 1
+        trace.activation_peak = max(trace.activation_peak, live.peak)
+        for key, ops in counter.get_flop_counts().items():
+            path = path_of(key)
+            if path is not None:
+                trace.flops[path] = trace.flops.get(path, 0) + sum(ops.values())
+        return tree_map(_to_zeros, out)
+
+    return run_fake
+
+
+@contextlib.contextmanager
+def tracing(target: Target) -> Iterator[dict[str, ComponentTrace]]:
+    """Within the block, every component of ``target`` computes on fake tensors (see the module docstring)."""
+    traces = {name: ComponentTrace() for name in target.components}
+    patched: list[tuple[nn.Module, str]] = []
+    try:
+        for name, component in target.components.items():
+            inside: list = []
+            for method in ("forward", *entry_methods(component)):
+                original = getattr(component, method)
+                setattr(component, method, _traced(component, method, original, traces[name], inside))
+                patched.append((component, method))
+        yield traces
+    finally:
+        for component, method in patched:
+            vars(component).pop(method, None)
+
+
+def trace_call(target: Any, run: Callable[[], Any]) -> dict[str, ComponentTrace]:
+    """Each component's activation peak and FLOPs over ``run()`` (a call of the pipeline or model)."""
+    with tracing(Target.of(target)) as traces:
+        run()
+    return traces
+
+
+#: the call arguments :func:`call_activations` sets when the pipeline takes them
+_SHAPE_ARGUMENTS = ("height", "width", "num_frames")
+
+
+def call_activations(pipe: Any, *, batch: int = 1, steps: int = 2, **shapes: int | None) -> dict[str, int]:
+    """Each component's activation peak in a call of ``pipe`` at ``shapes`` (``height``, ``width``,
+    ``num_frames``) for ``batch`` prompts, traced with ``steps`` denoising steps (two: Wan 2.2's experts each
+    take one) and the pipeline's other defaults."""
+    target = Target.of(pipe)
+    if not target.is_pipeline:
+        raise InvalidOptionError(
+            "height=, width=, num_frames= and batch= describe a pipeline call; the target is a model"
+        )
+    accepted = inspect.signature(pipe.__call__).parameters
+    given = {name: value for name, value in shapes.items() if value is not None}
+    unknown = [name for name in given if name not in accepted]
+    if unknown:
+        raise InvalidOptionError(f"{type(pipe).__name__} takes no {', '.join(unknown)}")
+    kwargs: dict[str, Any] = dict(given)
+    if "prompt" in accepted:
+        kwargs["prompt"] = ["a photo"] * batch
+    if "num_inference_steps" in accepted:
+        kwargs["num_inference_steps"] = steps
+    if "generator" in accepted:
+        kwargs["generator"] = torch.Generator().manual_seed(0)
+    progress = getattr(pipe, "set_progress_bar_config", None)
+    if progress is not None:
+        progress(disable=True)
+    traces = trace_call(pipe, lambda: pipe(**kwargs))
+    return {name: trace.activation_peak for name, trace in traces.items() if trace.calls}
