@@ -16,7 +16,7 @@ import memmode_core as memmode
 from helpers import ACCELERATOR, assert_bit_equal, nbytes, on_accelerator, snapshot
 from memmode_core.contracts.layout import Policy
 from memmode_core.planning.residency import BudgetTooSmallError, spread
-from tiny_components import seeded
+from tiny_components import deep_wan_inputs, deep_wan_transformer
 from tiny_loras import load_lora
 from tiny_pipelines import full_load_outputs, make_pipeline, run, two_calls
 
@@ -24,40 +24,9 @@ SHARES = (0.3, 0.6, 0.9)
 FAMILY = "wan22"
 
 
-def deep_wan_transformer(layers: int = 12) -> torch.nn.Module:
-    """A Wan transformer shaped like the released ones where it matters here: many alike blocks, and the rest
-    (embeddings, output projection) a small part of the weights — unlike the two-block transformers of the
-    tiny pipelines, whose rest is most of them."""
-    from diffusers import WanTransformer3DModel
-
-    config = dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=4,
-        text_dim=32,
-        freq_dim=32,
-        ffn_dim=96,
-        num_layers=layers,
-        rope_max_seq_len=32,
-    )
-    return seeded(lambda: WanTransformer3DModel(**config).eval())
-
-
-def wan_inputs(seed: int) -> dict:
-    generator = torch.Generator().manual_seed(seed)
-    return dict(
-        hidden_states=torch.randn(1, 4, 2, 8, 8, generator=generator),
-        timestep=torch.tensor([500]),
-        encoder_hidden_states=torch.randn(1, 8, 32, generator=generator),
-        return_dict=False,
-    )
-
-
 def forward(model, seed: int) -> torch.Tensor:
     with torch.no_grad():
-        return model(**wan_inputs(seed))[0]
+        return model(**deep_wan_inputs(seed))[0]
 
 
 def group_offload(entries: list[memmode.PlanEntry], offload_type: str = "block_level") -> memmode.PlanEntry:

@@ -759,3 +759,35 @@ def random_image(seed: int, name: str, height: int, width: int | None = None) ->
     """A fixed random RGB image in [0, 1], ``(1, 3, height, width)`` (square by default), for the call input
     ``name``: see ``call_generator``."""
     return torch.rand(1, 3, height, width or height, generator=call_generator(seed, name))
+
+
+def deep_wan_transformer(layers: int = 12) -> torch.nn.Module:
+    """A Wan transformer shaped like the released ones where fitting a budget matters: many alike blocks, the
+    rest (embeddings, output projection) a small part of the weights — unlike the two-block transformers of the
+    tiny pipelines, whose rest is most of them."""
+    from diffusers import WanTransformer3DModel
+
+    config = dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=96,
+        num_layers=layers,
+        rope_max_seq_len=32,
+    )
+    return seeded(lambda: WanTransformer3DModel(**config).eval())
+
+
+def deep_wan_inputs(seed: int = 0) -> dict:
+    """A call of :func:`deep_wan_transformer`: two latent frames of 8 x 8, eight text tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    return dict(
+        hidden_states=torch.randn(1, 4, 2, 8, 8, generator=generator),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, 8, 32, generator=generator),
+        return_dict=False,
+    )

@@ -59,7 +59,8 @@ from memmode_core.planning.prepared import (
     quantize_targets,
 )
 from memmode_core.planning.residency import BudgetTooSmallError, encloses, idle_groups
-from memmode_core.planning.trace import call_activations
+from memmode_core.planning.timing import compute_rate, exposed_seconds, group_flops
+from memmode_core.planning.trace import ComponentTrace, trace_pipeline_call
 
 #: Share of a prefetching placement's copy time hidden behind compute.
 PREFETCH_OVERLAP = 0.9
@@ -260,9 +261,10 @@ def _seconds(cost: StorageCost | None, moved: int, onloads: int, prefetch: bool)
     return seconds * (1 - PREFETCH_OVERLAP) if prefetch else seconds
 
 
-def price(prepared: Prepared, sequence: list[str]) -> PlanEntry:
-    """The predicted cost of executing ``prepared`` for the component calls ``sequence``."""
-    return _price(prepared, *_replayed(prepared, sequence))
+def price(prepared: Prepared, sequence: list[str], traces: Mapping[str, ComponentTrace] | None = None) -> PlanEntry:
+    """The predicted cost of executing ``prepared`` for the component calls ``sequence`` (with ``traces``, the
+    components' FLOPs at the call's shapes: copy time hidden behind compute, :mod:`.timing`)."""
+    return _price(prepared, *_replayed(prepared, sequence), sequence, traces)
 
 
 def _replayed(prepared: Prepared, sequence: list[str]) -> tuple[list[_Sized], _Replay]:
@@ -271,10 +273,32 @@ def _replayed(prepared: Prepared, sequence: list[str]) -> tuple[list[_Sized], _R
     return sized, replay(sized, sequence, prepared.prefetch, prepared.target.components, lookahead)
 
 
-def _price(prepared: Prepared, sized: list[_Sized], state: _Replay) -> PlanEntry:
+def _price(
+    prepared: Prepared,
+    sized: list[_Sized],
+    state: _Replay,
+    sequence: list[str],
+    traces: Mapping[str, ComponentTrace] | None,
+) -> PlanEntry:
     """The entry for ``prepared`` from its sized groups and the replay of its layout."""
     storage = prepared.storage
     cost = storage_cost(storage, prepared.device) if storage is not None else None
+    if traces:
+        rate = compute_rate(prepared.device)
+        flops = group_flops(prepared.groups, prepared.target.components, traces)
+        seconds = exposed_seconds(
+            prepared.groups,
+            prepared.group_bytes,
+            {id(s.group) for s in sized if s.idle},
+            sequence,
+            prepared.target.components,
+            prefetch=prepared.prefetch,
+            lookahead=prepared.residency.lookahead if prepared.residency is not None else {},
+            compute={key: count / rate for key, count in flops.items()},
+            cost=cost,
+        )
+    else:
+        seconds = _seconds(cost, state.moved, state.onloads, prepared.prefetch)
     offloaded = sum(s.nbytes for s in sized if s.group.policy is not Policy.RESIDENT)
     held = {"pageable": 0, "pinned": 0, "disk": 0}
     if cost is not None:
@@ -298,7 +322,7 @@ def _price(prepared: Prepared, sized: list[_Sized], state: _Replay) -> PlanEntry
         pageable_bytes=held["pageable"],
         pinned_bytes=held["pinned"],
         disk_bytes=held["disk"],
-        seconds_per_call=_seconds(cost, state.moved, state.onloads, prepared.prefetch),
+        seconds_per_call=seconds,
         prepared=prepared,
     )
 
@@ -418,10 +442,10 @@ def plan(
     ram = _budget("ram_budget", ram_budget)
     plugins = current()
     sequence = call_sequence(tgt, calls if calls is not None else default_calls(tgt, steps))
-    activation = 0
+    activation, traces = 0, None
     if any(v is not None for v in (height, width, num_frames, batch)):
-        peaks = call_activations(target, batch=batch or 1, height=height, width=width, num_frames=num_frames)
-        activation = max((peaks.get(name, 0) for name in set(sequence)), default=0)
+        traces = trace_pipeline_call(target, batch=batch or 1, height=height, width=width, num_frames=num_frames)
+        activation = max((traces[name].activation_peak for name in set(sequence) if name in traces), default=0)
     entries: list[PlanEntry] = []
     for qreg in _quantizers(plugins, quantizer):
         base = Request(
@@ -439,20 +463,22 @@ def plan(
             # activations leave of it) does
             given=dict(options) | ({"vram_budget": max(vram - activation, 1)} if vram is not None else {}),
         )
-        entries += price_all(candidates(target, base), sequence)
+        entries += price_all(candidates(target, base), sequence, traces)
     for entry in entries:
         entry.activation_bytes = activation
     judge(entries, vram, ram)
     return entries
 
 
-def price_all(prepared: list[Prepared], sequence: list[str]) -> list[PlanEntry]:
+def price_all(
+    prepared: list[Prepared], sequence: list[str], traces: Mapping[str, ComponentTrace] | None = None
+) -> list[PlanEntry]:
     """Price each candidate; candidates sharing one layout (one per storage) are sized and replayed once."""
     replays: dict[int, tuple[list[_Sized], _Replay]] = {}
     for one in prepared:
         if id(one.groups) not in replays:
             replays[id(one.groups)] = _replayed(one, sequence)
-    return [_price(one, *replays[id(one.groups)]) for one in prepared]
+    return [_price(one, *replays[id(one.groups)], sequence, traces) for one in prepared]
 
 
 def _budget(name: str, value: Any) -> int | None:

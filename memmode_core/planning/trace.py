@@ -165,9 +165,17 @@ _SHAPE_ARGUMENTS = ("height", "width", "num_frames")
 
 
 def call_activations(pipe: Any, *, batch: int = 1, steps: int = 2, **shapes: int | None) -> dict[str, int]:
-    """Each component's activation peak in a call of ``pipe`` at ``shapes`` (``height``, ``width``,
-    ``num_frames``) for ``batch`` prompts, traced with ``steps`` denoising steps (two: Wan 2.2's experts each
-    take one) and the pipeline's other defaults."""
+    """Each component's activation peak in a call of ``pipe`` at ``shapes`` (see :func:`trace_pipeline_call`)."""
+    traces = trace_pipeline_call(pipe, batch=batch, steps=steps, **shapes)
+    return {name: trace.activation_peak for name, trace in traces.items() if trace.calls}
+
+
+def trace_pipeline_call(
+    pipe: Any, *, batch: int = 1, steps: int = 2, **shapes: int | None
+) -> dict[str, ComponentTrace]:
+    """Each component's trace over a call of ``pipe`` at ``shapes`` (``height``, ``width``, ``num_frames``) for
+    ``batch`` prompts, with ``steps`` denoising steps (two: Wan 2.2's experts each take one) and the pipeline's
+    other defaults."""
     target = Target.of(pipe)
     if not target.is_pipeline:
         raise InvalidOptionError(
@@ -188,5 +196,4 @@ def call_activations(pipe: Any, *, batch: int = 1, steps: int = 2, **shapes: int
     progress = getattr(pipe, "set_progress_bar_config", None)
     if progress is not None:
         progress(disable=True)
-    traces = trace_call(pipe, lambda: pipe(**kwargs))
-    return {name: trace.activation_peak for name, trace in traces.items() if trace.calls}
+    return trace_call(pipe, lambda: pipe(**kwargs))

@@ -1,0 +1,100 @@
+"""The cost model with compute in it (``memmode_core.planning.timing``): a copy is hidden exactly as far as the
+compute it overlaps covers it — no fixed share.
+
+The layouts are those ``prepare`` gives a 12-block Wan transformer; the copy and compute seconds per group are
+set here so that each expectation follows from the engine's issue order by hand.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import memmode_core as memmode
+from memmode_core.contracts.costs import StorageCost
+from memmode_core.contracts.layout import Policy
+from memmode_core.planning.residency import spread
+from memmode_core.planning.timing import exposed_seconds, group_flops
+from memmode_core.planning.trace import trace_call
+from tiny_components import deep_wan_inputs, deep_wan_transformer
+
+BANDWIDTH = 1e6  # bytes/s: a block's copy takes its bytes in microseconds
+
+
+def layout(model, **options):
+    prepared = memmode.prepare(model, "model_group_offload", device="cpu", storage="ram", **options)
+    blocks = [g for g in prepared.groups if "/blocks." in g.key]
+    rest = [g for g in prepared.groups if "/blocks." not in g.key]
+    return prepared, blocks, rest
+
+
+def waited(prepared, compute, *, prefetch=True, lookahead=None) -> float:
+    return exposed_seconds(
+        prepared.groups,
+        prepared.group_bytes,
+        set(),
+        ["module"],
+        prepared.target.components,
+        prefetch=prefetch,
+        lookahead=lookahead or {},
+        compute=compute,
+        cost=StorageCost("pinned", fetch_bytes_per_second=BANDWIDTH),
+    )
+
+
+def copy_seconds(prepared, group) -> float:
+    return prepared.group_bytes[group.key] / BANDWIDTH
+
+
+def test_compute_longer_than_each_copy_hides_every_prefetched_copy():
+    prepared, blocks, rest = layout(deep_wan_transformer())
+    block_copy = copy_seconds(prepared, blocks[0])
+    compute = {g.key: 2 * block_copy for g in blocks}
+    unhidden = sum(copy_seconds(prepared, g) for g in rest) + block_copy  # the rest group, and the first prefetch
+    assert waited(prepared, compute) == pytest.approx(unhidden)
+    assert waited(prepared, {}) == pytest.approx(sum(copy_seconds(prepared, g) for g in prepared.groups))
+    assert waited(prepared, compute, prefetch=False) == pytest.approx(waited(prepared, {}))
+
+
+def test_compute_shorter_than_each_copy_leaves_the_difference():
+    prepared, blocks, rest = layout(deep_wan_transformer())
+    block_copy = copy_seconds(prepared, blocks[0])
+    compute = {g.key: block_copy / 4 for g in blocks}
+    expected = sum(copy_seconds(prepared, g) for g in rest) + block_copy + (len(blocks) - 1) * block_copy * 3 / 4
+    assert waited(prepared, compute) == pytest.approx(expected)
+
+
+def test_spreading_the_streamed_blocks_hides_more_than_keeping_the_first_ones():
+    """Half the blocks kept, a block's copy twice its compute: spread, each copy overlaps a kept block's compute
+    and the streamed one before it; kept first, the streamed blocks overlap only each other."""
+    model = deep_wan_transformer()
+    budget = int(0.6 * sum(p.numel() * p.element_size() for p in model.parameters()))
+    prepared, blocks, _ = layout(model, vram_budget=budget)
+    streamed = [i for i, g in enumerate(blocks) if g.policy is Policy.STREAM]
+    assert streamed == spread(len(blocks), len(streamed))
+    compute = {g.key: copy_seconds(prepared, blocks[0]) / 2 for g in blocks}
+    spread_wait = waited(prepared, compute)
+    for i, g in enumerate(blocks):  # the same number kept, the first ones
+        keep = i < len(blocks) - len(streamed)
+        g.policy = Policy.EXCLUSIVE if keep else Policy.STREAM
+    first_wait = waited(prepared, compute)
+    assert spread_wait < first_wait
+
+
+def test_the_flops_of_a_call_are_spread_over_the_groups_that_compute_them():
+    model = deep_wan_transformer(layers=4)
+    prepared, blocks, rest = layout(model)
+    traces = trace_call(model, lambda: model(**deep_wan_inputs()))
+    flops = group_flops(prepared.groups, prepared.target.components, traces)
+    assert sum(flops.values()) == traces["module"].flops[""], "every FLOP lands in one group"
+    assert len({flops[g.key] for g in blocks}) == 1 and flops[blocks[0].key] > flops[rest[0].key] > 0
+
+
+def test_plan_with_shapes_prices_with_compute():
+    from tiny_pipelines import make_pipeline
+
+    pipe = make_pipeline("wan22")
+    shaped = memmode.plan(pipe, device="cpu", height=32, width=32, num_frames=5)
+    entries = {(e.label(), e.storage): e for e in shaped}
+    block = entries[("model_group_offload[offload_type=block_level]", "disk")]
+    leaf = entries[("model_group_offload[offload_type=leaf_level]", "disk")]
+    assert 0 < block.seconds_per_call < leaf.seconds_per_call, "more onloads, more latency and less to overlap"
