@@ -14,7 +14,9 @@ bandwidth (bytes moved per step / step time) is given against it.
     python benchmarks/gpu_modes.py --json out.json  # also write the table as JSON
 
 Targets (issue 3): group offload with prefetch within 1.05x of the full-load step time, with copies
-reaching 90% of the measured pinned bandwidth.
+reaching 90% of the measured pinned bandwidth. The ``budget30/60/90`` variants keep groups resident up to
+that share of the weights (``vram_budget``) and print the planner's prediction of their step time and peak
+(weights + activations) next to the measured ones.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ VARIANTS = {
     "model_group_offload/2": ("memmode", "block level, 2 blocks per group, prefetched"),
     "model_group_offload/leaf": ("memmode", "leaf level, prefetched"),
     "sequential_cpu_offload": ("memmode", "leaf level, synchronous"),
+    "model_group_offload/budget30": ("memmode", "block level, vram_budget = 30% of the weights"),
+    "model_group_offload/budget60": ("memmode", "block level, vram_budget = 60% of the weights"),
+    "model_group_offload/budget90": ("memmode", "block level, vram_budget = 90% of the weights"),
     "diffusers block_level": ("diffusers", "apply_group_offloading, block level, use_stream"),
     "diffusers leaf_level": ("diffusers", "apply_group_offloading, leaf level, use_stream"),
     "accelerate sequential": ("accelerate", "cpu_offload (enable_sequential_cpu_offload)"),
@@ -50,7 +55,7 @@ VARIANTS = {
 
 def size_args(args) -> dict:
     if args.tiny:
-        return dict(heads=2, head_dim=16, layers=4)
+        return dict(heads=2, head_dim=16, layers=40)  # enough blocks for the budget variants to stream some
     return dict(heads=args.heads, head_dim=args.head_dim, layers=args.layers)
 
 
@@ -98,6 +103,21 @@ def dry_run_accelerator(args):
         model.check()
 
 
+def predict(prepared, traces, device) -> dict:
+    """The planner's step time (compute at the measured rate + the time it waits for copies) and peak device
+    memory (weights at peak + the activation peak), both from the traced call."""
+    from memmode_core.planning.planner import price
+    from memmode_core.planning.timing import compute_rate, group_flops
+
+    entry = price(prepared, ["module"], traces)
+    flops = sum(group_flops(prepared.groups, prepared.target.components, traces).values())
+    return {
+        "predicted_step_s": flops / compute_rate(device) + entry.seconds_per_call,
+        "predicted_peak_gib": (entry.peak_device_bytes + traces["module"].activation_peak) / 2**30,
+        "budget_gib": prepared.residency.budget / 2**30,
+    }
+
+
 def run_variant(name: str, args) -> dict:
     """Runs in the child process: build, place, time, report."""
     device = torch.device("cpu" if args.tiny else "cuda")
@@ -109,6 +129,7 @@ def run_variant(name: str, args) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     moved_per_step = None
     handle = None
+    predicted = {}
     if name.startswith(("model_", "sequential_")):
         import memmode_core as memmode
 
@@ -118,7 +139,15 @@ def run_variant(name: str, args) -> dict:
             options["num_blocks_per_group"] = 2
         if flavour == "leaf":
             options["offload_type"] = "leaf_level"
+        traces = None
+        if flavour.startswith("budget"):
+            from memmode_core.planning.trace import trace_call
+
+            options["vram_budget"] = int(weight_bytes * int(flavour[len("budget") :]) / 100)
+            traces = trace_call(model, lambda: model(**inputs))  # on fake tensors, before memmode hooks the model
         handle = memmode.apply(model, mode, device=device, **options)
+        if traces is not None:
+            predicted = predict(handle.prepared, traces, device)
     elif name.startswith("diffusers"):
         from diffusers.hooks import apply_group_offloading
 
@@ -165,6 +194,7 @@ def run_variant(name: str, args) -> dict:
         "achieved_gbps": (moved_per_step or 0) / step_time / 1e9 if moved_per_step else None,
         "weights_gib": weight_bytes / 2**30,
         "output": out_path,
+        **predicted,
     }
 
 
@@ -217,7 +247,7 @@ def main() -> None:
     )
     header = (
         f"{'variant':<26}{'step s':>9}{'x full':>8}{'peak GiB':>10}{'moved GiB':>11}{'GB/s':>8}{'of pinned':>10}"
-        f"{'max|diff|':>11}"
+        f"{'max|diff|':>11}{'pred s':>9}{'pred peak':>11}"
     )
     print(header)
     for r in results:
@@ -233,7 +263,8 @@ def main() -> None:
             f"{r['variant']:<26}{fmt(r['step_s'], '9.3f')}{fmt(r.get('vs_full_load'), '8.2f')}"
             f"{fmt(r['peak_gib'], '10.2f')}{fmt(r['moved_gib_per_step'], '11.2f')}"
             f"{fmt(r.get('achieved_gbps'), '8.1f')}{fmt(r.get('of_pinned_bw'), '10.0%')}"
-            f"{fmt(r.get('max_abs_diff'), '11.2e')}"
+            f"{fmt(r.get('max_abs_diff'), '11.2e')}{fmt(r.get('predicted_step_s'), '9.3f')}"
+            f"{fmt(r.get('predicted_peak_gib'), '11.2f')}"
         )
     if args.json:
         with open(args.json, "w") as f:
