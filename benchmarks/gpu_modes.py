@@ -7,7 +7,7 @@ host-to-device bandwidth is measured in the same run, and each offloading varian
 bandwidth (bytes moved per step / step time) is given against it.
 
     python benchmarks/gpu_modes.py                  # on a CUDA machine, under 5 minutes on one H200
-    python benchmarks/gpu_modes.py --tiny           # a CPU dry run of the whole script, seconds: memmode's
+    python benchmarks/gpu_modes.py --tiny           # a CPU dry run of the whole script, 1-2 minutes: memmode's
                                                     # variants run the accelerator path (prefetch streams,
                                                     # pinned staging) under the strict model of
                                                     # asynchronous copies, checked after each run
@@ -55,7 +55,7 @@ VARIANTS = {
 
 def size_args(args) -> dict:
     if args.tiny:
-        return dict(heads=2, head_dim=16, layers=40)  # enough blocks for the budget variants to stream some
+        return dict(heads=2, head_dim=16, layers=20)  # enough blocks for the budget variants to stream some
     return dict(heads=args.heads, head_dim=args.head_dim, layers=args.layers)
 
 
