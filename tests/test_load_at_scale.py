@@ -8,6 +8,7 @@ what a conversion writes, a process whose freed memory should go back.
   file, and leaves nothing behind.
 - A single-file checkpoint larger than RAM (sparse) opens and reads where one private mapping of it fails.
 - The load's report says how many groups were kept in the checkpoint's pages and how many written.
+- In-memory quantization gives the freed C heap back (the measure: what a later ``malloc_trim`` returns).
 """
 
 from __future__ import annotations
@@ -265,3 +266,39 @@ def test_the_report_says_what_was_kept_in_place_and_what_was_written(in_place, b
     said = f"{loading['kept_in_place_groups']} groups ("
     assert said in caplog.text and "kept in the checkpoint's pages" in caplog.text
     assert f"{loading['written_groups']} groups (" in caplog.text
+
+
+# -- freed heap after in-memory quantization ---------------------------------------------------------------
+
+
+_TRIM_SCRIPT = textwrap.dedent("""
+    import gc, sys, torch
+    import memmode_core as memmode
+    from memmode_core.files import streamed
+    def anon():
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    trim = streamed._TRIM
+    if sys.argv[1] == "off":
+        streamed._TRIM = None  # what quantizing did before it gave the heap back
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(32)]).eval()
+    memmode.apply(model, "model_full_load_and_qfloat8", device="cpu")
+    gc.collect()
+    before = anon(); trim(0)
+    print(before - anon())
+""")
+
+
+@pytest.mark.skipif(streamed._TRIM is None, reason="no glibc malloc_trim here")
+def test_quantizing_in_memory_gives_the_freed_heap_back():
+    """A 512 MiB float32 model quantized to qfloat8 in memory, in a child: afterwards a malloc_trim finds nothing
+    left to return. Without the trim quantizing now does, it returned 28-240 MiB (measured, 32 layers)."""
+    retained = {}
+    for trim in ("on", "off"):
+        out = subprocess.run([sys.executable, "-c", _TRIM_SCRIPT, trim], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        retained[trim] = int(out.stdout.split()[-1])
+    assert retained["on"] <= 4 << 20, retained
+    assert retained["off"] > retained["on"] + (8 << 20), f"the measure tells the two apart: {retained}"
