@@ -98,6 +98,24 @@ def test_a_conversion_says_what_it_writes(bf16_folder, tmp_path, caplog):
         memmode.load(bf16_folder, "model_group_offload", torch_dtype="bf16")
 
 
+def test_auto_takes_the_dtype_of_the_weights_not_of_the_float32_modules(tmp_path):
+    """A small bfloat16 model whose ``_keep_in_fp32_modules`` hold most of its bytes is still a bfloat16
+    checkpoint: those modules are float32 in any checkpoint, so "auto" does not count them."""
+    from safetensors.torch import save_file
+
+    save_file(
+        {
+            "blocks.0.attn.weight": torch.zeros(8, 8, dtype=torch.bfloat16),
+            "blocks.0.norm1.weight": torch.zeros(64, 64),
+            "packed.weight_packed": torch.zeros(256, 256, dtype=torch.float8_e4m3fn),
+        },
+        tmp_path / "model.safetensors",
+    )
+    checkpoint = Checkpoint.open(tmp_path)
+    assert checkpoint.floating_dtype() == torch.float32
+    assert checkpoint.floating_dtype(("norm1",)) == torch.bfloat16
+
+
 # -- staging files: room and write failures ---------------------------------------------------------------
 
 

@@ -227,13 +227,16 @@ class Checkpoint:
     def nbytes(self) -> int:
         return sum(r.nbytes for r in self.records())
 
-    @property
-    def floating_dtype(self) -> torch.dtype | None:
+    def floating_dtype(self, skip_modules: tuple[str, ...] = ()) -> torch.dtype | None:
         """The dtype most of the checkpoint's floating bytes are in (what ``torch_dtype="auto"`` loads it
         in), or None when it holds no tensor in a dtype a model is built in. Packed tensors (float8, bytes)
-        do not count: a quantized checkpoint's norms and biases are in the dtype it was saved from."""
+        do not count: a quantized checkpoint's norms and biases are in the dtype it was saved from. Nor do
+        tensors of the modules named in ``skip_modules`` (a model's ``_keep_in_fp32_modules``: float32 in
+        any checkpoint, they say nothing of the dtype it was saved in)."""
         totals: dict[torch.dtype, int] = {}
         for record in self.records():
+            if skip_modules and any(name in record.key.split(".") for name in skip_modules):
+                continue
             if record.dtype in BUILD_DTYPES:
                 totals[record.dtype] = totals.get(record.dtype, 0) + record.nbytes
         return max(totals, key=lambda d: (totals[d], BUILD_DTYPES.index(d)), default=None)

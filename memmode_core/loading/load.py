@@ -316,7 +316,7 @@ def _resolve_dtype(torch_dtype, cls: type, checkpoint: Checkpoint, name: str):
         return torch_dtype
     if is_transformers_class(cls):
         return "auto"
-    dtype = checkpoint.floating_dtype
+    dtype = checkpoint.floating_dtype(tuple(getattr(cls, "_keep_in_fp32_modules", None) or ()))
     if dtype is not None:
         logger.info("memmode: %s is loaded in %s, the dtype of its checkpoint (torch_dtype='auto')", name, dtype)
     return dtype
