@@ -6,7 +6,8 @@ what a conversion writes, a process whose freed memory should go back.
 - Staging files: too little free space is refused before a byte is written, typed, naming the folder and
   the sizes; a write that fails anyway (a real file-size limit, an injected ENOSPC) is typed, names the
   file, and leaves nothing behind.
-- A single-file checkpoint larger than RAM (sparse) opens and reads where one private mapping of it fails.
+- A single-file checkpoint larger than RAM (sparse) opens, reads and loads where one private mapping of it
+  fails.
 - The load's report says how many groups were kept in the checkpoint's pages and how many written.
 - In-memory quantization gives the freed C heap back (the measure: what a later ``malloc_trim`` returns).
 """
@@ -258,6 +259,61 @@ def test_a_sparse_checkpoint_larger_than_ram_opens_and_reads(tmp_path):
         assert torch.equal(tail.view(torch.int16), torch.zeros_like(tail, dtype=torch.int16))
         del views, windows, last, tail
         checkpoint.release()
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_a_wan_14b_shaped_single_file_checkpoint_larger_than_ram_loads(tmp_path):
+    """A single-file checkpoint of a Wan 2.1 14B-shaped transformer in bfloat16, with as many blocks as it
+    takes to outgrow the machine's RAM (40, 26.6 GiB, on a 24 GB machine; sparse). ``load`` once failed on it
+    with a raw ``OSError`` (ENOMEM: one private mapping larger than RAM); now it loads, keeping every group
+    in the checkpoint's pages, with a few hundred MiB of anonymous memory and nothing but the
+    ``_keep_in_fp32_modules`` converted. No weight is read (no forward: the data are holes)."""
+    from diffusers import WanTransformer3DModel
+
+    config = {
+        "patch_size": (1, 2, 2),
+        "num_attention_heads": 40,
+        "attention_head_dim": 128,
+        "in_channels": 16,
+        "out_channels": 16,
+        "text_dim": 4096,
+        "freq_dim": 256,
+        "ffn_dim": 13824,
+        "num_layers": 1,
+        "cross_attn_norm": True,
+        "qk_norm": "rms_norm_across_heads",
+        "eps": 1e-6,
+        "rope_max_seq_len": 1024,
+    }
+    with torch.device("meta"):
+        one = sum(t.numel() * 2 for t in WanTransformer3DModel.from_config(config).state_dict().values())
+        config["num_layers"] = max(40, -(-_ram_bytes() * 9 // 8 // one))
+        model = WanTransformer3DModel.from_config(config)
+    folder = tmp_path / "transformer"
+    model.save_config(folder)
+    header, offset = {}, 0
+    for key, tensor in model.state_dict().items():
+        size = tensor.numel() * 2
+        header[key] = {"dtype": "BF16", "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    del model
+    text = json.dumps(header).encode()
+    text += b" " * (-(8 + len(text)) % 64)
+    path = folder / "diffusion_pytorch_model.safetensors"
+    try:
+        with open(path, "wb") as file:
+            file.write(struct.pack("<Q", len(text)) + text)
+            file.truncate(8 + len(text) + offset)
+        assert path.stat().st_size > _ram_bytes()
+        handle = memmode.load(
+            folder, "model_group_offload", device="cpu", storage="mmap", in_place=True, offload_dir=tmp_path / "o"
+        )
+        loading = handle.report().loading
+        assert loading["written_groups"] == 0 and loading["kept_in_place_bytes"] > _ram_bytes() * 0.9, loading
+        assert loading["converted_bytes"] < 256 << 20, "only the float32 modules are converted"
+        assert handle.target.dtype == torch.bfloat16
+        del handle  # not remove(): that would restore the weights into RAM, all 26.6 GiB of them
     finally:
         path.unlink(missing_ok=True)
 
