@@ -318,7 +318,11 @@ def _resolve_dtype(torch_dtype, cls: type, checkpoint: Checkpoint, name: str):
         return "auto"
     dtype = checkpoint.floating_dtype(tuple(getattr(cls, "_keep_in_fp32_modules", None) or ()))
     if dtype is not None:
-        logger.info("memmode: %s is loaded in %s, the dtype of its checkpoint (torch_dtype='auto')", name, dtype)
+        logger.info(
+            "memmode: %s is loaded in %s, its checkpoint's dtype (torch_dtype='auto')",
+            name,
+            str(dtype).removeprefix("torch."),
+        )
     return dtype
 
 
