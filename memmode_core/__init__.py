@@ -53,6 +53,7 @@ from memmode_core.contracts.errors import (
     PluginNotInstalledError,
     QuantizedWeightWriteError,
     RestoreError,
+    StagingError,
     StorageUnavailableError,
     UnknownModeError,
 )
@@ -123,6 +124,7 @@ __all__ = [
     "PluginNotInstalledError",
     "PluginLoadError",
     "IncompatibleModeError",
+    "StagingError",
     "StorageUnavailableError",
     "DuplicatePluginError",
     "InvalidOptionError",

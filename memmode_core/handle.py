@@ -41,6 +41,8 @@ class Handle:
         #: component name -> what core placed differently from the placement's layout, and why
         #: (``_supports_group_offloading = False``, ``_exclude_from_cpu_offload``; see ``lay_out``)
         self.notes = dict(prepared.layout.notes)
+        #: what ``load`` did on the way (see :attr:`Report.loading`); empty after ``apply``
+        self.loading: dict[str, Any] = {}
         self._runtime = runtime
         self._ledger = ledger
         self._removed = False
@@ -75,6 +77,7 @@ class Handle:
             component_calls={name: self._runtime.calls.count(name) for name in self._components},
             call_sequence=list(self._runtime.calls),
             placement_notes=dict(self.notes),
+            loading=dict(self.loading),
         )
 
     def reset_stats(self) -> None:

@@ -124,8 +124,9 @@ def test_the_report_is_the_one_apply_gives(storage, tmp_path):
     assert torch.equal(loaded_output(loaded, family), expected)
     want, got = applied.report().as_dict(), loaded.report().as_dict()
     for key in want:
-        if key not in ("transfer_seconds", "storage_bytes"):
+        if key not in ("transfer_seconds", "storage_bytes", "loading"):
             assert got[key] == want[key], key
+    assert want["loading"] == {} and got["loading"]["quantized_bytes"] > 0, "only load says what it staged"
     # the storage holds the same groups; those kept in place in the streamed qfloat8 file are counted as
     # borrowed instead of written
     stored, kept = want["storage_bytes"], got["storage_bytes"]

@@ -91,7 +91,7 @@ def _load_into(args: argparse.Namespace):
     dtype = _dtype(args.dtype)
 
     def load_into(mode, **kwargs):
-        handle = memmode.load(args.model, mode, torch_dtype=dtype, **kwargs)
+        handle = memmode.load(args.model, mode, torch_dtype=dtype or "auto", **kwargs)
         handle.target.set_progress_bar_config(disable=True)
         return handle
 
@@ -328,7 +328,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         from memmode_core.loading.load import skeleton
         from memmode_core.quantization import SIZES_ONLY
 
-        pipe = skeleton(args.model, torch_dtype=_dtype(args.dtype))
+        pipe = skeleton(args.model, torch_dtype=_dtype(args.dtype) or "auto")
         sizes_only = SIZES_ONLY.set(True)
     else:
         pipe, sizes_only = load(), None

@@ -73,3 +73,29 @@ class CheckpointError(MemmodeError):
     """A checkpoint that cannot be loaded as it is: truncated, not safetensors, missing or unexpected
     tensors, or saved in a packed format that no installed quantizer reads. The message names the file
     (and the tensor) at fault; nothing was loaded or changed."""
+
+
+class StagingError(StorageUnavailableError):
+    """The files that converted or quantized weights are streamed through while loading cannot be written.
+
+    Either the folder has too little free space, which is refused before anything is written, or a write
+    failed (disk full, file too large, I/O error), after which the partial file is already deleted. A
+    :class:`StorageUnavailableError`: like an offload folder without room, this is a place that cannot
+    hold the weights, and a script that catches one catches both. ``folder``, ``path`` (the file, where
+    one was being written), ``needed`` and ``free`` (bytes, where known) say where and how much.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        folder: str | None = None,
+        path: str | None = None,
+        needed: int | None = None,
+        free: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.folder = folder
+        self.path = path
+        self.needed = needed
+        self.free = free

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -40,6 +41,9 @@ class Report:
     #: component -> what was placed differently from the placement's layout, and why (a model declaring
     #: ``_supports_group_offloading = False`` moved whole, a pipeline's ``_exclude_from_cpu_offload`` kept)
     placement_notes: dict[str, str] = field(default_factory=dict)
+    #: what ``load`` did on the way (empty after ``apply``): bytes converted and quantized into staging files,
+    #: groups and bytes kept in the checkpoint's pages and written to the storage's files
+    loading: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)

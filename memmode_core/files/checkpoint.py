@@ -9,8 +9,11 @@ which the kernel can evict and re-read, is the only copy.
 - **Checked up front.** Every header is parsed and every byte range checked against the file's size
   before anything is mapped: a truncated shard is a :class:`CheckpointError` naming it, never a SIGBUS
   half-way through a forward.
-- **Private mappings.** Files are mapped copy-on-write (:func:`~memmode_core.files.format.map_private`):
-  an in-place write into a weight copies that page into the process and never reaches the checkpoint.
+- **Private mappings, in windows.** Files are mapped copy-on-write
+  (:func:`~memmode_core.files.format.map_private`): an in-place write into a weight copies that page into
+  the process and never reaches the checkpoint. Each file is mapped in windows of about 1 GiB
+  (:class:`~memmode_core.files.format.Windows`), each when a tensor in it is first read: Linux's default
+  overcommit refuses one private mapping larger than RAM, and a single-file checkpoint can be larger.
 - **Sharded checkpoints** are read through their ``*.safetensors.index.json``; a key found in two files,
   or an index naming a missing file, is refused.
 """
@@ -27,7 +30,7 @@ from pathlib import Path
 import torch
 
 from memmode_core.contracts.errors import CheckpointError
-from memmode_core.files.format import DTYPE_NAMES, PADDING_PREFIX, map_private
+from memmode_core.files.format import DTYPE_NAMES, PADDING_PREFIX, Windows, map_private_range
 
 #: safetensors dtype name -> torch dtype (the inverse of the names the group files write)
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
@@ -36,6 +39,8 @@ MAX_HEADER_BYTES = 100_000_000
 #: the file names diffusers and transformers give a component's weights, in the order they are looked for
 WEIGHT_NAMES = ("diffusion_pytorch_model", "model")
 METADATA_KEY = "__metadata__"
+#: the dtypes a model can be built in (``torch.set_default_dtype``); a tie goes to the later one
+BUILD_DTYPES = (torch.float64, torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,7 @@ class CheckpointFile:
     records: dict[str, TensorRecord]
     metadata: dict[str, str]
     size: int
-    _flat: torch.Tensor | None = field(default=None, repr=False)
+    _windows: Windows | None = field(default=None, repr=False)
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> CheckpointFile:
@@ -132,24 +137,32 @@ class CheckpointFile:
     def view(self, key: str) -> torch.Tensor:
         """The tensor as a view of this file's private mapping (a copy only where it is not aligned)."""
         record = self.records[key]
-        if self._flat is None:
-            self.check()
-            self._flat = map_private(self.path)
-        raw = self._flat[record.start : record.end]
         if record.nbytes == 0:
             return torch.empty(record.shape, dtype=record.dtype)
+        if self._windows is None:
+            self.check()
+            self._windows = Windows((r.start, r.end) for r in self.records.values())
+        try:
+            raw = self._windows.slice(record.start, record.end, self._map_window)
+        except OSError as exc:
+            raise CheckpointError(
+                f"{self.path}: cannot be mapped ({exc.strerror or exc}) to read tensor {key!r}"
+            ) from None
         if record.start % record.dtype.itemsize:
             raw = raw.clone()  # safetensors does not promise alignment; a misaligned tensor costs its size
         return raw.view(record.dtype).view(record.shape)
 
+    def _map_window(self, offset: int, length: int) -> torch.Tensor:
+        return map_private_range(self.path, offset, length)
+
     @property
-    def mapping(self) -> torch.Tensor | None:
-        """The whole file as ``uint8`` if it was mapped (a view was taken), else None."""
-        return self._flat
+    def mappings(self) -> list[torch.Tensor]:
+        """The windows of the file mapped so far (those a view was taken from), each as ``uint8``."""
+        return self._windows.mapped if self._windows is not None else []
 
     def release(self) -> None:
-        """Drop this file's mapping (the views handed out keep it alive as long as they live)."""
-        self._flat = None
+        """Drop this file's mappings (the views handed out keep theirs alive as long as they live)."""
+        self._windows = None
 
 
 class Checkpoint:
@@ -213,6 +226,20 @@ class Checkpoint:
     @property
     def nbytes(self) -> int:
         return sum(r.nbytes for r in self.records())
+
+    def floating_dtype(self, skip_modules: tuple[str, ...] = ()) -> torch.dtype | None:
+        """The dtype most of the checkpoint's floating bytes are in (what ``torch_dtype="auto"`` loads it
+        in), or None when it holds no tensor in a dtype a model is built in. Packed tensors (float8, bytes)
+        do not count: a quantized checkpoint's norms and biases are in the dtype it was saved from. Nor do
+        tensors of the modules named in ``skip_modules`` (a model's ``_keep_in_fp32_modules``: float32 in
+        any checkpoint, they say nothing of the dtype it was saved in)."""
+        totals: dict[torch.dtype, int] = {}
+        for record in self.records():
+            if skip_modules and any(name in record.key.split(".") for name in skip_modules):
+                continue
+            if record.dtype in BUILD_DTYPES:
+                totals[record.dtype] = totals.get(record.dtype, 0) + record.nbytes
+        return max(totals, key=lambda d: (totals[d], BUILD_DTYPES.index(d)), default=None)
 
     def release(self) -> None:
         for file in self.files:

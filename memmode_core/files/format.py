@@ -25,6 +25,7 @@ import json
 import mmap
 import os
 import struct
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -159,7 +160,7 @@ def content_name(layout: Layout, tensors: Tensors) -> str:
 def file_digest_name(path: str | os.PathLike, layout: Layout) -> str:
     """The content name of the bytes in the file now (what :func:`content_name` gave when it was
     written), read through a mapping: equal to the file's name unless its content changed."""
-    flat = map_private(path)
+    flat = map_readonly(path)
     return content_name(layout, views(flat, layout.entries, layout.data_start))
 
 
@@ -187,10 +188,80 @@ def map_private(path: str | os.PathLike) -> torch.Tensor:
         return map_private_fd(file.fileno())
 
 
-def map_private_fd(fd: int) -> torch.Tensor:
-    """:func:`map_private` of an open file descriptor (an unlinked file has no path left to open)."""
-    mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+def map_private_range(path: str | os.PathLike, offset: int, length: int) -> torch.Tensor:
+    """:func:`map_private` of ``length`` bytes of the file from ``offset`` (a multiple of the page size)."""
+    with open(path, "rb") as file:
+        return map_private_fd(file.fileno(), offset, length)
+
+
+def map_private_fd(fd: int, offset: int = 0, length: int = 0) -> torch.Tensor:
+    """:func:`map_private` of an open file descriptor (an unlinked file has no path left to open); with
+    ``length``, only ``length`` bytes from ``offset`` (a multiple of the page size)."""
+    mapping = mmap.mmap(fd, length, access=mmap.ACCESS_COPY, offset=offset)
     return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def map_readonly(path: str | os.PathLike) -> torch.Tensor:
+    """The whole file as a flat ``uint8`` tensor backed by a shared, read-only mapping: for reading only.
+
+    A private writable mapping is accounted as memory the process may come to own, so Linux's default
+    overcommit refuses one larger than RAM; a read-only one is only page cache and has no such limit.
+    Writing into the tensor would fault: only code that reads (a digest, a comparison) may use it.
+    """
+    with open(path, "rb") as file:
+        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    with warnings.catch_warnings():  # torch warns that the buffer is not writable: that is the point
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+#: the most bytes one private mapping of a large file covers (more when one tensor is larger). A private,
+#: writable mapping is charged against the commit limit as a whole when it is made, and Linux's default
+#: heuristic overcommit refuses any single one larger than RAM (plus swap): a 28 GB checkpoint in one
+#: mapping fails on a 24 GB machine, the same file in 1 GiB windows maps, since each window is judged alone.
+MAP_WINDOW = 1 << 30
+
+
+class Windows:
+    """A file's byte ranges (its tensors) mapped privately in windows of about :data:`MAP_WINDOW` bytes.
+
+    Each range lies whole in one window, so a tensor is one view as with a single mapping, at the same
+    alignment modulo 64 (windows start on page boundaries). A window is mapped when a range in it is first
+    asked for: opening a checkpoint, or reading one tensor far into it, maps only what it reads.
+    """
+
+    def __init__(self, ranges, window: int = MAP_WINDOW) -> None:
+        page = mmap.ALLOCATIONGRANULARITY
+        #: (start, end) of each window, page aligned at the start
+        self.spans: list[tuple[int, int]] = []
+        self._where: dict[int, int] = {}  # range start -> window index
+        for start, end in sorted(r for r in ranges if r[1] > r[0]):
+            if not self.spans or end - self.spans[-1][0] > window:
+                self.spans.append((start - start % page, end))
+            else:
+                self.spans[-1] = (self.spans[-1][0], max(self.spans[-1][1], end))
+            self._where[start] = len(self.spans) - 1
+        self._mapped: list[torch.Tensor | None] = [None] * len(self.spans)
+
+    def slice(self, start: int, end: int, map_window) -> torch.Tensor:
+        """Bytes ``[start, end)`` of the file (a range given at construction); its window is mapped first
+        with ``map_window(offset, length)`` if it is not mapped yet."""
+        index = self._where[start]
+        flat = self._mapped[index]
+        lo, hi = self.spans[index]
+        if flat is None:
+            flat = self._mapped[index] = map_window(lo, hi - lo)
+        return flat[start - lo : end - lo]
+
+    def map_all(self, map_window) -> None:
+        for index, (lo, hi) in enumerate(self.spans):
+            if self._mapped[index] is None:
+                self._mapped[index] = map_window(lo, hi - lo)
+
+    @property
+    def mapped(self) -> list[torch.Tensor]:
+        """The windows mapped so far, each as a flat ``uint8`` tensor."""
+        return [flat for flat in self._mapped if flat is not None]
 
 
 def read(path: str | os.PathLike, layout: Layout) -> Tensors:
@@ -221,7 +292,7 @@ def matches(path: str | os.PathLike, layout: Layout, tensors: Tensors) -> bool:
     try:
         if os.stat(path).st_size != layout.file_size:
             return False
-        flat = map_private(path)
+        flat = map_readonly(path)
     except (OSError, ValueError):  # missing, unreadable, or empty (mmap refuses a zero-length file)
         return False
     if byte_view(flat[: layout.data_start]).tobytes() != layout.header:

@@ -100,6 +100,9 @@ class GroupFileStore:
         self._sizes: dict[str, int] = {}  # file name -> size, of every file this session uses
         #: bytes of groups stored by reference in a lent checkpoint mapping (nothing written)
         self.borrowed_bytes = 0
+        #: groups stored by reference (kept in a lent mapping's pages), and groups stored to files
+        self.borrowed_groups = 0
+        self.written_groups = 0
         #: check the free space before each write rather than for all groups up front (see reserve)
         self._room_per_write = False
 
@@ -179,6 +182,7 @@ class GroupFileStore:
             borrowed = borrow(layout, host, device)
             if borrowed is not None:
                 self.borrowed_bytes += layout.data_bytes
+                self.borrowed_groups += 1
                 return borrowed
         self._open_folder()
         name = FILE_PREFIX + group_format.content_name(layout, host) + FILE_SUFFIX
@@ -198,6 +202,7 @@ class GroupFileStore:
                 self._folder.wrote(name)
             stamp = FileStamp.of(path)
         self._sizes[name] = layout.file_size
+        self.written_groups += 1
         return GroupFile(path, layout, stamp)
 
     def _check_room(self, size: int) -> None:
@@ -336,5 +341,7 @@ class GroupFileSession(StorageSession):
         return {
             "disk_bytes": self.store.disk_bytes,
             "borrowed_bytes": self.store.borrowed_bytes,
+            "borrowed_groups": self.store.borrowed_groups,
+            "written_groups": self.store.written_groups,
             "pinned_bytes": self.staging.pinned_bytes if self.staging is not None else 0,
         }

@@ -8,8 +8,14 @@ tensors — is computed, written at its offset with ``pwrite`` and dropped befor
 one piece.
 
 The file is unlinked as soon as it is created and written through its descriptor, then mapped
-privately: the mapping keeps its pages readable (and evictable, unlike anonymous memory) for as long as
-a tensor views it, and nothing is ever left on disk — not even if the process is killed while writing.
+privately (in windows, as checkpoints are: :class:`~memmode_core.files.format.Windows`): the mapping keeps
+its pages readable (and evictable, unlike anonymous memory) for as long as a tensor views it, and nothing
+is ever left on disk — not even if the process is killed while writing.
+
+Room is checked before a byte is written (:func:`check_room`): the sizes are known from the layout, and
+finding a full disk half-way through a 57 GB conversion would cost the time of writing it. A write that
+fails anyway (the disk filled up meanwhile, a file-size limit, an I/O error) is a :class:`StagingError`
+naming the file, raised after the partial file is deleted.
 """
 
 from __future__ import annotations
@@ -18,15 +24,43 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
+import shutil
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
 
-from memmode_core.contracts.packing import views
+from memmode_core.contracts.errors import StagingError
 from memmode_core.contracts.storage import Tensors
-from memmode_core.files.format import Layout, byte_view, host_tensors, map_private_fd
+from memmode_core.contracts.units import format_bytes
+from memmode_core.files.format import Layout, Windows, byte_view, host_tensors, map_private_fd
+
+
+def staging_folder(folder: str | os.PathLike | None) -> Path:
+    """Where a streamed file goes: ``folder``, else the system's temporary folder (as ``mkstemp`` picks)."""
+    return Path(folder) if folder is not None else Path(tempfile.gettempdir())
+
+
+def check_room(folder: str | os.PathLike | None, needed: int, what: str) -> None:
+    """Refuse, before anything is written, ``needed`` bytes of streamed files that ``folder`` has no room for."""
+    where = staging_folder(folder)
+    if needed <= 0:
+        return
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError as exc:
+        raise StagingError(
+            f"cannot use {where} for staging files ({exc.strerror or exc})", folder=str(where), needed=needed
+        ) from None
+    if free < needed:
+        raise StagingError(
+            f"{what} needs {format_bytes(needed)} ({needed} bytes) of staging files in {where}, which has "
+            f"{format_bytes(free)} ({free} bytes) free; nothing was written. Pass staging_dir= on a disk with room",
+            folder=str(where),
+            needed=needed,
+            free=free,
+        )
 
 
 class StreamedFile:
@@ -43,22 +77,39 @@ class StreamedFile:
         self._entries = {e.name: e for e in self.layout.entries}
         self._written: set[str] = set()
         self.keep_as = Path(keep_as) if keep_as is not None else None
-        if self.keep_as is not None:
-            self.keep_as.parent.mkdir(parents=True, exist_ok=True)
-            fd, name = tempfile.mkstemp(prefix=".memmode-", suffix=".partial", dir=self.keep_as.parent)
-        else:
-            fd, name = tempfile.mkstemp(prefix="memmode-loading-", suffix=".safetensors", dir=folder)
-        self.path: Path | None = Path(name)
-        self._fd = fd
+        self.path: Path | None = None
+        self._fd = -1
+        self.folder = self.keep_as.parent if self.keep_as is not None else staging_folder(folder)
+        #: the file's name while it had one (for messages: a streamed file is unlinked at once)
+        self.name = str(self.folder / "memmode-loading-*.safetensors")
         try:
+            if self.keep_as is not None:
+                self.keep_as.parent.mkdir(parents=True, exist_ok=True)
+                fd, name = tempfile.mkstemp(prefix=".memmode-", suffix=".partial", dir=self.keep_as.parent)
+            else:
+                fd, name = tempfile.mkstemp(prefix="memmode-loading-", suffix=".safetensors", dir=folder)
+            self.path, self._fd, self.name = Path(name), fd, name
             if self.keep_as is None:  # nameless from the start: even a kill -9 leaves nothing behind
                 os.unlink(name)
                 self.path = None
             os.ftruncate(fd, self.layout.file_size)  # alignment gaps read back as zeros
             os.pwrite(fd, self.layout.header, 0)
+        except OSError as exc:
+            self.abandon()
+            raise self._failed(exc) from None
         except BaseException:
             self.abandon()
             raise
+
+    def _failed(self, exc: OSError) -> StagingError:
+        """The typed error for a failed write (the partial file is deleted already)."""
+        return StagingError(
+            f"cannot write {self.name} ({format_bytes(self.layout.file_size)}, in {self.folder}): "
+            f"{exc.strerror or exc}; the partial file was deleted",
+            folder=str(self.folder),
+            path=self.name,
+            needed=self.layout.file_size,
+        )
 
     def write(self, tensors: Tensors) -> None:
         """Write one piece (a subset of the names) at its place in the file."""
@@ -71,8 +122,12 @@ class StreamedFile:
                 )
             data, offset = byte_view(tensor), self.layout.data_start + entry.start
             done = 0
-            while done < len(data):
-                done += os.pwrite(self._fd, data[done:], offset + done)
+            try:
+                while done < len(data):
+                    done += os.pwrite(self._fd, data[done:], offset + done)
+            except OSError as exc:
+                self.abandon()
+                raise self._failed(exc) from None
             self._written.add(name)
 
     def finish(self) -> MappedTensors:
@@ -82,19 +137,31 @@ class StreamedFile:
         if missing:
             self.abandon()
             raise ValueError(f"{len(missing)} tensors were never written (e.g. {sorted(missing)[0]})")
+        start = self.layout.data_start
+        windows = Windows((start + e.start, start + e.end) for e in self.layout.entries)
         try:
             if self.keep_as is not None:
                 os.fsync(self._fd)
-            flat = map_private_fd(self._fd)
+            windows.map_all(lambda offset, length: map_private_fd(self._fd, offset, length))
             os.close(self._fd)
             self._fd = -1
             if self.keep_as is not None:
                 os.replace(self.path, self.keep_as)
                 self.path = self.keep_as
+        except OSError as exc:
+            self.abandon()
+            raise self._failed(exc) from None
         except BaseException:
             self.abandon()
             raise
-        return MappedTensors(views(flat, self.layout.entries, self.layout.data_start), flat)
+        tensors = {}
+        for e in self.layout.entries:
+            if e.end == e.start:
+                tensors[e.name] = torch.empty(e.shape, dtype=e.dtype)
+            else:
+                raw = windows.slice(start + e.start, start + e.end, None)
+                tensors[e.name] = raw.view(e.dtype).view(e.shape)
+        return MappedTensors(tensors, windows.mapped, self.layout.file_size)
 
     def abandon(self) -> None:
         """Close and delete the partial file. Idempotent."""
@@ -108,11 +175,13 @@ class StreamedFile:
 
 
 class MappedTensors(dict):
-    """The tensors of a streamed file (name -> view), and ``flat``: the whole mapping they view."""
+    """The tensors of a streamed file (name -> view), and ``flats``: the mapped windows they view."""
 
-    def __init__(self, tensors: Tensors, flat: torch.Tensor) -> None:
+    def __init__(self, tensors: Tensors, flats: list[torch.Tensor], file_size: int = 0) -> None:
         super().__init__(tensors)
-        self.flat = flat
+        self.flats = flats
+        #: the file's size: what was written to the staging folder (header and alignment gaps included)
+        self.file_size = file_size
 
 
 def _malloc_trim():
@@ -136,6 +205,11 @@ def give_back_freed_memory() -> None:
     """
     if _TRIM is not None:
         _TRIM(0)
+
+
+def file_size(specs: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int:
+    """The size of the streamed file ``specs`` lay out: the room :func:`write_pieces` needs."""
+    return Layout.of(dict(specs), metadata).file_size if specs else 0
 
 
 def write_pieces(

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from memmode_core.contracts.errors import CheckpointError
+from memmode_core.contracts.units import format_bytes
 from memmode_core.files.checkpoint import Checkpoint
-from memmode_core.files.streamed import write_pieces
+from memmode_core.files.streamed import file_size, staging_folder, write_pieces
 from memmode_core.loading.skeleton import Skeleton
 
 logger = logging.getLogger("memmode")
@@ -51,6 +52,18 @@ class BindPlan:
     unexpected: list[str] = field(default_factory=list)
     #: the mappings of the streamed files converted tensors were bound from (set by :func:`bind`)
     streamed: list[torch.Tensor] = field(default_factory=list)
+
+    def conversion_specs(self) -> dict[str, torch.Tensor]:
+        """The layout of the streamed file the converted tensors go to (meta tensors)."""
+        return {
+            str(i): torch.empty(self.slots[i].current.shape, dtype=dtype, device="meta")
+            for i, dtype in self.convert.items()
+        }
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes the conversion writes to the staging folder (0: every tensor is bound as a view)."""
+        return file_size(self.conversion_specs())
 
 
 def slots_of(module: nn.Module) -> list[Slot]:
@@ -108,17 +121,15 @@ def bind(skeleton: Skeleton, checkpoint: Checkpoint, plan: BindPlan, *, staging_
     """Bind every tensor: views of the checkpoint, or of a streamed file for the converted ones."""
     values: dict[int, torch.Tensor] = {}
     if plan.convert:
-        specs = {
-            str(i): torch.empty(plan.slots[i].current.shape, dtype=dtype, device="meta")
-            for i, dtype in plan.convert.items()
-        }
+        specs = plan.conversion_specs()
+        _say_what_is_converted(skeleton, checkpoint, plan, file_size(specs), staging_dir)
 
         def pieces():
             for i, dtype in plan.convert.items():
                 yield {str(i): checkpoint.view(plan.source[i]).to(dtype)}
 
         streamed = write_pieces(specs, pieces(), folder=staging_dir)
-        plan.streamed.append(streamed.flat)
+        plan.streamed.extend(streamed.flats)
         values.update({int(name): tensor for name, tensor in streamed.items()})
     for index, key in plan.source.items():
         plan.slots[index].assign(values[index] if index in values else checkpoint.view(key))
@@ -129,3 +140,25 @@ def bind(skeleton: Skeleton, checkpoint: Checkpoint, plan: BindPlan, *, staging_
             type(skeleton.module).__name__,
             plan.unexpected[0],
         )
+
+
+#: a conversion writing at least this much is a warning, not an info line: it costs disk and time that a
+#: torch_dtype matching the checkpoint would not
+LARGE_CONVERSION = 1 << 30
+
+
+def _say_what_is_converted(skeleton: Skeleton, checkpoint: Checkpoint, plan: BindPlan, size: int, staging_dir) -> None:
+    pairs: dict[tuple[torch.dtype, torch.dtype], int] = {}
+    for i, dtype in plan.convert.items():
+        record = checkpoint.record(plan.source[i])
+        pairs[(record.dtype, dtype)] = pairs.get((record.dtype, dtype), 0) + 1
+    how = ", ".join(f"{n} from {a} to {b}".replace("torch.", "") for (a, b), n in pairs.items())
+    (logger.warning if size >= LARGE_CONVERSION else logger.info)(
+        "memmode: %s: converting %d tensors (%s): writes %s (%d bytes) to a staging file in %s",
+        type(skeleton.module).__name__,
+        len(plan.convert),
+        how,
+        format_bytes(size),
+        size,
+        staging_folder(staging_dir),
+    )

@@ -30,12 +30,21 @@ import torch
 from memmode_core.applying import execute
 from memmode_core.contracts.errors import CheckpointError, IncompatibleModeError, InvalidOptionError
 from memmode_core.contracts.targets import MODULE_COMPONENT
+from memmode_core.contracts.units import format_bytes
 from memmode_core.discovery.plugins import current
 from memmode_core.files.borrowed import lending, source_of_mapping
 from memmode_core.files.checkpoint import Checkpoint
+from memmode_core.files.streamed import check_room, staging_folder
 from memmode_core.handle import Handle
 from memmode_core.loading.binding import BindPlan, bind, plan_binding
-from memmode_core.loading.skeleton import Skeleton, build, is_weight_module_class, model_class, pipeline_index
+from memmode_core.loading.skeleton import (
+    Skeleton,
+    build,
+    is_transformers_class,
+    is_weight_module_class,
+    model_class,
+    pipeline_index,
+)
 from memmode_core.planning.prepare import prepare_request
 from memmode_core.planning.prepared import make_request
 from memmode_core.quantization import component_bytes, install_forward, overrides, saved
@@ -59,13 +68,16 @@ class ComponentLoad:
     #: loaded by its library's own ``from_pretrained`` (see :func:`_needs_library_loader`)
     library_loaded: bool = False
     cls: type | None = None
+    #: the ``torch_dtype`` it is built with: ``"auto"`` resolved to its checkpoint's dtype (but for
+    #: transformers, which applies its own ``"auto"``)
+    torch_dtype: torch.dtype | str | None = None
 
 
 def load(
     path: str | os.PathLike,
     mode: str,
     *,
-    torch_dtype: torch.dtype | None = None,
+    torch_dtype: torch.dtype | str | None = "auto",
     device: Any = None,
     weight_dtype: torch.dtype | None = None,
     storage: str | None = None,
@@ -81,9 +93,12 @@ def load(
     """Load the diffusers pipeline (or the single model) saved in ``path`` straight into ``mode``.
 
     Arguments are those of :func:`memmode_core.apply`, plus ``torch_dtype`` and ``variant`` as
-    ``from_pretrained`` takes them, and ``staging_dir`` for the files converted weights are streamed
-    through (default: ``offload_dir``, else the system's temporary folder; they are unlinked as soon
-    as they are mapped). Returns the :class:`Handle`; ``handle.target`` is the pipeline or model.
+    ``from_pretrained`` takes them (``torch_dtype="auto"``, the default, loads each model in its checkpoint's
+    own dtype, so that nothing is converted; ``None`` is diffusers' default, float32), and ``staging_dir`` for
+    the files converted weights are streamed through (default: ``offload_dir``, else the system's temporary
+    folder; they are unlinked as soon as they are mapped; their room is checked before anything is written).
+    Returns the :class:`Handle`; ``handle.target`` is the pipeline or model, and ``handle.report().loading``
+    says what was converted, staged, kept in the checkpoint's pages and written.
 
     ``in_place`` decides whether the ``disk`` and ``mmap`` storages may keep a group in the checkpoint's own
     pages instead of writing it again (:mod:`memmode_core.files.borrowed`): ``None`` (default) where no bit
@@ -96,8 +111,7 @@ def load(
         raise TypeError(f"mode must be a string such as 'model_cpu_offload_and_qfloat8', not {type(mode).__name__}")
     if in_place not in (None, True, False):
         raise InvalidOptionError(f"in_place={in_place!r} must be None (where no bit can change), True or False")
-    if torch_dtype is not None and not (isinstance(torch_dtype, torch.dtype) and torch_dtype.is_floating_point):
-        raise InvalidOptionError(f"torch_dtype={torch_dtype!r} must be a floating torch.dtype")
+    _check_torch_dtype(torch_dtype)
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such folder (load() takes a folder saved with save_pretrained)")
@@ -120,16 +134,27 @@ def load(
     index = pipeline_index(folder) if (folder / "model_index.json").is_file() else None
     loads = _plan_components(folder, index, torch_dtype, variant, plugins, quantizer)
 
-    # -- bind ------------------------------------------------------------------------------------------
+    # -- room for the conversions, checked before anything is written ------------------------------------
+    converted = [item for item in loads if item.plan is not None and item.plan.convert]
+    converting = sum(item.plan.staging_bytes for item in converted)
     if staging is not None:
         os.makedirs(staging, exist_ok=True)  # the storage would create offload_dir anyway
+    check_room(
+        staging,
+        converting,
+        f"converting {sum(len(item.plan.convert) for item in converted)} tensors of "
+        f"{', '.join(item.name for item in converted)} to the dtype they load in (torch_dtype={torch_dtype!r}; "
+        f"'auto' keeps each checkpoint's own)",
+    )
+
+    # -- bind ------------------------------------------------------------------------------------------
     mappings: list[torch.Tensor] = []  # of the streamed files tensors were bound from
     for item in loads:
         if item.library_loaded:
             kwargs = (
                 {}
-                if torch_dtype is None
-                else {("dtype" if item.skeleton.library == "transformers" else "torch_dtype"): torch_dtype}
+                if item.torch_dtype is None
+                else {("dtype" if item.skeleton.library == "transformers" else "torch_dtype"): item.torch_dtype}
             )
             item.skeleton.module = item.cls.from_pretrained(item.folder, variant=variant, **kwargs).eval()
             continue
@@ -151,16 +176,22 @@ def load(
                 )
 
     # -- quantize while streaming, as the plan says --------------------------------------------------------
+    packed_bytes = 0
     if quantizer is not None and overrides(quantizer, "quantize"):
         logger.info(
             "memmode: quantizer %s has its own quantize(); it quantizes the loaded model in memory", quantizer.name
         )
     elif quantizer is not None and quantizer.packs:  # a forward-only quantizer has nothing to pack
+        packing = {
+            name: saved.stream_pack_bytes(plan) for name, plan in prepared.quantization.items() if plan.packs_anything
+        }
+        check_room(staging, sum(packing.values()), f"quantizing {', '.join(packing)} with {quantizer.name}")
         for name, plan in prepared.quantization.items():
             if plan.packs_anything:
                 before = component_bytes(plan.component)
                 packed = saved.stream_pack(plan, staging_dir=staging, mappings=mappings)
                 prepared.packed_ahead[name] = (packed, before)
+                packed_bytes += packing[name]
 
     # the checkpoint's mappings and the streamed files are lent to file storages, which store the groups
     # lying in them by reference rather than writing them again (see memmode_core.files.borrowed)
@@ -170,10 +201,10 @@ def load(
         if in_place is False
         else [
             *(
-                source_of_mapping(f.mapping, f.path, any_alignment=anywhere)
+                source_of_mapping(window, f.path, any_alignment=anywhere)
                 for item in loads
                 for f in item.checkpoint.files
-                if f.mapping is not None
+                for window in f.mappings
             ),
             *(source_of_mapping(flat, None, any_alignment=anywhere) for flat in mappings),
         ]
@@ -184,7 +215,46 @@ def load(
     finally:
         for item in loads:
             item.checkpoint.release()
+    handle.loading = _summary(handle, converting, sum(len(i.plan.convert) for i in converted), packed_bytes, staging)
+    _say_what_was_done(folder, handle)
     return handle
+
+
+def _summary(handle: Handle, converted_bytes: int, converted_tensors: int, packed_bytes: int, staging) -> dict:
+    """What the load did: staged bytes, and for file storages where the groups went (``in_place``)."""
+    stats = handle.report().storage_bytes
+    summary = {
+        "staging_dir": str(staging_folder(staging)),
+        "converted_tensors": converted_tensors,
+        "converted_bytes": converted_bytes,
+        "quantized_bytes": packed_bytes,
+    }
+    if "borrowed_groups" in stats:
+        summary.update(
+            kept_in_place_groups=stats["borrowed_groups"],
+            kept_in_place_bytes=stats["borrowed_bytes"],
+            written_groups=stats["written_groups"],
+            written_bytes=stats["disk_bytes"],
+        )
+    return summary
+
+
+def _say_what_was_done(folder: Path, handle: Handle) -> None:
+    s = handle.loading
+    staged = (
+        f"{s['converted_tensors']} tensors converted ({format_bytes(s['converted_bytes'])}) and "
+        f"{format_bytes(s['quantized_bytes'])} quantized into staging files in {s['staging_dir']}"
+        if s["converted_bytes"] or s["quantized_bytes"]
+        else "nothing converted or staged"
+    )
+    groups = (
+        f"; {s['kept_in_place_groups']} groups ({format_bytes(s['kept_in_place_bytes'])}) kept in the checkpoint's "
+        f"pages, {s['written_groups']} groups ({format_bytes(s['written_bytes'])}) written to the {handle.storage} "
+        f"storage's files"
+        if "kept_in_place_groups" in s
+        else ""
+    )
+    logger.info("memmode: loaded %s into %s: %s%s", folder, handle.mode, staged, groups)
 
 
 def _plan_components(folder: Path, index: dict | None, torch_dtype, variant, plugins, quantizer) -> list[ComponentLoad]:
@@ -203,8 +273,9 @@ def _plan_components(folder: Path, index: dict | None, torch_dtype, variant, plu
     loads = []
     for name, sub, cls in entries:
         checkpoint = Checkpoint.open(sub, variant=variant)
-        skeleton = build(cls, sub, torch_dtype)
-        item = ComponentLoad(name, sub, skeleton, checkpoint)
+        dtype = _resolve_dtype(torch_dtype, cls, checkpoint, name)
+        skeleton = build(cls, sub, dtype)
+        item = ComponentLoad(name, sub, skeleton, checkpoint, torch_dtype=dtype)
         fmt = saved.saved_format(checkpoint.metadata)
         if fmt is not None:
             item.saved_format = fmt
@@ -225,6 +296,34 @@ def _plan_components(folder: Path, index: dict | None, torch_dtype, variant, plu
             item.plan = plan_binding(skeleton, checkpoint, where=str(sub))
         loads.append(item)
     return loads
+
+
+def _check_torch_dtype(torch_dtype) -> None:
+    if torch_dtype == "auto" or torch_dtype is None:
+        return
+    if not (isinstance(torch_dtype, torch.dtype) and torch_dtype.is_floating_point):
+        raise InvalidOptionError(
+            f"torch_dtype={torch_dtype!r} must be 'auto' (each model in its checkpoint's dtype), a floating "
+            f"torch.dtype, or None (diffusers' default: float32)"
+        )
+
+
+def _resolve_dtype(torch_dtype, cls: type, checkpoint: Checkpoint, name: str):
+    """``"auto"``: the dtype most of the component's checkpoint bytes are in, so that nothing is converted
+    (a bfloat16 checkpoint built in diffusers' default float32 converts every tensor, twice its size, into a
+    staging file). Transformers applies its own ``"auto"`` (the config's dtype, else the weights')."""
+    if torch_dtype != "auto":
+        return torch_dtype
+    if is_transformers_class(cls):
+        return "auto"
+    dtype = checkpoint.floating_dtype(tuple(getattr(cls, "_keep_in_fp32_modules", None) or ()))
+    if dtype is not None:
+        logger.info(
+            "memmode: %s is loaded in %s, its checkpoint's dtype (torch_dtype='auto')",
+            name,
+            str(dtype).removeprefix("torch."),
+        )
+    return dtype
 
 
 def _needs_library_loader(skeleton: Skeleton, checkpoint: Checkpoint) -> bool:
@@ -328,14 +427,17 @@ def _assemble(folder: Path, index: dict | None, loads: list[ComponentLoad], torc
     if pipeline_cls is None:
         raise CheckpointError(f"{folder}/model_index.json names {index.get('_class_name')!r}, not a diffusers pipeline")
     built = {item.name: item.skeleton.module for item in loads}
-    kwargs = {} if torch_dtype is None else {"torch_dtype": torch_dtype}
+    # every model is passed in; what is left (tokenizers, schedulers) takes no dtype, and "auto" is not one
+    # diffusers 0.42 knows
+    kwargs = {"torch_dtype": torch_dtype} if isinstance(torch_dtype, torch.dtype) else {}
     return pipeline_cls.from_pretrained(folder, **built, **kwargs)
 
 
-def skeleton(path: str | os.PathLike, *, torch_dtype: torch.dtype | None = None, variant: str | None = None):
+def skeleton(path: str | os.PathLike, *, torch_dtype: torch.dtype | str | None = "auto", variant: str | None = None):
     """The pipeline (or model) in ``path`` with every weight on the meta device, in the dtype loading would
     give it: what ``memmode.plan`` needs, from config files and checkpoint headers alone (no weight is read;
     tokenizers and schedulers are loaded, they are small)."""
+    _check_torch_dtype(torch_dtype)
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such folder")

@@ -104,12 +104,17 @@ def model_class(library: str, class_name: str) -> type:
         raise CheckpointError(f"{library}.{class_name} cannot be imported ({exc})") from None
 
 
+def is_transformers_class(cls: type) -> bool:
+    return _is_transformers(cls)
+
+
 def is_weight_module_class(cls: type) -> bool:
     return isinstance(cls, type) and issubclass(cls, nn.Module)
 
 
-def build(cls: type, folder: Path, torch_dtype: torch.dtype | None) -> Skeleton:
-    """The skeleton of the model class ``cls`` saved in ``folder`` (its config.json)."""
+def build(cls: type, folder: Path, torch_dtype: torch.dtype | str | None) -> Skeleton:
+    """The skeleton of the model class ``cls`` saved in ``folder`` (its config.json). ``torch_dtype="auto"``
+    is passed on to transformers only (its own rule); a diffusers model takes a dtype, resolved by the caller."""
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"{folder}: no config.json for {cls.__name__}")
     if _is_transformers(cls):
@@ -131,6 +136,8 @@ def _is_transformers(cls: type) -> bool:
 
 
 def _diffusers_skeleton(cls: type, folder: Path, torch_dtype: torch.dtype | None) -> Skeleton:
+    if not (torch_dtype is None or isinstance(torch_dtype, torch.dtype)):
+        raise TypeError(f"a diffusers skeleton is built in a dtype or None, not {torch_dtype!r}")
     config = cls.load_config(folder)
     with parameters_on_meta(), default_dtype(torch_dtype):
         module = cls.from_config(config)
@@ -157,12 +164,14 @@ def _transformers_skeleton(cls: type, folder: Path, torch_dtype: torch.dtype | N
     try:
         kwargs = {"device_map": "meta"}
         if torch_dtype is not None:
-            kwargs["dtype"] = torch_dtype
+            kwargs["dtype"] = torch_dtype  # "auto" too: transformers' own rule (the config's dtype, else the weights')
         module = cls.from_pretrained(folder, **kwargs)
         meta_buffers = [name for name, b in module.named_buffers() if b.is_meta]
         if meta_buffers:  # built for real once more, parameters on meta: the buffers __init__ computes
             with parameters_on_meta():
-                fresh = cls._from_config(module.config, **({"dtype": torch_dtype} if torch_dtype else {}))
+                fresh = cls._from_config(
+                    module.config, **({"dtype": torch_dtype} if isinstance(torch_dtype, torch.dtype) else {})
+                )
             real = dict(fresh.named_buffers())
             for name in meta_buffers:
                 owner, _, leaf = name.rpartition(".")

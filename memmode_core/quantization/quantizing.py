@@ -28,6 +28,7 @@ from torch import nn
 from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError
 from memmode_core.contracts.quantizer import DEFAULT_EXCLUDE, PAYLOAD, Quantizer
 from memmode_core.contracts.targets import is_fsdp1
+from memmode_core.files.streamed import give_back_freed_memory
 from memmode_core.quantization.forward import install_forward
 from memmode_core.quantization.packed import COMPUTE_DTYPES, attach_packed, data_class, is_dtensor, packed_record
 from memmode_core.quantization.selection import QuantizationPlan, plan_quantization
@@ -329,8 +330,14 @@ def quantize(
     quantizer's own ``quantize`` if it overrides the contract's (it receives neither ``name`` nor
     ``plan``), else :func:`quantize_component`."""
     options = {} if options is None else options
-    if overrides(quantizer, "quantize"):
-        return quantizer.quantize(component, weight_dtype=weight_dtype, exclude=tuple(exclude), options=options)
-    return quantize_component(
-        quantizer, component, weight_dtype=weight_dtype, exclude=exclude, options=options, name=name, plan=plan
-    )
+    try:
+        if overrides(quantizer, "quantize"):
+            return quantizer.quantize(component, weight_dtype=weight_dtype, exclude=tuple(exclude), options=options)
+        return quantize_component(
+            quantizer, component, weight_dtype=weight_dtype, exclude=exclude, options=options, name=name, plan=plan
+        )
+    finally:
+        # the full-precision weights and the packing temporaries are freed by now, but glibc keeps freed heap
+        # memory (and, past its raised mmap threshold, serves later temporaries from the heap too): without a
+        # trim the process kept GiBs that no tensor holds (see give_back_freed_memory)
+        give_back_freed_memory()

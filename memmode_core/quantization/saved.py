@@ -23,7 +23,7 @@ from torch import nn
 
 from memmode_core.contracts.errors import CheckpointError
 from memmode_core.contracts.quantizer import PAYLOAD, Quantizer
-from memmode_core.files.streamed import write_pieces
+from memmode_core.files.streamed import file_size, write_pieces
 from memmode_core.quantization.packed import attach_packed, packed_record
 from memmode_core.quantization.selection import QuantizationPlan
 from memmode_core.quantization.sizes import PackedSizes, pack_checked
@@ -131,11 +131,8 @@ def prepare_packed(module: nn.Module, quantizer: Quantizer, layers: list[SavedLa
         attach_packed(sub, quantizer.format_name, torch.Size(layer.shape), layer.dtype, payload, buffers, layer.path)
 
 
-def stream_pack(plan: QuantizationPlan, *, staging_dir=None, mappings: list | None = None) -> int:
-    """Pack what ``plan`` says one layer at a time into a streamed file and make the layers hold views
-    of it. Returns the number of layers packed. Tied weights are packed once and stay shared. The file's
-    mapping is appended to ``mappings`` when given."""
-    quantizer = plan.quantizer
+def _pack_specs(plan: QuantizationPlan) -> tuple[dict[int, str], dict[str, torch.Tensor]]:
+    """The first path of each packed weight (tied ones are packed once), and the streamed file's layout."""
     firsts: dict[int, str] = {}
     specs: dict[str, torch.Tensor] = {}
     for layer in plan.to_pack:
@@ -145,6 +142,20 @@ def stream_pack(plan: QuantizationPlan, *, staging_dir=None, mappings: list | No
         firsts[id(weight)] = layer.path
         for name, (shape, dtype) in plan.sizes.specs(weight.shape, weight.dtype).items():
             specs[f"{layer.path}.{name}"] = torch.empty(shape, dtype=dtype, device="meta")
+    return firsts, specs
+
+
+def stream_pack_bytes(plan: QuantizationPlan) -> int:
+    """Bytes :func:`stream_pack` writes to the staging folder for ``plan`` (known before packing a layer)."""
+    return file_size(_pack_specs(plan)[1])
+
+
+def stream_pack(plan: QuantizationPlan, *, staging_dir=None, mappings: list | None = None) -> int:
+    """Pack what ``plan`` says one layer at a time into a streamed file and make the layers hold views
+    of it. Returns the number of layers packed. Tied weights are packed once and stay shared. The file's
+    mapping is appended to ``mappings`` when given."""
+    quantizer = plan.quantizer
+    firsts, specs = _pack_specs(plan)
 
     def pieces() -> Iterator[dict[str, torch.Tensor]]:
         for layer in plan.to_pack:
@@ -156,7 +167,7 @@ def stream_pack(plan: QuantizationPlan, *, staging_dir=None, mappings: list | No
         return 0
     mapped = write_pieces(specs, pieces(), folder=staging_dir)
     if mappings is not None:
-        mappings.append(mapped.flat)
+        mappings.extend(mapped.flats)
     shared: dict[int, tuple[nn.Parameter, dict[str, torch.Tensor]]] = {}
     for layer in plan.to_pack:
         weight = layer.module.weight
