@@ -193,6 +193,31 @@ def map_private_fd(fd: int) -> torch.Tensor:
     return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
+def map_private_kept(path: str | os.PathLike) -> tuple[mmap.mmap, torch.Tensor]:
+    """:func:`map_private`, with the ``mmap`` object too, for a caller that drops the mapping's pages
+    (:func:`drop_pages`) while keeping the mapping."""
+    with open(path, "rb") as file:
+        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    return mapping, torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+#: ``madvise`` advice that empties a range of a private file mapping: it reads the file again when touched
+DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
+
+
+def drop_pages(mapping: mmap.mmap) -> bool:
+    """Take every page of a private file mapping out of the process (``MADV_DONTNEED``): pages it only read
+    go back to being the page cache's alone, pages it wrote (copy-on-write copies) are discarded, and the
+    next access reads the file again, exactly as a fresh mapping would. False where the system cannot."""
+    if DONTNEED is None:
+        return False
+    try:
+        mapping.madvise(DONTNEED)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def read(path: str | os.PathLike, layout: Layout) -> Tensors:
     """The group read into fresh memory (one allocation, one pass over the file)."""
     buffer = torch.empty(layout.data_bytes, dtype=torch.uint8)

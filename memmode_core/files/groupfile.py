@@ -10,8 +10,9 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -26,9 +27,11 @@ FILE_PREFIX = "memmode-"
 FILE_SUFFIX = ".safetensors"
 
 
-@dataclass(frozen=True)
-class FileStamp:
-    """What ``stat`` says of a file: it changes when the file is truncated, replaced or written."""
+class FileStamp(NamedTuple):
+    """What ``stat`` says of a file: it changes when the file is truncated, replaced or written.
+
+    A named tuple rather than a frozen dataclass: it is made and compared before every onload of every
+    group (hundreds per call at leaf level), and a tuple is built and compared in C."""
 
     device: int
     inode: int
@@ -49,6 +52,9 @@ class GroupFile:
     path: Path
     layout: Layout
     stamp: FileStamp | None = None
+    #: the mapping :meth:`onload_views` keeps between onloads: (the stamp it was made under, the ``mmap``, the
+    #: typed views of its tensors)
+    _kept: tuple | None = field(default=None, repr=False, compare=False)
 
     def check(self, verify: str = "size") -> None:
         """Raise ``StorageUnavailableError`` naming the file unless it still holds this group's bytes.
@@ -90,6 +96,45 @@ class GroupFile:
         one flat ``uint8`` tensor, and typed views of every tensor in it. Nothing is copied."""
         flat = group_format.map_private(self.path)
         return flat, packing.views(flat, self.layout.entries, self.layout.data_start)
+
+    def onload_views(self) -> Tensors:
+        """The group's tensors as views of a private mapping of its file, for an onload computed on the CPU
+        (``disk``); :meth:`release` when the group goes back to rest.
+
+        Opening, mapping and viewing the file anew at every onload cost about as much as a small layer's
+        forward (at leaf level: tens of microseconds per group, hundreds of groups per call), so the
+        mapping is kept, and only its pages are given back between onloads (:meth:`release`). Reusing it
+        reads exactly what a new mapping would: it is reused only while the file's stamp (device, inode,
+        size, modification time) is the one :meth:`check` last accepted, which is checked before every
+        onload; a file replaced under the same name (a new inode) is mapped anew once accepted; a
+        truncated, deleted or changed file is refused by :meth:`check` before this is called; and
+        emptied pages are read from the file again, so a write into the file in place shows as it
+        would in a fresh mapping. Under ``verify="none"`` nothing is checked, and the first mapping
+        (of the file as it was then) is kept.
+        """
+        kept = self._kept
+        if kept is None or kept[0] != self.stamp:
+            mapping, flat = group_format.map_private_kept(self.path)
+            kept = self._kept = (
+                self.stamp,
+                mapping,
+                packing.views(flat, self.layout.entries, self.layout.data_start),
+            )
+        return dict(kept[2])
+
+    def release(self, *, intact: bool = True) -> None:
+        """The group went back to rest: give the pages of the kept mapping back (see :meth:`onload_views`).
+
+        ``MADV_DONTNEED`` on the private mapping: the process keeps no page of it at rest, neither the
+        page cache's pages it read nor copy-on-write copies of pages written during the onload (an
+        in-place edit of a resident weight is dropped, as it was with a mapping per onload). With
+        ``intact=False`` a tensor of the mapping stays in use (the model kept it in place of the one
+        memmode put there): its pages are left alone and the mapping is forgotten, as a mapping made
+        per onload would be; so too where the system cannot drop pages.
+        """
+        kept = self._kept
+        if kept is not None and not (intact and group_format.drop_pages(kept[1])):
+            self._kept = None
 
     def read(self) -> Tensors:
         """The group read into fresh, ordinary memory."""
