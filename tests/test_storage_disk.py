@@ -72,8 +72,9 @@ def test_each_onload_reads_the_file(tmp_path):
 # -- the mapping kept between onloads ------------------------------------------------------------------
 
 
-def _mapped_rss_kib(path: Path) -> int | None:
-    """Resident KiB of this process's mappings of ``path`` (/proc/self/smaps), None where there is none."""
+def _mapped_kib(path: Path, field: str) -> int | None:
+    """KiB of this process's mappings of ``path`` that /proc/self/smaps counts under ``field`` (``Rss``:
+    resident, ``Anonymous``: the process's own pages), None where there is no such mapping."""
     total, inside = None, False
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
@@ -82,7 +83,7 @@ def _mapped_rss_kib(path: Path) -> int | None:
                 inside = line.rstrip("\n").endswith(str(path))
                 if inside and total is None:
                     total = 0
-            elif inside and first == "Rss:":
+            elif inside and first == f"{field}:":
                 total += int(line.split()[1])
     return total
 
@@ -98,40 +99,55 @@ def _wide_model(tmp_path):
     return model, handle, session, key
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the process's mappings from /proc")
-def test_the_mapping_is_kept_between_onloads_and_holds_no_page_at_rest(tmp_path):
+needs_smaps = pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the mappings in /proc")
+
+
+@needs_smaps
+def test_the_mapping_is_kept_between_onloads_and_holds_no_memory_of_its_own_at_rest(tmp_path):
     """Mapping the file anew at every onload is what made leaf-level disk offload slow; the mapping is kept
-    instead, but at rest the process holds none of its pages, as before."""
+    instead. At rest the parameters hold placeholders and the process holds no anonymous page of the file:
+    what stays mapped is the page cache's."""
     model, handle, session, key = _wide_model(tmp_path)
     group_file = session.files[key]
     x = torch.randn(4, 512)
-    expected = torch.tanh(torch.nn.functional.linear(x, *[t.clone() for t in group_file.read().values()][::-1]))
+    weight, bias = (group_file.read()[n] for n in ("0.weight", "0.bias"))
+    expected = torch.tanh(torch.nn.functional.linear(x, weight, bias))
     with torch.no_grad():
         first = model(x)
         kept = group_file._kept[1]
-        assert _mapped_rss_kib(group_file.path) == 0, "pages of the file are held at rest"
+        assert _mapped_kib(group_file.path, "Anonymous") == 0
         second = model(x)
     assert group_file._kept[1] is kept, "the second onload mapped the file again"
-    assert _mapped_rss_kib(group_file.path) == 0
+    assert _mapped_kib(group_file.path, "Anonymous") == 0
     torch.testing.assert_close(first, second, rtol=0, atol=0)
     torch.testing.assert_close(first, expected, rtol=0, atol=0)
     assert model[0].weight.untyped_storage().nbytes() <= 4, "a parameter holds memory at rest"
     handle.remove()
 
 
-def test_a_write_into_an_onloaded_weight_does_not_survive_the_offload(tmp_path):
-    """As with a mapping per onload, a copy-on-write page written while the group was onloaded is dropped
-    with the offload: the next onload reads the file."""
-    _, handle, session, key = _wide_model(tmp_path)
-    on_disk = session.files[key].read()
+def _write_then_offload(folder: Path) -> None:
+    _, handle, session, key = _wide_model(folder)
+    group_file = session.files[key]
+    on_disk = group_file.read()
     fetched = session.fetch(key, torch.device("cpu"))
-    name = next(n for n, t in fetched.items() if t.dim() == 2)
-    fetched[name].add_(1.0)
+    fetched["0.weight"].add_(1.0)
+    assert _mapped_kib(group_file.path, "Anonymous") >= 1024
+    del fetched
     session.offloaded(key)
+    assert _mapped_kib(group_file.path, "Anonymous") == 0
     again = session.fetch(key, torch.device("cpu"))
-    assert torch.equal(again[name], on_disk[name])
+    assert torch.equal(again["0.weight"], on_disk["0.weight"])
     session.offloaded(key)
     handle.remove()
+
+
+@needs_smaps
+def test_a_write_into_an_onloaded_weight_does_not_survive_the_offload(tmp_path):
+    """As with a mapping per onload, a copy-on-write page written while the group was onloaded is the
+    process's own memory and an edit the file does not have: the offload drops it, and the next onload
+    reads the file. Then again in a forked child, which must look at its own pages, not its parent's."""
+    _write_then_offload(tmp_path / "parent")
+    in_forked_child(_write_then_offload, tmp_path / "child")
 
 
 def test_a_tensor_the_model_kept_is_never_emptied(tmp_path):
@@ -140,8 +156,7 @@ def test_a_tensor_the_model_kept_is_never_emptied(tmp_path):
     _, handle, session, key = _wide_model(tmp_path)
     group_file = session.files[key]
     fetched = session.fetch(key, torch.device("cpu"))
-    name = next(n for n, t in fetched.items() if t.dim() == 2)
-    kept_view = fetched[name][:4]
+    kept_view = fetched["0.weight"][:4]
     kept_view.mul_(2.0)  # a copy-on-write page of the process: only it holds this value
     value = kept_view.clone()
     old = group_file._kept[1]
