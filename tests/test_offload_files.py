@@ -161,6 +161,73 @@ def test_writes_leave_no_temporary_files_and_stale_ones_are_swept(tmp_path):
     s.close()
 
 
+def temporaries(folder: Path) -> list[str]:
+    return [p.name for p in folder.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("threaded", [True, False], ids=["hashed-in-a-thread", "hashed-after"])
+def test_in_a_new_folder_a_group_is_written_while_hashed_then_named_by_its_content(tmp_path, monkeypatch, threaded):
+    """A folder with no group file when reserved has no file to reuse: the group is written to a temporary
+    file while it is hashed (in a second thread for large groups), then renamed to its content name."""
+    from memmode_core.files import store as store_module
+
+    monkeypatch.setattr(store_module, "PARALLEL_HASH_BYTES", 0 if threaded else 1 << 62)
+    started = []
+    real_thread = store_module.threading.Thread
+    monkeypatch.setattr(store_module.threading, "Thread", lambda *a, **k: started.append(1) or real_thread(*a, **k))
+    s = GroupFileStore(tmp_path / "offload", keep_files=False, owner="test")
+    s.reserve({"g": 10_000})
+    tensors = group()
+    path = s.store(tensors).path
+    assert bool(started) == threaded
+    host = group_format.host_tensors(tensors)
+    layout = group_format.Layout.of(host)
+    assert path.name == FILE_PREFIX + group_format.content_name(layout, host) + FILE_SUFFIX
+    assert group_format.matches(path, layout, host)
+    assert temporaries(s.folder) == []
+    s.close()
+
+
+def test_identical_groups_written_in_one_session_share_one_file(store):
+    """The second copy is written to a temporary file (the name is not known before the hash), found equal
+    to the file already under its name, and dropped: one file, the first one, and no temporary left."""
+    first = store.store(group())
+    inode = first.path.stat().st_ino
+    second = store.store(group())
+    assert second.path == first.path and first.path.stat().st_ino == inode
+    assert files_in(store.folder) == [first.path]
+    assert temporaries(store.folder) == []
+
+
+def test_a_folder_with_group_files_hashes_first_and_writes_nothing_it_can_reuse(tmp_path, monkeypatch):
+    """Where files may be reused (the folder held group files when reserved), the name comes first: a file
+    with the right content is reused without writing a byte."""
+    folder = tmp_path / "offload"
+    first = GroupFileStore(folder, keep_files=True, owner="test")
+    first.reserve({"g": 10_000})
+    path = first.store(group()).path
+    first.close()
+    second = GroupFileStore(folder, keep_files=True, owner="test")
+    second.reserve({"g": 10_000})
+    monkeypatch.setattr(GroupFileStore, "_write_temporary", lambda *a: pytest.fail("a reusable file was written"))
+    assert second.store(group()).path == path
+    second.close()
+
+
+def test_a_hash_that_fails_while_writing_leaves_no_temporary_file(store, monkeypatch):
+    from memmode_core.files import store as store_module
+
+    monkeypatch.setattr(store_module, "PARALLEL_HASH_BYTES", 0)
+
+    def broken(layout, tensors):
+        raise RuntimeError("hash failed")
+
+    monkeypatch.setattr(group_format, "content_name", broken)
+    with pytest.raises(RuntimeError, match="hash failed"):
+        store.store(group())
+    assert temporaries(store.folder) == [] and files_in(store.folder) == []
+
+
 # -- refusing a bad folder, before anything is written ----------------------------------------------
 
 

@@ -54,7 +54,18 @@ PUBLIC_NAMES = (
 DOCUMENTED_MEMBERS = {
     "Placement": ("name", "description", "options", "offloads", "unavailable_reason", "check", "prefetch", "layout"),
     "Storage": ("name", "description", "options", "uses_offload_dir", "unavailable_reason", "cost", "open"),
-    "StorageSession": ("reserve", "put", "check", "fetch", "zero_copy", "restore", "discard", "stats", "close"),
+    "StorageSession": (
+        "reserve",
+        "put",
+        "check",
+        "fetch",
+        "offloaded",
+        "zero_copy",
+        "restore",
+        "discard",
+        "stats",
+        "close",
+    ),
     "Policy": ("RESIDENT", "STREAM", "EXCLUSIVE"),
 }
 DOCUMENTED_FIELDS = {

@@ -17,6 +17,10 @@ A :class:`Storage` is what a plugin registers; ``open`` gives a :class:`StorageS
    engine makes the compute stream wait for them. Copies, allocations and page-locked memory go
    through :mod:`memmode_core.engine.streams` (``streams.active()``), never CUDA's own module, so that
    they serve every accelerator and can be checked by ``memmode_core.testing.StrictStreams``.
+   ``offloaded(key, intact)`` says that the group went back to rest: the model no longer holds what
+   ``fetch`` returned (unless ``intact`` is False: the model replaced some tensor with one of its own,
+   which may be a view of what ``fetch`` returned). A storage that keeps something between onloads
+   (``disk``'s mapping of the file) gives back its memory here.
 4. ``restore(key)`` returns the tensors in ordinary CPU memory, for ``remove()``.
    ``check(key)`` comes before every onload and every restore: a storage whose copies can break
    behind its back (files) says so there, with a typed error, instead of handing back wrong bytes.
@@ -52,6 +56,10 @@ class StorageSession:
 
     def restore(self, key: str) -> Tensors:
         raise NotImplementedError
+
+    def offloaded(self, key: str, intact: bool = True) -> None:
+        """The group went back to rest after a ``fetch``; ``intact``: the model holds none of what ``fetch``
+        returned any more (False: it kept a tensor of its own in place of one, which may be a view of it)."""
 
     def check(self, key: str) -> None:
         """Raise ``StorageUnavailableError`` (naming what broke) if the group's stored copy is no longer

@@ -151,6 +151,8 @@ class Moving:
         else:
             start = clock()
             replaced = group.offload_at_rest()
+            for part in group.parts:
+                self.session.offloaded(part.key, not replaced)
             seconds = clock() - start
             if replaced:  # kept, in ordinary memory; the component's next call stores them (see changed())
                 for slot in replaced:

@@ -179,6 +179,12 @@ class BorrowedFile(GroupFile):
         """``(None, views)``: the group's tensors as views of the lent mappings (and its own copies)."""
         return None, dict(self._typed)
 
+    def onload_views(self) -> Tensors:
+        return dict(self._typed)
+
+    def release(self, *, intact: bool = True) -> None:
+        """Nothing to give back: the lent mappings are the loader's, shared by many groups."""
+
     def read(self) -> Tensors:
         return {name: view.clone() for name, view in self._typed.items()}
 

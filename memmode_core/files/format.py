@@ -264,6 +264,78 @@ class Windows:
         return [flat for flat in self._mapped if flat is not None]
 
 
+def map_private_kept(path: str | os.PathLike) -> tuple[mmap.mmap, torch.Tensor]:
+    """:func:`map_private`, with the ``mmap`` object too, for a caller that drops the mapping's pages
+    (:func:`drop_pages`) while keeping the mapping."""
+    with open(path, "rb") as file:
+        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    return mapping, torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+#: ``madvise`` advice that empties a range of a private file mapping: it reads the file again when touched
+DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
+#: the top byte of a ``/proc/<pid>/pagemap`` entry -> 1 where the page is the process's own memory: present
+#: (bit 63) and not a file page (bit 61), or swapped (bit 62); in a private file mapping, a copy-on-write copy
+_OWN_PAGE = bytes(int(b & 0x40 != 0 or b & 0xA0 == 0x80) for b in range(256))
+_PAGE = mmap.PAGESIZE
+
+
+class _Pagemap:
+    """This process's ``/proc/self/pagemap``, opened on first use (a forked child opens its own: the
+    parent's file describes the parent's pages)."""
+
+    fd: int | None = None
+
+    @classmethod
+    def read(cls, first_page: int, pages: int) -> bytes | None:
+        try:
+            if cls.fd is None:
+                cls.fd = os.open("/proc/self/pagemap", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            return os.pread(cls.fd, pages * 8, first_page * 8)
+        except OSError:  # not Linux, or /proc not mounted
+            return None
+
+    @classmethod
+    def forget(cls) -> None:
+        if cls.fd is not None:
+            os.close(cls.fd)
+        cls.fd = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_Pagemap.forget)
+
+
+def page_range(tensor: torch.Tensor) -> tuple[int, int]:
+    """``(first page, number of pages)`` under ``tensor``'s bytes, for :func:`holds_own_pages`."""
+    start = tensor.data_ptr()
+    first = start // _PAGE
+    return first, -(-(start + tensor.numel() * tensor.element_size()) // _PAGE) - first
+
+
+def holds_own_pages(pages: tuple[int, int]) -> bool:
+    """Whether any of ``pages`` (:func:`page_range` of a view of a private file mapping) is the process's
+    own memory: a copy-on-write copy of a page it wrote. Pages it only read are the page cache's: those
+    are not. One ``pread`` of ``/proc/self/pagemap`` (8 bytes per page); True where that cannot be read."""
+    entries = _Pagemap.read(*pages)
+    if entries is None or len(entries) != pages[1] * 8:
+        return True
+    return b"\x01" in entries[7::8].translate(_OWN_PAGE)
+
+
+def drop_pages(mapping: mmap.mmap) -> bool:
+    """Take every page of a private file mapping out of the process (``MADV_DONTNEED``): pages it only read
+    go back to being the page cache's alone, pages it wrote (copy-on-write copies) are discarded, and the
+    next access reads the file again, exactly as a fresh mapping would. False where the system cannot."""
+    if DONTNEED is None:
+        return False
+    try:
+        mapping.madvise(DONTNEED)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def read(path: str | os.PathLike, layout: Layout) -> Tensors:
     """The group read into fresh memory (one allocation, one pass over the file)."""
     buffer = torch.empty(layout.data_bytes, dtype=torch.uint8)

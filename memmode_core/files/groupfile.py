@@ -10,8 +10,9 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -26,9 +27,11 @@ FILE_PREFIX = "memmode-"
 FILE_SUFFIX = ".safetensors"
 
 
-@dataclass(frozen=True)
-class FileStamp:
-    """What ``stat`` says of a file: it changes when the file is truncated, replaced or written."""
+class FileStamp(NamedTuple):
+    """What ``stat`` says of a file: it changes when the file is truncated, replaced or written.
+
+    A named tuple rather than a frozen dataclass: it is made and compared before every onload of every
+    group (hundreds per call at leaf level), and a tuple is built and compared in C."""
 
     device: int
     inode: int
@@ -49,6 +52,9 @@ class GroupFile:
     path: Path
     layout: Layout
     stamp: FileStamp | None = None
+    #: the mapping :meth:`onload_views` keeps between onloads: (the stamp it was made under, the ``mmap``, the
+    #: pages it spans, the typed views of its tensors)
+    _kept: tuple | None = field(default=None, repr=False, compare=False)
 
     def check(self, verify: str = "size") -> None:
         """Raise ``StorageUnavailableError`` naming the file unless it still holds this group's bytes.
@@ -60,13 +66,14 @@ class GroupFile:
         if verify == "none":
             return
         try:
-            now = FileStamp.of(self.path)
+            st = os.stat(self.path)
         except OSError as exc:
             raise self._broken(f"it cannot be read ({exc.strerror or exc})") from None
-        if now.size != self.layout.file_size:
+        if st.st_size != self.layout.file_size:
             raise self._broken(
-                f"it is {now.size} bytes long and the group needs {self.layout.file_size} (truncated or replaced)"
+                f"it is {st.st_size} bytes long and the group needs {self.layout.file_size} (truncated or replaced)"
             )
+        now = FileStamp(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         if now == self.stamp and verify != "hash":
             return
         try:
@@ -90,6 +97,51 @@ class GroupFile:
         one flat ``uint8`` tensor, and typed views of every tensor in it. Nothing is copied."""
         flat = group_format.map_private(self.path)
         return flat, packing.views(flat, self.layout.entries, self.layout.data_start)
+
+    def onload_views(self) -> Tensors:
+        """The group's tensors as views of a private mapping of its file, for an onload computed on the CPU
+        (``disk``); :meth:`release` when the group goes back to rest.
+
+        Opening, mapping and viewing the file anew at every onload, then unmapping it and faulting its
+        pages in again at the next, cost more than a small layer's forward (at leaf level: tens of
+        microseconds per group, hundreds of groups per call). So the mapping is kept, and it reads exactly
+        what a new mapping would: it is reused only while the file's stamp (device, inode, size,
+        modification time) is the one :meth:`check` last accepted, and :meth:`check` runs before every
+        onload; a file replaced under the same name (a new inode) is mapped anew once accepted; a
+        truncated, deleted or changed file is refused by :meth:`check` before this is called; and a page
+        the process only read is the page cache's own page, so a write into the file shows in it as it
+        would in a fresh mapping. Under ``verify="none"`` nothing is checked, and the first mapping (of the
+        file as it was then) is kept.
+        """
+        kept = self._kept
+        if kept is None or kept[0] != self.stamp:
+            mapping, flat = group_format.map_private_kept(self.path)
+            views = packing.views(flat, self.layout.entries, self.layout.data_start)
+            kept = self._kept = (self.stamp, mapping, group_format.page_range(flat), views)
+        return dict(kept[3])
+
+    def release(self, *, intact: bool = True) -> None:
+        """The group went back to rest (see :meth:`onload_views`).
+
+        The parameters hold placeholders again; what the kept mapping may still map is pages of the page
+        cache, which it holds whether or not they are mapped (clean file pages: shared with every reader,
+        reclaimed by the kernel under pressure like any other, counted in ``RssFile``, never in
+        ``RssAnon``). Emptying the mapping at every offload (``MADV_DONTNEED``) and faulting the pages in
+        at the next onload cost more than the bookkeeping of a leaf-level group. What must not outlive the
+        onload is memory of the process's own: a copy-on-write copy of a page written while the group was
+        onloaded (an in-place edit of a resident weight, which the file does not have). One read of
+        ``/proc/self/pagemap`` finds any (:func:`~memmode_core.files.format.holds_own_pages`), and then the
+        mapping is emptied, so the edit is dropped as it was with a mapping per onload.
+
+        With ``intact=False`` a tensor of the mapping stays in use (the model kept it in place of the one
+        memmode put there): the mapping is forgotten, not emptied, as a mapping made per onload would be;
+        so too where the system cannot empty it.
+        """
+        kept = self._kept
+        if kept is None:
+            return
+        if not intact or (group_format.holds_own_pages(kept[2]) and not group_format.drop_pages(kept[1])):
+            self._kept = None
 
     def read(self) -> Tensors:
         """The group read into fresh, ordinary memory."""
