@@ -278,6 +278,7 @@ class GroupFileStore:
                     with contextlib.suppress(OSError):
                         os.unlink(temporary)
         self._sizes[name] = layout.file_size
+        self.written_groups += 1
         return GroupFile(path, layout, stamp)
 
     def _check_room(self, size: int) -> None:
