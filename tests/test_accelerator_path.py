@@ -213,3 +213,25 @@ def test_load_into_prefetching_mode_equals_full_load(storage, tmp_path, strict_s
     assert_calls_equal(two_calls(pipe, FAMILY), full_load_outputs(FAMILY))
     assert_async(strict_streams, storage)
     handle.remove()
+
+
+def test_load_quantizes_each_layer_on_the_accelerator(tmp_path, strict_streams):
+    """Loading into a quantized mode packs each weight on the accelerator (uploaded, packed there, its packed
+    bytes brought back) and gives what quantizing after loading gives."""
+    from diffusers import DiffusionPipeline
+
+    folder = tmp_path / "saved"
+    make_pipeline(FAMILY).save_pretrained(folder)
+    reference = DiffusionPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    memmode.apply(reference, "model_full_load_and_qfloat8", device=ACCELERATOR)
+    expected = two_calls(reference, FAMILY)
+    if strict_streams is not None:
+        before = strict_streams.counts["to_host"]
+    handle = memmode.load(folder, "model_group_offload_and_qfloat8", device=ACCELERATOR, storage="disk")
+    if strict_streams is not None:
+        assert strict_streams.counts["to_host"] > before, "the packed bytes came back from the device"
+    pipe = handle.target
+    pipe.set_progress_bar_config(disable=True)
+    assert_calls_equal(two_calls(pipe, FAMILY), expected)
+    handle.remove()

@@ -189,7 +189,7 @@ def load(
         for name, plan in prepared.quantization.items():
             if plan.packs_anything:
                 before = component_bytes(plan.component)
-                packed = saved.stream_pack(plan, staging_dir=staging, mappings=mappings)
+                packed = saved.stream_pack(plan, staging_dir=staging, mappings=mappings, device=prepared.device)
                 prepared.packed_ahead[name] = (packed, before)
                 packed_bytes += packing[name]
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from memmode_core.contracts.errors import CheckpointError
 from memmode_core.contracts.quantizer import PAYLOAD, Quantizer
+from memmode_core.engine.streams import active
 from memmode_core.files.streamed import file_size, write_pieces
 from memmode_core.quantization.packed import attach_packed, packed_record
 from memmode_core.quantization.selection import QuantizationPlan
@@ -150,17 +151,31 @@ def stream_pack_bytes(plan: QuantizationPlan) -> int:
     return file_size(_pack_specs(plan)[1])
 
 
-def stream_pack(plan: QuantizationPlan, *, staging_dir=None, mappings: list | None = None) -> int:
+def stream_pack(
+    plan: QuantizationPlan, *, staging_dir=None, mappings: list | None = None, device: torch.device | None = None
+) -> int:
     """Pack what ``plan`` says one layer at a time into a streamed file and make the layers hold views
     of it. Returns the number of layers packed. Tied weights are packed once and stay shared. The file's
-    mapping is appended to ``mappings`` when given."""
+    mapping is appended to ``mappings`` when given.
+
+    With an accelerator ``device`` each weight is packed there — uploaded, packed, its packed bytes brought
+    back — instead of on the CPU's few cores (a 14B model packs at ~42 M parameters/s on two CPU cores): only
+    one layer's weight and packed tensors are on the device at a time."""
     quantizer = plan.quantizer
     firsts, specs = _pack_specs(plan)
+    streams = active()
+    on_device = device is not None and streams.has_streams(device)
+
+    def packed_here(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not on_device:
+            return pack_checked(quantizer, plan.sizes, weight)
+        packed = pack_checked(quantizer, plan.sizes, streams.to_device(weight.detach(), device))
+        return {name: streams.to_host(tensor) for name, tensor in packed.items()}
 
     def pieces() -> Iterator[dict[str, torch.Tensor]]:
         for layer in plan.to_pack:
             if firsts[id(layer.module.weight)] == layer.path:
-                packed = pack_checked(quantizer, plan.sizes, layer.module.weight)
+                packed = packed_here(layer.module.weight)
                 yield {f"{layer.path}.{name}": tensor for name, tensor in packed.items()}
 
     if not specs:
