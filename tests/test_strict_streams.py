@@ -203,26 +203,30 @@ def test_a_missing_wait_shows_as_wrong_numbers(tmp_path):
     assert any(torch.isnan(o).any() for o in outputs), "a prefetched group used before its copies landed"
 
 
-def test_a_missing_record_stream_is_an_error_naming_the_group(tmp_path):
-    model = StrictStreams(seed=3)
-    dropped = _without(model, "record_stream", "Moving.ensure")
-    with pytest.raises(StrictStreamsError, match=r"group '\w+/[^']+'.*record_stream"):
-        _run_prefetching(model, "pinned", tmp_path)
-    assert dropped
-
-
-def test_reusing_a_staging_chunk_before_its_copies_finished_is_an_error(tmp_path):
-    model = StrictStreams(seed=3)
-    dropped = _without(model, "wait_host", "StagingRing._take")
-    with pytest.raises(StrictStreamsError, match=r"group '[^']+'.*page-locked host buffer was overwritten"):
-        _run_prefetching(model, "disk", tmp_path)
-    assert dropped
-
-
-def test_releasing_page_locked_slabs_with_copies_in_flight_is_an_error(tmp_path):
-    model = StrictStreams(seed=3)
+#: (primitive, the engine's call sites it is dropped from, storage, the error the model gives)
+DROPPED_FENCES = {
+    "record_stream": ("record_stream", ("Moving.ensure",), "pinned", r"group '\w+/[^']+'.*record_stream"),
+    "staging chunk reused": (
+        "wait_host",
+        ("StagingRing._take",),
+        "disk",
+        r"group '[^']+'.*page-locked host buffer was overwritten",
+    ),
     # the slabs' own fence, and the synchronisations before it (end of call, remove) that would cover for it
-    dropped = _without(model, "synchronize", "_Pins.release", "Runtime._remove", "Moving._offload_component")
-    with pytest.raises(StrictStreamsError, match=r"group '[^']+': a page-locked host buffer .* released while a copy"):
-        _run_prefetching(model, "pinned", tmp_path)
-    assert "_Pins.release" in dropped
+    "slabs released": (
+        "synchronize",
+        ("_Pins.release", "Runtime._remove", "Moving._offload_component"),
+        "pinned",
+        r"group '[^']+': a page-locked host buffer .* released while a copy",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", DROPPED_FENCES)
+def test_a_missing_fence_is_an_error_naming_the_group(case, tmp_path):
+    primitive, callers, storage, error = DROPPED_FENCES[case]
+    model = StrictStreams(seed=3)
+    dropped = _without(model, primitive, *callers)
+    with pytest.raises(StrictStreamsError, match=error):
+        _run_prefetching(model, storage, tmp_path)
+    assert callers[0] in dropped, f"the engine calls {primitive} from {callers[0]}"

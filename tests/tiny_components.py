@@ -767,19 +767,8 @@ def deep_wan_transformer(layers: int = 12) -> torch.nn.Module:
     tiny pipelines, whose rest is most of them."""
     from diffusers import WanTransformer3DModel
 
-    config = dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=4,
-        text_dim=32,
-        freq_dim=32,
-        ffn_dim=96,
-        num_layers=layers,
-        rope_max_seq_len=32,
-    )
-    return seeded(lambda: WanTransformer3DModel(**config).eval())
+    deep = {"in_channels": 4, "out_channels": 4, "ffn_dim": 96, "num_layers": layers}
+    return seeded(configured(WanTransformer3DModel, WAN_TRANSFORMER, deep)).eval()
 
 
 def deep_wan_inputs(seed: int = 0) -> dict:

@@ -79,11 +79,7 @@ class GroupsHook(MethodWrapper):
     def _step(self, args, kwargs):
         try:
             for group in self.enters:
-                if (
-                    not group.resident
-                    or group.ready_event is not None
-                    or ((nxt := group.next) is not None and not nxt.resident)
-                ):
+                if group.needs_ensure():
                     self.ensure(group)
             if self.move and (moved := move_inputs(args, kwargs, self.device)) is not None:
                 args, kwargs = moved
@@ -118,11 +114,7 @@ class GroupHook(GroupsHook):
         if not self.active:
             return self.passthrough()(*args, **kwargs)
         group = self.group
-        if (
-            not group.resident
-            or group.ready_event is not None
-            or ((nxt := group.next) is not None and not nxt.resident)
-        ):
+        if group.needs_ensure():
             self.ensure(group)
         if self.move and (moved := move_inputs(args, kwargs, self.device)) is not None:
             args, kwargs = moved

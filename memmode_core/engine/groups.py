@@ -119,6 +119,12 @@ class Group:
         group.owners = list(self.owners)
         return group
 
+    def needs_ensure(self) -> bool:
+        """Whether entering the group calls the engine's ``ensure``: it is not on the device, its prefetch has
+        not been waited for, or the streamed group after it has not been started (a kept group starts it)."""
+        nxt = self.next
+        return not self.resident or self.ready_event is not None or (nxt is not None and not nxt.resident)
+
     def tensors(self) -> Tensors:
         return {slot.name: slot.tensor.data for slot in self.slots}
 

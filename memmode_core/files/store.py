@@ -92,6 +92,18 @@ class GroupFileOptions(Options):
     )
 
 
+def _holds(path: Path, layout: Layout, host: Tensors) -> bool:
+    """Whether the file under the group's content name holds exactly the group (it is reused); a file there that
+    does not (truncated, or another file) is said, and the caller writes the group over it."""
+    if group_format.matches(path, layout, host):
+        return True
+    if path.exists():
+        logger.warning(
+            "memmode: %s does not hold the bytes its name promises (truncated or another file); rewriting it", path
+        )
+    return False
+
+
 class GroupFileStore:
     """The files of one storage session in one folder (see the module docstring)."""
 
@@ -201,15 +213,9 @@ class GroupFileStore:
         path = self.folder / name
         with self._folder.locked():
             self._folder.claim(name)
-            if not group_format.matches(path, layout, host):
+            if not _holds(path, layout, host):
                 if self._room_per_write:
                     self._check_room(layout.file_size + PER_FILE_ALLOWANCE)
-                if path.exists():
-                    logger.warning(
-                        "memmode: %s does not hold the bytes its name promises (truncated or another "
-                        "file); rewriting it",
-                        path,
-                    )
                 self._write(path, layout, host)
                 self._folder.wrote(name)
             stamp = FileStamp.of(path)
@@ -260,15 +266,9 @@ class GroupFileStore:
                 name = FILE_PREFIX + hashed[0] + FILE_SUFFIX
                 path = self.folder / name
                 self._folder.claim(name)
-                if group_format.matches(path, layout, host):
+                if _holds(path, layout, host):
                     os.unlink(temporary)
                 else:
-                    if path.exists():
-                        logger.warning(
-                            "memmode: %s does not hold the bytes its name promises (truncated or another "
-                            "file); rewriting it",
-                            path,
-                        )
                     self._publish(temporary, path, layout)
                     self._folder.wrote(name)
                 temporary = None

@@ -264,28 +264,39 @@ def _seconds(cost: StorageCost | None, moved: int, onloads: int, prefetch: bool)
 def price(prepared: Prepared, sequence: list[str], traces: Mapping[str, ComponentTrace] | None = None) -> PlanEntry:
     """The predicted cost of executing ``prepared`` for the component calls ``sequence`` (with ``traces``, the
     components' FLOPs at the call's shapes: copy time hidden behind compute, :mod:`.timing`)."""
-    return _price(prepared, *_replayed(prepared, sequence), sequence, traces)
+    return _price(prepared, *_replayed(prepared, sequence, traces), sequence)
 
 
-def _replayed(prepared: Prepared, sequence: list[str]) -> tuple[list[_Sized], _Replay]:
+def _lookahead(prepared: Prepared) -> Mapping[str, int]:
+    return prepared.residency.lookahead if prepared.residency is not None else {}
+
+
+def _replayed(
+    prepared: Prepared, sequence: list[str], traces: Mapping[str, ComponentTrace] | None
+) -> tuple[list[_Sized], _Replay, dict[str, float] | None]:
+    """What a layout costs whatever the storage: its sized groups, the replay of a call, and (with the call's
+    traces) each group's compute seconds."""
     sized = _sized(prepared)
-    lookahead = prepared.residency.lookahead if prepared.residency is not None else None
-    return sized, replay(sized, sequence, prepared.prefetch, prepared.target.components, lookahead)
+    state = replay(sized, sequence, prepared.prefetch, prepared.target.components, _lookahead(prepared))
+    compute = None
+    if traces:
+        rate = compute_rate(prepared.device)
+        flops = group_flops(prepared.groups, prepared.target.components, traces)
+        compute = {key: count / rate for key, count in flops.items()}
+    return sized, state, compute
 
 
 def _price(
     prepared: Prepared,
     sized: list[_Sized],
     state: _Replay,
+    compute: dict[str, float] | None,
     sequence: list[str],
-    traces: Mapping[str, ComponentTrace] | None,
 ) -> PlanEntry:
-    """The entry for ``prepared`` from its sized groups and the replay of its layout."""
+    """The entry for ``prepared`` from its sized groups, the replay of its layout and its groups' compute."""
     storage = prepared.storage
     cost = storage_cost(storage, prepared.device) if storage is not None else None
-    if traces:
-        rate = compute_rate(prepared.device)
-        flops = group_flops(prepared.groups, prepared.target.components, traces)
+    if compute is not None:
         seconds = exposed_seconds(
             prepared.groups,
             prepared.group_bytes,
@@ -293,8 +304,8 @@ def _price(
             sequence,
             prepared.target.components,
             prefetch=prepared.prefetch,
-            lookahead=prepared.residency.lookahead if prepared.residency is not None else {},
-            compute={key: count / rate for key, count in flops.items()},
+            lookahead=_lookahead(prepared),
+            compute=compute,
             cost=cost,
         )
     else:
@@ -473,12 +484,13 @@ def plan(
 def price_all(
     prepared: list[Prepared], sequence: list[str], traces: Mapping[str, ComponentTrace] | None = None
 ) -> list[PlanEntry]:
-    """Price each candidate; candidates sharing one layout (one per storage) are sized and replayed once."""
-    replays: dict[int, tuple[list[_Sized], _Replay]] = {}
+    """Price each candidate; candidates sharing one layout (one per storage) are sized, replayed and (with
+    ``traces``) have their groups' compute counted once."""
+    replays: dict[int, tuple[list[_Sized], _Replay, dict[str, float] | None]] = {}
     for one in prepared:
         if id(one.groups) not in replays:
-            replays[id(one.groups)] = _replayed(one, sequence)
-    return [_price(one, *replays[id(one.groups)], sequence, traces) for one in prepared]
+            replays[id(one.groups)] = _replayed(one, sequence, traces)
+    return [_price(one, *replays[id(one.groups)], sequence) for one in prepared]
 
 
 def _budget(name: str, value: Any) -> int | None:

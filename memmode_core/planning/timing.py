@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -129,7 +129,16 @@ def exposed_seconds(
     return waited
 
 
-def _component_call(name, mine, root, resident, owner, ahead, compute, copy) -> float:
+def _component_call(
+    name: str,
+    mine: list[Group],
+    root: nn.Module,
+    resident: set[str],
+    owner: dict[str, str],
+    ahead: int,
+    compute: Mapping[str, float],
+    copy: Callable[[Group], float],
+) -> float:
     """One call of a component on the two clocks; what it waits for copies. Updates what stays resident."""
     held = [g for g in mine if encloses(g, root)]
     ordered = [g for g in mine if not encloses(g, root)]
