@@ -1,21 +1,26 @@
 """The activation memory of a real call, predicted before it runs (``memmode_core.planning.trace``).
 
-Each prediction comes from the component's forward run on fake tensors; it is compared with the same forward
-run for real, on the inputs a real pipeline call gave it, its live tensors counted by the same dispatch-level
-counter (``LiveBytes``: every storage an operation makes, from its first tensor to its last). The profiler's
-CPU memory events are not the reference here: on this CPU build they record a few dozen bytes of allocations
-for a call that allocates tens of kilobytes.
+Each prediction comes from the component's forward run on fake tensors; the reference is the same forward run
+for real, on the inputs a real pipeline call gave it, under ``torch.profiler`` with ``profile_memory=True``:
+the peak of its allocation timeline (every allocation and free the CPU allocator reported, kernels'
+workspace included) plus the inputs, which are on the device throughout.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_flatten
 
 import memmode_core as memmode
-from memmode_core.planning.trace import LiveBytes, call_activations, trace_call
+from memmode_core.planning.trace import call_activations, trace_call
+from memmode_core.planning.workspace import workspace_bytes
 from tiny_pipelines import make_pipeline, run
+
+aten = torch.ops.aten
+CPU = torch.device("cpu")
 
 #: family -> the call's shapes (video families take frames)
 SHAPES = {"wan22": {"height": 32, "width": 32, "num_frames": 5}, "flux": {"height": 32, "width": 32}, "sd3": {}}
@@ -39,14 +44,32 @@ def recorded_inputs(pipe, family: str, component: str, method: str = "forward") 
     return calls[0]
 
 
-def real_peak(call, inputs) -> int:
-    live = LiveBytes()
-    for value in tree_flatten(inputs)[0]:
-        if isinstance(value, torch.Tensor):
-            live.add(value)
-    with torch.no_grad(), live:
+def profiled_peak(call) -> int:
+    """The peak, over ``call()``, of the bytes the profiler saw allocated and not yet freed since it began."""
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         call()
-    return live.peak
+    events = []
+    pending = list(prof.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        event = pending.pop()
+        if event.tag == _EventType.Allocation:
+            events.append((event.start_time_ns, event.extra_fields.alloc_size))
+        pending.extend(event.children)
+    assert events, "the profiler recorded no allocation"
+    live = peak = 0
+    for _, size in sorted(events):
+        live += size
+        peak = max(peak, live)
+    return peak
+
+
+def input_bytes(inputs) -> int:
+    storages = {
+        v.untyped_storage()._cdata: v.untyped_storage().nbytes()
+        for v in tree_flatten(inputs)[0]
+        if isinstance(v, torch.Tensor)
+    }
+    return sum(storages.values())
 
 
 @pytest.mark.parametrize(
@@ -64,12 +87,71 @@ def test_the_fake_run_predicts_the_real_peak_within_15_percent(family, component
     pipe = make_pipeline(family)
     args, kwargs = recorded_inputs(pipe, family, component, method)
     module = getattr(pipe, component)
-    measured = real_peak(lambda: getattr(module, method)(*args, **kwargs), (args, kwargs))
+    measured = profiled_peak(lambda: getattr(module, method)(*args, **kwargs)) + input_bytes((args, kwargs))
     traces = trace_call(module, lambda: getattr(module, method)(*args, **kwargs))
     (trace,) = traces.values()
     assert trace.calls == 1
     assert trace.activation_peak == pytest.approx(measured, rel=0.15)
     assert trace.flops, "the FLOPs of each module are counted too"
+    assert not trace.unmodelled, "float32 on the CPU: every kernel's workspace is modelled"
+
+
+def test_views_of_weights_are_not_activations():
+    """``linear`` transposes its weight: a view of memory that was there before, not a new activation."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    x = torch.randn(2, 256)
+    (trace,) = trace_call(model, lambda: model(x)).values()
+    weight = 256 * 256 * 4
+    assert trace.activation_peak < weight
+    assert trace.activation_peak == profiled_peak(lambda: model(x)) + x.nbytes
+
+
+CONVOLUTIONS = {
+    # name: (input shape, weight shape, stride, padding, dilation, groups)
+    "slow 3x3": ((1, 16, 16, 16), (8, 16, 3, 3), 1, 1, 1, 1),
+    "slow strided": ((1, 3, 64, 64), (32, 3, 3, 3), 2, 1, 1, 1),
+    "slow 1x1": ((1, 4, 8, 8), (4, 4, 1, 1), 1, 0, 1, 1),
+    "onednn batch 2": ((2, 16, 16, 16), (8, 16, 3, 3), 1, 1, 1, 1),
+    "onednn wide": ((1, 128, 64, 64), (128, 128, 3, 3), 1, 1, 1, 1),
+    "onednn depthwise": ((2, 32, 16, 16), (32, 1, 3, 3), 1, 1, 1, 32),
+    "dilated": ((1, 32, 16, 16), (32, 32, 3, 3), 1, 2, 2, 1),
+    "slow 3d": ((1, 16, 3, 8, 8), (8, 16, 3, 3, 3), 1, 1, 1, 1),
+}
+
+
+@pytest.mark.parametrize("name", CONVOLUTIONS)
+def test_convolution_workspace_is_what_the_kernel_allocates(name):
+    shape, weight_shape, stride, padding, dilation, groups = CONVOLUTIONS[name]
+    spatial = len(shape) - 2
+    x, w = torch.randn(shape), torch.randn(weight_shape)
+    args = (x, w, None, [stride] * spatial, [padding] * spatial, [dilation] * spatial, False, [0] * spatial, groups)
+    out = aten.convolution.default(*args)
+    measured = profiled_peak(lambda: aten.convolution.default(*args)) - out.nbytes
+    assert workspace_bytes(aten.convolution.default, args, {}, CPU) == measured
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 16, 32), (1, 4, 256, 64), (1, 3, 77, 40), (2, 2, 800, 32)])
+def test_cpu_flash_attention_workspace_is_what_the_kernel_allocates(shape):
+    query = torch.randn(shape)
+    key = torch.randn(*shape[:2], shape[2] + 5, shape[3])
+    func = aten._scaled_dot_product_flash_attention_for_cpu.default
+    outputs = func(query, key, key)
+    measured = profiled_peak(lambda: func(query, key, key)) - sum(o.nbytes for o in outputs)
+    assert workspace_bytes(func, (query, key, key), {}, CPU) == measured
+
+
+def test_workspace_that_is_not_modelled_is_named_not_guessed():
+    """Reduced precision on the CPU, and any accelerator's convolution: the trace names the operation."""
+    conv = torch.nn.Conv2d(8, 8, 3, padding=1)
+    x = torch.randn(1, 8, 16, 16)
+    (f32,) = trace_call(conv, lambda: conv(x)).values()
+    assert not f32.unmodelled
+    (on_cuda,) = trace_call(conv, lambda: conv(x), device=torch.device("cuda")).values()
+    assert on_cuda.unmodelled == {"aten.convolution"}
+    assert on_cuda.activation_peak < f32.activation_peak, "no workspace guessed for it"
+    conv.to(torch.bfloat16)
+    (bf16,) = trace_call(conv, lambda: conv(x.bfloat16())).values()
+    assert bf16.unmodelled == {"aten.convolution"}
 
 
 def test_a_pipeline_call_is_traced_without_computing_or_touching_weights():
@@ -96,6 +178,10 @@ def test_plan_with_shapes_counts_activations_against_the_budget():
         e.placement for e in memmode.plan(pipe, device="cpu", vram_budget=between, **SHAPES["flux"]) if e.fits
     }
     assert "model_full_load" in fits and "model_full_load" not in fits_shaped
+    assert full.unmodelled_workspace == ()
+    pipe.to(torch.bfloat16)
+    in_bf16 = memmode.plan(pipe, device="cpu", **SHAPES["flux"])
+    assert all("aten.convolution" in e.unmodelled_workspace for e in in_bf16), "the VAE's convolutions"
 
 
 def test_shapes_need_a_pipeline_that_takes_them():

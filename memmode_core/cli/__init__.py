@@ -372,6 +372,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     shaped = any(e.activation_bytes for e in entries)
     if shaped:
         print(f"activations at these shapes: {format_bytes(max(e.activation_bytes for e in entries))} at peak")
+        unmodelled = entries[0].unmodelled_workspace
+        if unmodelled:
+            print(
+                f"  not counted: the kernel workspace of {', '.join(unmodelled)} on {args.device or 'this device'}"
+                " (chosen by its library at run time) - leave a margin for it"
+            )
     rows = []
     for e in sorted(entries, key=lambda e: (not e.fits, e.seconds_per_call, e.peak_device_bytes)):
         options = ", ".join(f"{k}={v}" for k, v in e.options.items())

@@ -97,6 +97,9 @@ class PlanEntry:
     #: with the call's shapes (``plan(height=..., ...)``): the largest activation peak of a component the call
     #: runs, predicted on fake tensors (:mod:`memmode_core.planning.trace`); 0 without them
     activation_bytes: int = 0
+    #: the operations of those components whose kernel workspace on the device is not modelled, so not in
+    #: ``activation_bytes`` (:mod:`memmode_core.planning.workspace`): leave a margin for them
+    unmodelled_workspace: tuple[str, ...] = ()
     fits: bool = True
     reason: str | None = None
     chosen: bool = False
@@ -453,10 +456,13 @@ def plan(
     ram = _budget("ram_budget", ram_budget)
     plugins = current()
     sequence = call_sequence(tgt, calls if calls is not None else default_calls(tgt, steps))
-    activation, traces = 0, None
+    activation, traces, unmodelled = 0, None, ()
     if any(v is not None for v in (height, width, num_frames, batch)):
-        traces = trace_pipeline_call(target, batch=batch or 1, height=height, width=width, num_frames=num_frames)
+        traces = trace_pipeline_call(
+            target, batch=batch or 1, device=dev, height=height, width=width, num_frames=num_frames
+        )
         activation = max((traces[name].activation_peak for name in set(sequence) if name in traces), default=0)
+        unmodelled = tuple(sorted(set().union(*(traces[name].unmodelled for name in set(sequence) if name in traces))))
     entries: list[PlanEntry] = []
     for qreg in _quantizers(plugins, quantizer):
         base = Request(
@@ -477,6 +483,7 @@ def plan(
         entries += price_all(candidates(target, base), sequence, traces)
     for entry in entries:
         entry.activation_bytes = activation
+        entry.unmodelled_workspace = unmodelled
     judge(entries, vram, ram)
     return entries
 

@@ -30,18 +30,24 @@ from torch.utils.flop_counter import FlopCounterMode
 from memmode_core.contracts.errors import InvalidOptionError
 from memmode_core.contracts.targets import Target
 from memmode_core.engine.forwards import entry_methods
+from memmode_core.planning.workspace import workspace_bytes
 
 
 class LiveBytes(TorchDispatchMode):
     """Bytes of the tensors the dispatched operations made that are still alive, and their peak.
 
-    A storage counts once however many views of it live, from its first tensor to the death of its last.
-    ``start`` counts tensors that exist already (the inputs)."""
+    A storage counts once however many views of it live, from its first tensor to the death of its last;
+    :meth:`add` counts tensors that exist already (the inputs). Given a ``device``, each operation's kernel
+    workspace on it (:func:`memmode_core.planning.workspace.workspace_bytes`) counts too, for the moment the
+    operation runs, on top of everything live with its outputs; the operations whose workspace there is not
+    modelled are collected in ``unmodelled``."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.device = device
+        self.unmodelled: set[str] = set()
         self._refs: dict[int, list[int]] = {}
 
     def add(self, tensor: torch.Tensor) -> None:
@@ -67,20 +73,34 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for value in tree_flatten(out)[0]:
-            if isinstance(value, torch.Tensor):
-                self.add(value)
+        returns = func._schema.returns
+        outputs = out if isinstance(out, (tuple, list)) and len(returns) > 1 else (out,)
+        for value, declared in zip(outputs, returns):
+            # an alias (a view, an in-place result) of a tensor from before the call — a weight's transpose,
+            # a weight converted to fake — makes no memory; an alias of a counted one keeps it alive
+            aliases = declared.alias_info is not None
+            for tensor in tree_flatten(value)[0]:
+                if isinstance(tensor, torch.Tensor) and (not aliases or tensor.untyped_storage()._cdata in self._refs):
+                    self.add(tensor)
+        if self.device is not None:
+            workspace = workspace_bytes(func, args, kwargs or {}, self.device)
+            if workspace is None:
+                self.unmodelled.add(str(func.overloadpacket))
+            else:
+                self.peak = max(self.peak, self.live + workspace)
         return out
 
 
 @dataclass
 class ComponentTrace:
-    """One component over a traced call: how often it ran, the peak of its activations (the largest of its
-    calls), and the FLOPs of each of its modules (by path within the component, summed over its calls)."""
+    """One component over a traced call: how often it ran, the peak of its activations and kernel workspace
+    (the largest of its calls), the FLOPs of each of its modules (by path within the component, summed over
+    its calls), and the operations whose workspace on the device is not in that peak."""
 
     calls: int = 0
     activation_peak: int = 0
     flops: dict[str, int] = field(default_factory=dict)
+    unmodelled: set[str] = field(default_factory=set)
 
     def flops_per_call(self) -> dict[str, float]:
         return {path: count / max(self.calls, 1) for path, count in self.flops.items()}
@@ -92,7 +112,14 @@ def _to_zeros(value: Any) -> Any:
     return value
 
 
-def _traced(component: nn.Module, name: str, original: Callable, trace: ComponentTrace, inside: list) -> Callable:
+def _traced(
+    component: nn.Module,
+    name: str,
+    original: Callable,
+    trace: ComponentTrace,
+    inside: list,
+    device: torch.device,
+) -> Callable:
     """``original`` (a bound method of ``component``) run on fake tensors. ``forward`` is entered through the
     module's ``__call__`` (its hooks, and FlopCounterMode's naming of submodules by path, need it); the
     re-entry from ``__call__`` reaches ``original`` itself, as does any call of the component's methods from
@@ -114,7 +141,7 @@ def _traced(component: nn.Module, name: str, original: Callable, trace: Componen
             return original(*args, **kwargs)
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fake = tree_map(lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, (args, kwargs))
-            live = LiveBytes()
+            live = LiveBytes(device)
             for value in tree_flatten(fake)[0]:
                 if isinstance(value, torch.Tensor):
                     live.add(value)
@@ -126,6 +153,7 @@ def _traced(component: nn.Module, name: str, original: Callable, trace: Componen
                 inside.pop()
         trace.calls += 1
         trace.activation_peak = max(trace.activation_peak, live.peak)
+        trace.unmodelled |= live.unmodelled
         for key, ops in counter.get_flop_counts().items():
             path = path_of(key)
             if path is not None:
@@ -136,16 +164,18 @@ def _traced(component: nn.Module, name: str, original: Callable, trace: Componen
 
 
 @contextlib.contextmanager
-def tracing(target: Target) -> Iterator[dict[str, ComponentTrace]]:
-    """Within the block, every component of ``target`` computes on fake tensors (see the module docstring)."""
+def tracing(target: Target, device: torch.device | None = None) -> Iterator[dict[str, ComponentTrace]]:
+    """Within the block, every component of ``target`` computes on fake tensors (see the module docstring),
+    its kernels' workspace counted as on ``device`` (default: where the component's weights are)."""
     traces = {name: ComponentTrace() for name in target.components}
     patched: list[tuple[nn.Module, str]] = []
     try:
         for name, component in target.components.items():
             inside: list = []
+            where = device if device is not None else _device_of(component)
             for method in ("forward", *entry_methods(component)):
                 original = getattr(component, method)
-                setattr(component, method, _traced(component, method, original, traces[name], inside))
+                setattr(component, method, _traced(component, method, original, traces[name], inside, where))
                 patched.append((component, method))
         yield traces
     finally:
@@ -153,9 +183,15 @@ def tracing(target: Target) -> Iterator[dict[str, ComponentTrace]]:
             vars(component).pop(method, None)
 
 
-def trace_call(target: Any, run: Callable[[], Any]) -> dict[str, ComponentTrace]:
-    """Each component's activation peak and FLOPs over ``run()`` (a call of the pipeline or model)."""
-    with tracing(Target.of(target)) as traces:
+def _device_of(component: nn.Module) -> torch.device:
+    first = next(component.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def trace_call(target: Any, run: Callable[[], Any], device: torch.device | None = None) -> dict[str, ComponentTrace]:
+    """Each component's activation peak and FLOPs over ``run()`` (a call of the pipeline or model), with the
+    kernels' workspace on ``device`` (default: where each component's weights are)."""
+    with tracing(Target.of(target), device) as traces:
         run()
     return traces
 
@@ -164,18 +200,20 @@ def trace_call(target: Any, run: Callable[[], Any]) -> dict[str, ComponentTrace]
 _SHAPE_ARGUMENTS = ("height", "width", "num_frames")
 
 
-def call_activations(pipe: Any, *, batch: int = 1, steps: int = 2, **shapes: int | None) -> dict[str, int]:
+def call_activations(
+    pipe: Any, *, batch: int = 1, steps: int = 2, device: torch.device | None = None, **shapes: int | None
+) -> dict[str, int]:
     """Each component's activation peak in a call of ``pipe`` at ``shapes`` (see :func:`trace_pipeline_call`)."""
-    traces = trace_pipeline_call(pipe, batch=batch, steps=steps, **shapes)
+    traces = trace_pipeline_call(pipe, batch=batch, steps=steps, device=device, **shapes)
     return {name: trace.activation_peak for name, trace in traces.items() if trace.calls}
 
 
 def trace_pipeline_call(
-    pipe: Any, *, batch: int = 1, steps: int = 2, **shapes: int | None
+    pipe: Any, *, batch: int = 1, steps: int = 2, device: torch.device | None = None, **shapes: int | None
 ) -> dict[str, ComponentTrace]:
     """Each component's trace over a call of ``pipe`` at ``shapes`` (``height``, ``width``, ``num_frames``) for
     ``batch`` prompts, with ``steps`` denoising steps (two: Wan 2.2's experts each take one) and the pipeline's
-    other defaults."""
+    other defaults; workspace as on ``device`` (see :func:`trace_call`)."""
     target = Target.of(pipe)
     if not target.is_pipeline:
         raise InvalidOptionError(
@@ -196,4 +234,4 @@ def trace_pipeline_call(
     progress = getattr(pipe, "set_progress_bar_config", None)
     if progress is not None:
         progress(disable=True)
-    return trace_call(pipe, lambda: pipe(**kwargs))
+    return trace_call(pipe, lambda: pipe(**kwargs), device)
