@@ -22,7 +22,11 @@ frames of 4 x 4, eight text tokens). Variants:
   pages are the offloaded copy and nothing is written — what every load on a CUDA device does (where an
   onload copies anyway); on the CPU, outputs can then differ in the last bits;
 - ``..._f32``: the float32 checkpoint loaded as bfloat16 (the conversion path), diffusers' and
-  ``load_disk``; their ratios are against ``diffusers_group_disk_f32``.
+  ``load_disk``; their ratios are against ``diffusers_group_disk_f32``;
+- ``load_qfloat8_disk_on_cuda`` / ``load_qfloat8_pinned_on_cuda`` (only where CUDA is available): quantizing
+  while loading with a CUDA compute device, where each layer is packed on the GPU (uploaded, packed, the
+  packed bytes brought back) instead of on the CPU; their ratios are against ``load_qfloat8_disk`` (packing on
+  the CPU). The forward runs on the GPU, so their output digest is not comparable with the CPU variants'.
 
 In each worker a thread reads ``/proc/self/status`` every 20 ms; reported: the peak ``RssAnon``
 (anonymous memory: what the process allocated, not the page cache it maps; ``RssFile`` is recorded
@@ -70,7 +74,11 @@ VARIANTS = {
     "apply_qfloat8_disk": ("bf16", "diffusers_group_disk"),
     "diffusers_group_disk_f32": ("f32", "diffusers_group_disk_f32"),
     "load_disk_f32": ("f32", "diffusers_group_disk_f32"),
+    "load_qfloat8_disk_on_cuda": ("bf16", "load_qfloat8_disk"),
+    "load_qfloat8_pinned_on_cuda": ("bf16", "load_qfloat8_disk"),
 }
+#: variants that compute on a CUDA device (left out of the default list where there is none)
+ON_CUDA = tuple(v for v in VARIANTS if v.endswith("_on_cuda"))
 #: variant -> (peak RssAnon ratio at most, time ratio at most, peak above baseline in groups at most)
 TARGETS = {
     "load_mmap": (0.25, 1.0, 2.0),
@@ -214,7 +222,9 @@ def worker(args: argparse.Namespace) -> None:
     time.sleep(2 * SAMPLE_S)
     baseline_anon, baseline_file = read_status()
     sampler.reset()
-    name = variant.removesuffix("_f32")
+    name = variant.removesuffix("_f32").removesuffix("_on_cuda")
+    device = torch.device("cuda" if variant in ON_CUDA else "cpu")
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
     began = time.perf_counter()
     if name.startswith("diffusers_"):
@@ -238,7 +248,7 @@ def worker(args: argparse.Namespace) -> None:
         handle = memmode_core.load(
             folder,
             mode,
-            device="cpu",
+            device=device,
             storage=storage,
             torch_dtype=bf16,
             offload_dir=None if storage == "ram" else str(workdir),
@@ -249,7 +259,7 @@ def worker(args: argparse.Namespace) -> None:
     loaded = time.perf_counter()
     load_anon, load_file = sampler.take()
     with torch.inference_mode():
-        out = model(**inputs)[0]
+        out = model(**inputs)[0].cpu()
     done = time.perf_counter()
     peak_anon, peak_file = sampler.take()
     sampler.stop.set()
@@ -309,7 +319,9 @@ def main() -> None:
         default=str(Path(tempfile.gettempdir()) / "memmode-load-bench"),
         help="where the checkpoints are saved (reused) and the variants write their files; on a disk, not tmpfs",
     )
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+    parser.add_argument(
+        "--variants", default=None, help="comma-separated subset (default: all; the _on_cuda ones where CUDA is)"
+    )
     parser.add_argument(
         "--layers", type=int, default=30, help="transformer blocks (30: Wan 2.1 1.3B, 2.84 GB in bf16; 22: 2.09 GB)"
     )
@@ -333,10 +345,17 @@ def main() -> None:
         return
 
     rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    import torch
+
+    if args.variants is None:
+        variants = [v for v in VARIANTS if v not in ON_CUDA or torch.cuda.is_available()]
+    else:
+        variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    if any(v in ON_CUDA for v in variants) and not torch.cuda.is_available():
+        parser.error(f"{', '.join(v for v in variants if v in ON_CUDA)} need a CUDA device; this process has none")
     cache = Path(args.cache)
     folders = prepare(cache, wan_config(args.quick, args.layers))
     scratch = Path(tempfile.mkdtemp(prefix="run-", dir=cache))
