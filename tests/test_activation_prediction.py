@@ -184,6 +184,23 @@ def test_plan_with_shapes_counts_activations_against_the_budget():
     assert all("aten.convolution" in e.unmodelled_workspace for e in in_bf16), "the VAE's convolutions"
 
 
+@pytest.mark.parametrize("family", SHAPES)
+def test_a_skeleton_predicts_what_the_loaded_pipeline_does(family, tmp_path):
+    """Before loading: the pipeline built from config files, its weights on the meta device, is traced with
+    them standing in as fake tensors and its own code on the host — and is left as it was."""
+    from memmode_core.loading.load import skeleton
+
+    pipe = make_pipeline(family)
+    pipe.save_pretrained(tmp_path)
+    empty = skeleton(tmp_path)
+    cls = type(empty)
+    assert call_activations(empty, **SHAPES[family]) == call_activations(pipe, **SHAPES[family])
+    assert type(empty) is cls
+    for component in empty.components.values():
+        if isinstance(component, torch.nn.Module):
+            assert all(p.device.type == "meta" for p in component.parameters())
+
+
 def test_shapes_need_a_pipeline_that_takes_them():
     with pytest.raises(memmode.MemmodeError, match="takes no num_frames"):
         call_activations(make_pipeline("flux"), num_frames=5)

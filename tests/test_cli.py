@@ -103,10 +103,13 @@ def test_run_and_plan_a_local_diffusers_folder(tmp_path, capsys):
     assert main(["run", *common, "--json", "--mode", "sequential_cpu_offload"]) == 0
     (result,) = json.loads(capsys.readouterr().out)["results"]
     assert result["mode"] == "sequential_cpu_offload" and result["output_shape"] == [1, 3, 16, 16]
-    assert main(["plan", *common, "--vram", "300KB", "--json"]) == 0
+    # the call's shapes count: T5's activations at 512 tokens (12.6 MiB) dwarf the weights (870 KiB)
+    assert main(["plan", *common, "--vram", "13MiB", "--json"]) == 0
     entries = json.loads(capsys.readouterr().out)["entries"]
-    chosen = [e for e in entries if e["chosen"]]
-    assert len(chosen) == 1 and chosen[0]["peak_device_bytes"] <= 300_000
+    (chosen,) = [e for e in entries if e["chosen"]]
+    assert chosen["activation_bytes"] > 10 * 2**20
+    assert chosen["peak_device_bytes"] + chosen["activation_bytes"] <= 13 * 2**20
+    assert not next(e for e in entries if e["mode"] == "model_full_load")["fits"]
 
 
 def test_run_model_loads_straight_into_the_mode_and_plan_reads_only_headers(tmp_path, capsys, monkeypatch):
@@ -147,12 +150,15 @@ def test_run_model_loads_straight_into_the_mode_and_plan_reads_only_headers(tmp_
         (e["mode"], e["storage"], str(e["options"])): e for e in json.loads(capsys.readouterr().out)["entries"]
     }
     loaded = DiffusionPipeline.from_pretrained(tmp_path / "wan")
-    for entry in memmode_core.plan(loaded, device="cpu", quantizer="qfloat8", steps=2):
+    shapes = dict(height=16, width=16, num_frames=5)
+    for entry in memmode_core.plan(loaded, device="cpu", quantizer="qfloat8", steps=2, **shapes):
         got = from_headers[(entry.mode, entry.storage, str(entry.options))]
-        assert (got["peak_device_bytes"], got["transfer_bytes_per_call"]) == (
+        assert (got["peak_device_bytes"], got["transfer_bytes_per_call"], got["activation_bytes"]) == (
             entry.peak_device_bytes,
             entry.transfer_bytes_per_call,
+            entry.activation_bytes,
         ), entry.mode
+        assert entry.activation_bytes > 0, "the call's shapes are planned for from the headers too"
 
 
 def test_plan_table_marks_the_auto_choice(capsys):

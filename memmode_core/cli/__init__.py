@@ -343,8 +343,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             quantizer=args.quantizer or None,
             steps=args.steps,
             # the call's shapes: activations predicted on fake tensors, counted against --vram with the weights
-            # (not for --model, whose skeleton has no weights on a device to run the pipeline's own code with)
-            **(shapes if args.model is None else {}),
+            # (a --model skeleton's too: its weights stand in as fake tensors, the pipeline's code runs on the host)
+            **shapes,
             **args.options,
         )
     finally:

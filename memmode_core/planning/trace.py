@@ -106,6 +106,57 @@ class ComponentTrace:
         return {path: count / max(self.calls, 1) for path, count in self.flops.items()}
 
 
+#: where a skeleton's pipeline code and fake weights live while its call is traced
+HOST = torch.device("cpu")
+
+
+def _fake(mode: FakeTensorMode, value: torch.Tensor) -> torch.Tensor:
+    """``value`` as a fake tensor of ``mode``; one on the meta device (a skeleton's) as a fake host tensor."""
+    if value.device.type == "meta":
+        return mode.fake_tensor_converter.from_meta_and_device(mode, value, HOST)
+    return mode.from_tensor(value)
+
+
+@contextlib.contextmanager
+def _meta_as_fake(component: nn.Module, mode: FakeTensorMode) -> Iterator[None]:
+    """Within the block, the parameters and buffers of ``component`` that are on the meta device (a skeleton
+    built from config files, :func:`memmode_core.loading.load.skeleton`) are fake host tensors of ``mode``, so
+    they compute with the fake inputs; put back after."""
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+    try:
+        for module in component.modules():
+            for table in (module._parameters, module._buffers):
+                for key, value in table.items():
+                    if value is not None and value.device.type == "meta":
+                        swapped.append((table, key, value))
+                        table[key] = _fake(mode, value)
+        yield
+    finally:
+        for table, key, value in reversed(swapped):
+            table[key] = value
+
+
+def _has_meta(component: nn.Module) -> bool:
+    return any(t.device.type == "meta" for t in (*component.parameters(), *component.buffers()))
+
+
+@contextlib.contextmanager
+def _pipeline_on_host(pipe: Any) -> Iterator[None]:
+    """Within the block, a pipeline whose weights are on the meta device runs its own code (latents,
+    schedulers, prompt handling) on the host: its ``device`` and ``_execution_device``, which it reads from its
+    components' weights, say the host instead of meta (a dynamic subclass, the original class put back after)."""
+    original = type(pipe)
+    pipe.__class__ = type(
+        original.__name__,
+        (original,),
+        {"device": property(lambda self: HOST), "_execution_device": property(lambda self: HOST)},
+    )
+    try:
+        yield
+    finally:
+        pipe.__class__ = original
+
+
 def _to_zeros(value: Any) -> Any:
     if isinstance(value, FakeTensor):
         return torch.zeros(value.shape, dtype=value.dtype)
@@ -139,8 +190,8 @@ def _traced(
     def run_fake(*args, **kwargs):
         if inside:
             return original(*args, **kwargs)
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            fake = tree_map(lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, (args, kwargs))
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, _meta_as_fake(component, mode):
+            fake = tree_map(lambda v: _fake(mode, v) if isinstance(v, torch.Tensor) else v, (args, kwargs))
             live = LiveBytes(device)
             for value in tree_flatten(fake)[0]:
                 if isinstance(value, torch.Tensor):
@@ -185,7 +236,7 @@ def tracing(target: Target, device: torch.device | None = None) -> Iterator[dict
 
 def _device_of(component: nn.Module) -> torch.device:
     first = next(component.parameters(), None)
-    return first.device if first is not None else torch.device("cpu")
+    return first.device if first is not None and first.device.type != "meta" else HOST
 
 
 def trace_call(target: Any, run: Callable[[], Any], device: torch.device | None = None) -> dict[str, ComponentTrace]:
@@ -234,4 +285,6 @@ def trace_pipeline_call(
     progress = getattr(pipe, "set_progress_bar_config", None)
     if progress is not None:
         progress(disable=True)
-    return trace_call(pipe, lambda: pipe(**kwargs), device)
+    skeleton = any(_has_meta(c) for c in target.components.values())
+    with _pipeline_on_host(pipe) if skeleton else contextlib.nullcontext():
+        return trace_call(pipe, lambda: pipe(**kwargs), device)
