@@ -98,3 +98,24 @@ def test_plan_with_shapes_prices_with_compute():
     block = entries[("model_group_offload[offload_type=block_level]", "disk")]
     leaf = entries[("model_group_offload[offload_type=leaf_level]", "disk")]
     assert 0 < block.seconds_per_call < leaf.seconds_per_call, "more onloads, more latency and less to overlap"
+
+
+def test_attention_on_the_cpu_is_counted():
+    """A call traced on host tensors reaches the CPU's flash-attention kernel, which PyTorch's counter has no
+    formula for: without one, a long sequence's compute was counted at half (its attention missing)."""
+    import torch
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            q = self.proj(x).view(1, 256, 4, 16).transpose(1, 2)
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+    model = Attention()
+    (trace,) = trace_call(model, lambda: model(torch.randn(1, 256, 64))).values()
+    shape = (1, 4, 256, 16)
+    assert trace.flops[""] == 2 * 256 * 64 * 64 + sdpa_flop_count(shape, shape, shape)
