@@ -15,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_flatten
 
 import memmode_core as memmode
+from memmode_core.handle import handle_of
 from memmode_core.planning.trace import call_activations, trace_call
 from memmode_core.planning.workspace import workspace_bytes
 from tiny_pipelines import make_pipeline, run
@@ -204,3 +205,63 @@ def test_a_skeleton_predicts_what_the_loaded_pipeline_does(family, tmp_path):
 def test_shapes_need_a_pipeline_that_takes_them():
     with pytest.raises(memmode.MemmodeError, match="takes no num_frames"):
         call_activations(make_pipeline("flux"), num_frames=5)
+
+
+def test_auto_given_the_shapes_fits_weights_and_activations():
+    """``apply(pipe, "auto", vram_budget=..., height=..., width=...)``: the budget is the whole device's, the
+    choice is the one ``plan`` marks for the same shapes, and the output is full load's."""
+    pipe = make_pipeline("flux")
+    expected = run(pipe, "flux")
+    full = next(e for e in memmode.plan(pipe, device="cpu", **SHAPES["flux"]) if e.placement == "model_full_load")
+    budget = full.activation_bytes + full.peak_device_bytes // 2  # all weights fit, not with the activations
+    planned = next(e for e in memmode.plan(pipe, device="cpu", vram_budget=budget, **SHAPES["flux"]) if e.chosen)
+    handle = memmode.apply(pipe, "auto", device="cpu", vram_budget=budget, **SHAPES["flux"])
+    try:
+        choice = handle.prepared.choice
+        assert choice.placement != "model_full_load" and choice.fits
+        assert (choice.placement, choice.storage, choice.options) == (
+            planned.placement,
+            planned.storage,
+            planned.options,
+        )
+        assert choice.activation_bytes == full.activation_bytes
+        assert choice.peak_device_bytes + choice.activation_bytes <= budget
+        assert torch.equal(run(pipe, "flux"), expected)
+    finally:
+        handle.remove()
+    weights_only = memmode.apply(pipe, "auto", device="cpu", vram_budget=budget)
+    assert weights_only.prepared.choice.placement == "model_full_load", "without shapes the budget is for weights"
+    weights_only.remove()
+
+
+@pytest.mark.parametrize(
+    "target, shapes, message",
+    [
+        ("flux", {"num_frames": 5}, "takes no num_frames"),
+        ("model", {"height": 32}, "describe a pipeline call"),
+    ],
+)
+def test_auto_refuses_shapes_its_target_cannot_take_before_touching_it(target, shapes, message):
+    pipe = make_pipeline("flux")
+    subject = pipe if target == "flux" else pipe.transformer
+    before = {name: p.clone() for name, p in pipe.transformer.named_parameters()}
+    with pytest.raises(memmode.MemmodeError, match=message):
+        memmode.apply(subject, "auto", device="cpu", **shapes)
+    assert not memmode.hooks_of(pipe.transformer)
+    assert all(torch.equal(p, before[name]) for name, p in pipe.transformer.named_parameters())
+
+
+def test_a_pipeline_under_a_mode_is_not_traced():
+    """Its weights are offloaded and its hooks would move them during the traced call: refused, typed, and the
+    mode keeps working; after remove() the same plan runs."""
+    pipe = make_pipeline("flux")
+    expected = run(pipe, "flux")
+    handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage="ram")
+    with pytest.raises(memmode.MemmodeError, match="under a memmode mode"):
+        memmode.plan(pipe, device="cpu", **SHAPES["flux"])
+    with pytest.raises(memmode.MemmodeError, match="under a memmode mode"):
+        memmode.apply(pipe, "auto", device="cpu", **SHAPES["flux"])
+    assert handle_of(pipe) is handle and handle.mode == "model_group_offload"
+    assert torch.equal(run(pipe, "flux"), expected)
+    handle.remove()
+    assert any(e.activation_bytes for e in memmode.plan(pipe, device="cpu", **SHAPES["flux"]))

@@ -12,8 +12,8 @@ Resolvers register through the placement hook (they are spelt where a placement 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,12 +23,14 @@ from memmode_core.contracts.options import Option, Options
 
 @dataclass(frozen=True)
 class Budgets:
-    """What a resolver's candidates are priced for: device and host memory limits (None: no limit) and
-    the denoising steps of the call profile."""
+    """What a resolver's candidates are priced for: device and host memory limits (None: no limit), the
+    denoising steps of the call profile, and the call's shapes (``height``, ``width``, ``num_frames``,
+    ``batch``; given, the planner predicts the call's activations and ``vram`` counts them with the weights)."""
 
     vram: int | None
     ram: int | None
     steps: int
+    shapes: Mapping[str, int] = field(default_factory=dict)
 
 
 class Resolver:

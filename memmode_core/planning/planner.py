@@ -68,6 +68,10 @@ PREFETCH_OVERLAP = 0.9
 DEFAULT_STEPS = 20
 #: Share of free device memory ``auto`` may fill with weights by default (the rest is for activations).
 DEFAULT_VRAM_SHARE = 0.8
+#: Share of free device memory ``auto`` may fill with weights and the predicted activations when the call's shapes
+#: are given: the rest covers what the prediction leaves out (the allocator's rounding and caching, unmodelled
+#: kernel workspace)
+SHAPED_VRAM_SHARE = 0.95
 #: Share of available RAM ``auto`` may fill with offloaded weights by default.
 DEFAULT_RAM_SHARE = 0.9
 
@@ -397,11 +401,12 @@ def _storages(plugins, preg: Registration, base: Request) -> list[Registration |
 # -- budgets --------------------------------------------------------------------------------------------
 
 
-def default_vram_budget(device: torch.device) -> int | None:
+def default_vram_budget(device: torch.device, share: float = DEFAULT_VRAM_SHARE) -> int | None:
+    """``share`` of the device's free memory (None on the host: no limit)."""
     streams = active()
     if not streams.is_host(device):
         free, _ = streams.memory_info(device)
-        return int(free * DEFAULT_VRAM_SHARE)
+        return int(free * share)
     return None
 
 
@@ -456,13 +461,9 @@ def plan(
     ram = _budget("ram_budget", ram_budget)
     plugins = current()
     sequence = call_sequence(tgt, calls if calls is not None else default_calls(tgt, steps))
-    activation, traces, unmodelled = 0, None, ()
-    if any(v is not None for v in (height, width, num_frames, batch)):
-        traces = trace_pipeline_call(
-            target, batch=batch or 1, device=dev, height=height, width=width, num_frames=num_frames
-        )
-        activation = max((traces[name].activation_peak for name in set(sequence) if name in traces), default=0)
-        unmodelled = tuple(sorted(set().union(*(traces[name].unmodelled for name in set(sequence) if name in traces))))
+    shapes = {k: v for k, v in dict(height=height, width=width, num_frames=num_frames, batch=batch).items() if v}
+    call = CallTrace.of(target, sequence, dev, shapes)
+    activation = call.activation_bytes
     entries: list[PlanEntry] = []
     for qreg in _quantizers(plugins, quantizer):
         base = Request(
@@ -480,12 +481,41 @@ def plan(
             # activations leave of it) does
             given=dict(options) | ({"vram_budget": max(vram - activation, 1)} if vram is not None else {}),
         )
-        entries += price_all(candidates(target, base), sequence, traces)
-    for entry in entries:
-        entry.activation_bytes = activation
-        entry.unmodelled_workspace = unmodelled
+        entries += price_all(candidates(target, base), sequence, call.traces)
+    call.mark(entries)
     judge(entries, vram, ram)
     return entries
+
+
+@dataclass(frozen=True)
+class CallTrace:
+    """A call at given shapes, traced once on fake tensors (:mod:`memmode_core.planning.trace`) and handed to
+    what prices and judges the candidates: the traces (compute per group), the activation peak over the
+    components the call sequence runs, and the operations whose workspace that peak leaves out. Without
+    shapes nothing is traced and activations count 0 (``vram_budget`` counts weights only)."""
+
+    traces: Mapping[str, ComponentTrace] | None = None
+    activation_bytes: int = 0
+    unmodelled_workspace: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, target: Any, sequence: list[str], device: torch.device, shapes: Mapping[str, int]) -> CallTrace:
+        if not shapes:
+            return cls()
+        shapes = dict(shapes)
+        batch = shapes.pop("batch", 1)
+        traces = trace_pipeline_call(target, batch=batch, device=device, **shapes)
+        ran = [traces[name] for name in set(sequence) if name in traces]
+        return cls(
+            traces,
+            max((t.activation_peak for t in ran), default=0),
+            tuple(sorted(set().union(*(t.unmodelled for t in ran)))),
+        )
+
+    def mark(self, entries: Iterable[PlanEntry]) -> None:
+        for entry in entries:
+            entry.activation_bytes = self.activation_bytes
+            entry.unmodelled_workspace = self.unmodelled_workspace
 
 
 def price_all(

@@ -20,7 +20,14 @@ import torch
 
 from memmode_core.contracts.options import declared_options
 from memmode_core.contracts.targets import Target
-from memmode_core.planning.planner import call_sequence, candidates, default_calls, judge, price_all
+from memmode_core.planning.planner import (
+    CallTrace,
+    call_sequence,
+    candidates,
+    default_calls,
+    judge,
+    price_all,
+)
 from memmode_core.planning.prepared import Prepared, Request, make_request, prepare_target
 
 logger = logging.getLogger("memmode")
@@ -72,12 +79,14 @@ def resolve_choice(target: Any, request: Request) -> Prepared:
     budgets = resolver.budgets(request.placement_options, request.device)
     own = {o.name for o in declared_options(resolver.options)}
     given = {k: v for k, v in request.given.items() if k not in own}
-    if budgets.vram is not None:  # a placement that can fit itself to the budget (group offload) does
-        given["vram_budget"] = budgets.vram
-    base = dataclasses.replace(request, given=given)
     placed = Target.of(target).without(request.exclude_components)
     sequence = call_sequence(placed, default_calls(placed, budgets.steps))
-    entries = price_all(candidates(target, base), sequence)
+    call = CallTrace.of(target, sequence, request.device, budgets.shapes)
+    if budgets.vram is not None:  # a placement that can fit itself to the budget (group offload) does, to
+        given["vram_budget"] = max(budgets.vram - call.activation_bytes, 1)  # what the activations leave of it
+    base = dataclasses.replace(request, given=given)
+    entries = price_all(candidates(target, base), sequence, call.traces)
+    call.mark(entries)
     judge(entries, budgets.vram, budgets.ram)
     entry = resolver.choose(entries, budgets)
     chosen = entry.prepared

@@ -30,6 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from memmode_core.contracts.errors import InvalidOptionError
 from memmode_core.contracts.targets import Target
 from memmode_core.engine.forwards import entry_methods
+from memmode_core.engine.hooks import hooks_of
 from memmode_core.planning.workspace import workspace_bytes
 
 
@@ -206,7 +207,11 @@ def _traced(
                     live.add(value)
             inside.append(True)
             try:
-                with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=_MORE_FLOP_FORMULAS) as counter, live:
+                with (
+                    torch.no_grad(),
+                    FlopCounterMode(display=False, custom_mapping=_MORE_FLOP_FORMULAS) as counter,
+                    live,
+                ):
                     out = component(*fake[0], **fake[1]) if name == "forward" else original(*fake[0], **fake[1])
             finally:
                 inside.pop()
@@ -247,9 +252,23 @@ def _device_of(component: nn.Module) -> torch.device:
     return first.device if first is not None and first.device.type != "meta" else HOST
 
 
+def _refuse_placed(target: Target) -> None:
+    """A target under a memmode mode is not traced: its weights are offloaded or quantized and its hooks would
+    move them during the call. Refused before anything runs, saying how to get the prediction."""
+    placed = [name for name, component in target.components.items() if any(hooks_of(m) for m in component.modules())]
+    if placed or (target.is_pipeline and hooks_of(target.obj)):
+        raise InvalidOptionError(
+            f"the call's shapes (height=, width=, num_frames=, batch=) are traced on the model as loaded, but "
+            f"{', '.join(placed) or 'the pipeline'} is under a memmode mode now: plan or apply 'auto' with the "
+            "shapes before applying a mode, or remove() it first"
+        )
+
+
 def trace_call(target: Any, run: Callable[[], Any], device: torch.device | None = None) -> dict[str, ComponentTrace]:
     """Each component's activation peak and FLOPs over ``run()`` (a call of the pipeline or model), with the
-    kernels' workspace on ``device`` (default: where each component's weights are)."""
+    kernels' workspace on ``device`` (default: where each component's weights are). A target under a memmode
+    mode is refused (:class:`InvalidOptionError`)."""
+    _refuse_placed(Target.of(target))
     with tracing(Target.of(target), device) as traces:
         run()
     return traces
