@@ -8,11 +8,12 @@ set here so that each expectation follows from the engine's issue order by hand.
 from __future__ import annotations
 
 import pytest
+import torch
 
 import memmode_core as memmode
 from memmode_core.contracts.costs import StorageCost
 from memmode_core.contracts.layout import Policy
-from memmode_core.planning.residency import spread
+from memmode_core.planning.residency import fit, spread
 from memmode_core.planning.timing import exposed_seconds, group_flops
 from memmode_core.planning.trace import trace_call
 from tiny_components import deep_wan_inputs, deep_wan_transformer
@@ -119,3 +120,69 @@ def test_attention_on_the_cpu_is_counted():
     (trace,) = trace_call(model, lambda: model(torch.randn(1, 256, 64))).values()
     shape = (1, 4, 256, 16)
     assert trace.flops[""] == 2 * 256 * 64 * 64 + sdpa_flop_count(shape, shape, shape)
+
+
+class _Block(torch.nn.Module):
+    """One linear layer applied ``repeat`` times: the same bytes, ``repeat`` times the compute."""
+
+    def __init__(self, repeat: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 64)
+        self.repeat = repeat
+
+    def forward(self, x):
+        for _ in range(self.repeat):
+            x = self.linear(x)
+        return x
+
+
+class _Uneven(torch.nn.Module):
+    """Four heavy blocks then four light ones (Flux's double blocks before its single ones, in miniature)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Block(4) for _ in range(4)] + [_Block(1) for _ in range(4)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_uneven_blocks_are_streamed_where_their_copies_are_hidden_best():
+    """Three of eight blocks stream. Even in count they would be the 3rd, 5th and 8th, and the last copy would
+    overlap three light blocks; chosen by compute (what the planner's trace gives) the smallest compute any copy
+    overlaps is as large as it can be — and the call waits less."""
+    model = _Uneven()
+    traces = trace_call(model, lambda: model(torch.randn(16, 64)))
+    prepared, blocks, _ = layout(model)
+    flops = group_flops(prepared.groups, prepared.target.components, traces)
+    block_bytes = prepared.group_bytes[blocks[0].key]
+    rest = sum(prepared.group_bytes[g.key] for g in prepared.groups) - 8 * block_bytes
+    budget = rest + 7 * block_bytes  # five kept, one streamed block computing and one arriving
+    light = flops[blocks[-1].key]
+    # a light block computes in a fifth of a block's copy, a heavy one in four fifths
+    compute = {key: count / light * copy_seconds(prepared, blocks[0]) / 5 for key, count in flops.items()}
+
+    laid_out = {g.key: g.policy for g in prepared.groups}
+
+    def streamed_and_waited(weights):
+        for g in prepared.groups:
+            g.policy = laid_out[g.key]
+        residency = fit(
+            prepared.groups, prepared.group_bytes, prepared.target.components, budget, prefetch=True, compute=weights
+        )
+        residency.apply(prepared.groups)
+        picked = [i for i, g in enumerate(blocks) if g.policy is Policy.STREAM]
+        return picked, waited(prepared, compute, lookahead=residency.lookahead)
+
+    by_count, count_wait = streamed_and_waited(None)
+    by_compute, compute_wait = streamed_and_waited(flops)
+    assert by_count == [2, 4, 7] and by_compute == [2, 3, 7]
+    assert compute_wait < count_wait
+
+
+def test_spread_by_compute_keeps_the_even_runs_of_uniform_blocks():
+    assert spread(12, 4, [1.0] * 12) == spread(12, 4) == [2, 5, 8, 11]
+    assert spread(8, 3, [4, 4, 4, 4, 1, 1, 1, 1]) == [2, 3, 7]
+    assert spread(6, 0, [1.0] * 6) == [] and spread(4, 4, [1, 2, 3, 4]) == [0, 1, 2, 3]

@@ -480,6 +480,7 @@ def plan(
             # a placement that can fit itself to the budget (group offload keeps groups up to what the
             # activations leave of it) does
             given=dict(options) | ({"vram_budget": max(vram - activation, 1)} if vram is not None else {}),
+            traces=call.traces,
         )
         entries += price_all(candidates(target, base), sequence, call.traces)
     call.mark(entries)

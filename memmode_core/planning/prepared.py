@@ -41,6 +41,8 @@ from memmode_core.engine.groups import Group, claim_groups
 from memmode_core.engine.pipeline_hooks import refuse_foreign_offloading
 from memmode_core.planning.layout import Layout, lay_out
 from memmode_core.planning.residency import Residency, fit
+from memmode_core.planning.timing import group_flops
+from memmode_core.planning.trace import ComponentTrace
 from memmode_core.quantization import (
     QuantizationPlan,
     check_component,
@@ -81,6 +83,9 @@ class Request:
     storage_given: str | None = None
     #: the option keywords as given (a resolver hands those of the chosen mode's plugins to its candidates)
     given: Mapping[str, Any] = field(default_factory=dict)
+    #: the call traced at its shapes, when the planner has it: group offload spreads what it streams by the
+    #: compute of each group (:func:`memmode_core.planning.residency.fit`)
+    traces: Mapping[str, ComponentTrace] | None = None
 
     @property
     def resolver(self) -> Resolver | None:
@@ -410,7 +415,8 @@ def prepare_target(
     residency = None
     budget = getattr(request.placement_options, "vram_budget", None)
     if budget is not None:
-        residency = fit(groups, sizes, tgt.components, budget, prefetch=prefetch)
+        compute = group_flops(groups, tgt.components, request.traces) if request.traces else None
+        residency = fit(groups, sizes, tgt.components, budget, prefetch=prefetch, compute=compute)
         residency.apply(groups)
     return Prepared(
         request=request,

@@ -12,7 +12,9 @@ streams only the rest:
 - of the groups entered one after another (blocks, leaves), as few as possible are streamed, and those
   are spread evenly among the kept ones, each at the end of a run of kept groups: its copy is issued when
   the streamed group before it is entered, and overlaps the compute of that group and of the whole run of
-  kept groups before it, instead of only one group's;
+  kept groups before it, instead of only one group's. Given each group's compute for the call (the planner's
+  trace, when the call's shapes are known), the runs are chosen by compute, not count (see :func:`spread`):
+  where blocks differ (Flux's double and single blocks) no copy is left with little compute to hide behind;
 - what the budget leaves once the kept groups are chosen goes to prefetch depth: with room for ``k`` more
   streamed groups, prefetch runs ``1 + k`` groups ahead (at most as many as stream).
 
@@ -27,8 +29,9 @@ below what streaming every group needs is refused, before anything is touched, s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from torch import nn
 
@@ -92,9 +95,87 @@ def idle_groups(groups: Iterable[Group], components: Mapping[str, nn.Module]) ->
     return {id(g) for g in groups if g.slots and all(id(slot.owner) in idle_ids[g.component] for slot in g.slots)}
 
 
-def spread(count: int, streamed: int) -> list[int]:
-    """Indices of ``streamed`` of ``count`` groups in sequence, each at the end of an even run of kept ones."""
-    return [round((k + 1) * count / streamed) - 1 for k in range(streamed)] if streamed else []
+def spread(count: int, streamed: int, weights: Sequence[float] | None = None) -> list[int]:
+    """Indices of ``streamed`` of ``count`` groups in sequence, each at the end of a run of kept ones.
+
+    The copy of a streamed group overlaps the compute from the streamed group before it (or the call's start)
+    up to itself: its window. Without ``weights`` (or all zero) the runs are even in count. With each group's
+    compute as ``weights``, the choice that hides the worst-hidden copy best is taken, whatever the ratio of
+    copy to compute time turns out to be: of the runs even in count, even in compute, and the two ways of
+    making the smallest window as large as it can be (windows closed as early, or as late, as they can), the
+    one whose windows, smallest first, are largest (leximin)."""
+    if not streamed:
+        return []
+    by_count = [round((k + 1) * count / streamed) - 1 for k in range(streamed)]
+    total = sum(weights) if weights is not None else 0
+    if total <= 0:
+        return by_count
+    ends = list(accumulate(weights))
+
+    def windows(picks: list[int]) -> list[float]:
+        starts = [0, *picks[:-1]]
+        return sorted((ends[p - 1] if p else 0.0) - (ends[s - 1] if s else 0.0) for s, p in zip(starts, picks))
+
+    largest_smallest = _largest_smallest_window(weights, streamed)
+    candidates = [
+        by_count,
+        _even_shares(ends, streamed),
+        _closed_early(weights, streamed, largest_smallest),
+        _closed_late(weights, streamed, largest_smallest),
+    ]
+    return max((c for c in candidates if len(c) == streamed), key=windows)
+
+
+def _even_shares(ends: list[float], streamed: int) -> list[int]:
+    """Each pick the group whose end is closest to the next even share of the compute (later on a tie)."""
+    picks: list[int] = []
+    for k in range(1, streamed + 1):
+        low, high = (picks[-1] + 1 if picks else 0), len(ends) - (streamed - k) - 1
+        target = k * ends[-1] / streamed
+        picks.append(min(range(low, high + 1), key=lambda i: (abs(ends[i] - target), -i)))
+    return picks
+
+
+def _closed_early(weights: Sequence[float], streamed: int, threshold: float) -> list[int]:
+    """Picks closing each window as soon as it reaches ``threshold`` (fewer than ``streamed`` if it cannot)."""
+    picks: list[int] = []
+    window = 0.0
+    for i, weight in enumerate(weights):
+        if len(picks) == streamed:
+            break
+        if window >= threshold:
+            picks.append(i)
+            window = 0.0
+        window += weight
+    return picks
+
+
+def _closed_late(weights: Sequence[float], streamed: int, threshold: float) -> list[int]:
+    """Picks from the last group backwards, each as late as leaves the window after it at ``threshold``."""
+    picks = [len(weights) - 1]
+    window = 0.0
+    for i in range(len(weights) - 2, -1, -1):
+        if len(picks) == streamed:
+            break
+        window += weights[i]
+        if window >= threshold and i > 0:
+            picks.append(i)
+            window = 0.0
+    picks.reverse()
+    first_window = sum(weights[: picks[0]])
+    return picks if len(picks) == streamed and first_window >= threshold else []
+
+
+def _largest_smallest_window(weights: Sequence[float], streamed: int) -> float:
+    """The largest threshold that ``streamed`` consecutive windows can each reach (bisection)."""
+    low, high = 0.0, float(sum(weights))
+    for _ in range(60):
+        middle = (low + high) / 2
+        if len(_closed_early(weights, streamed, middle)) == streamed:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def fit(
@@ -104,8 +185,10 @@ def fit(
     budget: int,
     *,
     prefetch: bool,
+    compute: Mapping[str, float] | None = None,
 ) -> Residency:
-    """Choose what stays and what streams within ``budget`` bytes of weights (see the module docstring)."""
+    """Choose what stays and what streams within ``budget`` bytes of weights (see the module docstring);
+    ``compute``: each group's compute in the call (FLOPs or seconds), to spread the streamed groups by."""
     idle = idle_groups(groups, components)
     resident = sum(sizes[g.key] for g in groups if g.policy is Policy.RESIDENT)
     room = budget - resident
@@ -118,8 +201,9 @@ def fit(
         sequence = [g for g in mine if not encloses(g, root)]
         base = sum(sizes[g.key] for g in held)
         smallest = None
+        weights = [compute.get(g.key, 0.0) for g in sequence] if compute else None
         for streamed in range(len(sequence) + 1):
-            picked = set(spread(len(sequence), streamed))
+            picked = set(spread(len(sequence), streamed, weights))
             moving = [sizes[g.key] for i, g in enumerate(sequence) if i in picked]
             staying = sum(sizes[g.key] for i, g in enumerate(sequence) if i not in picked)
             largest = max(moving, default=0)
