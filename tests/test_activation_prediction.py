@@ -24,7 +24,13 @@ aten = torch.ops.aten
 CPU = torch.device("cpu")
 
 #: family -> the call's shapes (video families take frames)
-SHAPES = {"wan22": {"height": 32, "width": 32, "num_frames": 5}, "flux": {"height": 32, "width": 32}, "sd3": {}}
+SHAPES = {
+    "wan22": {"height": 32, "width": 32, "num_frames": 5},
+    "flux": {"height": 32, "width": 32},
+    "sd3": {},
+    "qwenimage": {"height": 32, "width": 32},
+    "ltx": {"height": 32, "width": 32, "num_frames": 9},
+}
 
 
 def recorded_inputs(pipe, family: str, component: str, method: str = "forward") -> tuple[tuple, dict]:
@@ -188,18 +194,21 @@ def test_plan_with_shapes_counts_activations_against_the_budget():
 @pytest.mark.parametrize("family", SHAPES)
 def test_a_skeleton_predicts_what_the_loaded_pipeline_does(family, tmp_path):
     """Before loading: the pipeline built from config files, its weights on the meta device, is traced with
-    them standing in as fake tensors and its own code on the host — and is left as it was."""
+    them standing in as fake tensors and its own code on the host (LTX's pipeline reads its VAE's checkpoint
+    buffer ``latents_mean`` itself: zeros of its shape stand in) — and is left as it was."""
     from memmode_core.loading.load import skeleton
 
     pipe = make_pipeline(family)
     pipe.save_pretrained(tmp_path)
     empty = skeleton(tmp_path)
     cls = type(empty)
+    modules = [c for c in empty.components.values() if isinstance(c, torch.nn.Module)]
+    meta_buffers = [b for c in modules for b in c.buffers() if b.device.type == "meta"]
     assert call_activations(empty, **SHAPES[family]) == call_activations(pipe, **SHAPES[family])
     assert type(empty) is cls
-    for component in empty.components.values():
-        if isinstance(component, torch.nn.Module):
-            assert all(p.device.type == "meta" for p in component.parameters())
+    assert all(p.device.type == "meta" for c in modules for p in c.parameters())
+    buffers_after = {id(b) for c in modules for b in c.buffers()}
+    assert all(id(b) in buffers_after for b in meta_buffers), "the checkpoint's buffers are put back"
 
 
 def test_shapes_need_a_pipeline_that_takes_them():

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,20 +150,31 @@ def _has_meta(component: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _pipeline_on_host(pipe: Any) -> Iterator[None]:
+def _pipeline_on_host(pipe: Any, components: Iterable[nn.Module]) -> Iterator[None]:
     """Within the block, a pipeline whose weights are on the meta device runs its own code (latents,
     schedulers, prompt handling) on the host: its ``device`` and ``_execution_device``, which it reads from its
-    components' weights, say the host instead of meta (a dynamic subclass, the original class put back after)."""
+    components' weights, say the host instead of meta (a dynamic subclass, the original class put back after),
+    and the components' buffers that came from the checkpoint (LTX's VAE ``latents_mean``, which the pipeline
+    reads itself) are zeros of their shape on the host. Their values do not change a shape; no weight is read."""
     original = type(pipe)
-    pipe.__class__ = type(
-        original.__name__,
-        (original,),
-        {"device": property(lambda self: HOST), "_execution_device": property(lambda self: HOST)},
-    )
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
     try:
+        for component in components:
+            for module in component.modules():
+                for key, value in module._buffers.items():
+                    if value is not None and value.device.type == "meta":
+                        swapped.append((module._buffers, key, value))
+                        module._buffers[key] = torch.zeros(value.shape, dtype=value.dtype, device=HOST)
+        pipe.__class__ = type(
+            original.__name__,
+            (original,),
+            {"device": property(lambda self: HOST), "_execution_device": property(lambda self: HOST)},
+        )
         yield
     finally:
         pipe.__class__ = original
+        for table, key, value in reversed(swapped):
+            table[key] = value
 
 
 def _to_zeros(value: Any) -> Any:
@@ -313,5 +324,5 @@ def trace_pipeline_call(
     if progress is not None:
         progress(disable=True)
     skeleton = any(_has_meta(c) for c in target.components.values())
-    with _pipeline_on_host(pipe) if skeleton else contextlib.nullcontext():
+    with _pipeline_on_host(pipe, target.components.values()) if skeleton else contextlib.nullcontext():
         return trace_call(pipe, lambda: pipe(**kwargs), device)
