@@ -14,6 +14,7 @@ changed; a call at 81 frames of 720p costs what the pipeline's own small tensors
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -22,12 +23,17 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from memmode_core.contracts.errors import InvalidOptionError
+from memmode_core.contracts.errors import InvalidOptionError, MemmodeError
 from memmode_core.contracts.targets import Target
 from memmode_core.engine.forwards import entry_methods
 from memmode_core.engine.hooks import hooks_of
@@ -183,8 +189,51 @@ def _to_zeros(value: Any) -> Any:
     return value
 
 
+class _RealIndices(TorchDispatchMode):
+    """Under the fake-tensor mode: an operation whose tensors are all real and none floating (an attention
+    mask, token ids, sequence lengths: the component's integer and boolean inputs stay real) runs for real, so
+    that a forward which reads their values (``mask.sum().item()`` for Lumina 2's sequence lengths,
+    ``mask.nonzero()`` in Mochi) can be traced. Weights and activations are floating and stay fake."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
+        if tensors and not any(isinstance(t, FakeTensor) or t.is_floating_point() for t in tensors):
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _fake_input(mode: FakeTensorMode, value: Any) -> Any:
+    """A component's input as the fake run takes it: floating tensors fake, integer and boolean ones real
+    (see :class:`_RealIndices`)."""
+    if not isinstance(value, torch.Tensor) or (not value.is_floating_point() and value.device.type != "meta"):
+        return value
+    return _fake(mode, value)
+
+
+class TraceError(InvalidOptionError):
+    """The call cannot be traced at the shapes given: a component's forward needs what fake tensors do not have
+    (the values of its tensors), or the pipeline's own code failed. The message names where and why; planning
+    without the call's shapes still works (``vram_budget`` then counts weights only)."""
+
+
+_WITHOUT_SHAPES = (
+    "its activations cannot be predicted: plan without the call's shapes (vram_budget then counts weights only)"
+)
+
+
+def _failed(where: str, error: Exception) -> TraceError:
+    if isinstance(error, (DataDependentOutputException, DynamicOutputShapeException)):
+        why = f"depends on the values of its tensors ({error.func}), which a run on fake tensors does not have"
+    else:
+        why = f"failed on fake tensors ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+    return TraceError(f"{where} {why}; {_WITHOUT_SHAPES}")
+
+
 def _traced(
     component: nn.Module,
+    label: str,
     name: str,
     original: Callable,
     trace: ComponentTrace,
@@ -211,7 +260,7 @@ def _traced(
         if inside:
             return original(*args, **kwargs)
         with FakeTensorMode(allow_non_fake_inputs=True) as mode, _meta_as_fake(component, mode):
-            fake = tree_map(lambda v: _fake(mode, v) if isinstance(v, torch.Tensor) else v, (args, kwargs))
+            fake = tree_map(lambda v: _fake_input(mode, v), (args, kwargs))
             live = LiveBytes(device)
             for value in tree_flatten(fake)[0]:
                 if isinstance(value, torch.Tensor):
@@ -220,10 +269,15 @@ def _traced(
             try:
                 with (
                     torch.no_grad(),
+                    _RealIndices(),
                     FlopCounterMode(display=False, custom_mapping=_MORE_FLOP_FORMULAS) as counter,
                     live,
                 ):
                     out = component(*fake[0], **fake[1]) if name == "forward" else original(*fake[0], **fake[1])
+            except MemmodeError:
+                raise
+            except Exception as error:
+                raise _failed(f"{label}.{name}", error) from error
             finally:
                 inside.pop()
         trace.calls += 1
@@ -235,7 +289,8 @@ def _traced(
                 trace.flops[path] = trace.flops.get(path, 0) + sum(ops.values())
         return tree_map(_to_zeros, out)
 
-    return run_fake
+    # the method's own signature shows through (pipelines ask which arguments a component's forward takes)
+    return functools.update_wrapper(run_fake, original)
 
 
 @contextlib.contextmanager
@@ -250,7 +305,8 @@ def tracing(target: Target, device: torch.device | None = None) -> Iterator[dict
             where = device if device is not None else _device_of(component)
             for method in ("forward", *entry_methods(component)):
                 original = getattr(component, method)
-                setattr(component, method, _traced(component, method, original, traces[name], inside, where))
+                label = f"{name} ({type(component).__name__})"
+                setattr(component, method, _traced(component, label, method, original, traces[name], inside, where))
                 patched.append((component, method))
         yield traces
     finally:
@@ -279,9 +335,15 @@ def trace_call(target: Any, run: Callable[[], Any], device: torch.device | None 
     """Each component's activation peak and FLOPs over ``run()`` (a call of the pipeline or model), with the
     kernels' workspace on ``device`` (default: where each component's weights are). A target under a memmode
     mode is refused (:class:`InvalidOptionError`)."""
-    _refuse_placed(Target.of(target))
-    with tracing(Target.of(target), device) as traces:
-        run()
+    subject = Target.of(target)
+    _refuse_placed(subject)
+    with tracing(subject, device) as traces:
+        try:
+            run()
+        except MemmodeError:
+            raise
+        except Exception as error:
+            raise _failed(f"the call of {subject.label}, outside its components,", error) from error
     return traces
 
 
