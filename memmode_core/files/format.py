@@ -27,6 +27,7 @@ import os
 import struct
 import warnings
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -93,12 +94,12 @@ class Layout:
     def data_start(self) -> int:
         return len(self.header)
 
-    @property
+    @cached_property
     def data_bytes(self) -> int:
         return packed_size(self.entries)
 
-    @property
-    def file_size(self) -> int:
+    @cached_property
+    def file_size(self) -> int:  # cached: read at the check before every onload
         return self.data_start + self.data_bytes
 
     @classmethod
