@@ -27,7 +27,7 @@ import os
 import struct
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -186,13 +186,20 @@ class _Hashers:
     lock = threading.Lock()
 
     @classmethod
-    def map(cls, pieces: list[memoryview]):
+    def map(cls, pieces: list[memoryview]) -> list[bytes]:
         with cls.lock:
             if cls.pool is None:
                 workers = min(4, max(2, os.cpu_count() or 1))
                 cls.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="memmode-hash")
             pool = cls.pool
-        return pool.map(_piece_digest, pieces)
+        futures = []
+        try:
+            futures.extend(pool.submit(_piece_digest, piece) for piece in pieces)
+        except RuntimeError:  # the interpreter is shutting down: no new work for the pool; hash here
+            wait(futures)
+            return [_piece_digest(piece) for piece in pieces]
+        wait(futures)  # none still reads the tensors once this returns, even where one failed
+        return [future.result() for future in futures]
 
     @classmethod
     def forget(cls) -> None:
