@@ -107,6 +107,29 @@ def test_the_name_is_a_digest_of_names_shapes_and_every_byte():
     assert len({name_of(base), name_of(one_bit), name_of(renamed), name_of(reshaped), name_of(group(1))}) == 5
 
 
+def test_a_large_group_is_named_by_a_hash_list_of_its_pieces_hashed_in_parallel(monkeypatch):
+    """A group of many pieces is hashed by the pool's threads: the name is still the digest of the header and
+    of each piece's digest in order (so it cannot depend on which thread finishes first), and a byte changed
+    in any piece changes it."""
+    import hashlib
+
+    monkeypatch.setattr(group_format, "HASH_PIECE", 1024)
+    host = group_format.host_tensors({"a": torch.randn(3000), "b": torch.randn(700), "c": torch.zeros(0)})
+    layout = group_format.Layout.of(host)
+    expected = hashlib.sha256(layout.header)
+    for entry in layout.entries:
+        data = group_format.byte_view(host[entry.name])
+        for start in range(0, len(data), 1024):
+            expected.update(hashlib.sha256(data[start : start + 1024]).digest())
+    assert group_format.content_name(layout, host) == expected.hexdigest()[: group_format.NAME_DIGITS]
+    names = {group_format.content_name(layout, host)}
+    for name, index in (("a", 0), ("a", 2999), ("b", 350)):
+        changed = {**host, name: host[name].clone()}
+        changed[name][index] += 1.0
+        names.add(group_format.content_name(layout, changed))
+    assert len(names) == 4
+
+
 def test_unsupported_dtypes_are_refused_before_writing(store):
     with pytest.raises(StorageUnavailableError, match="complex128"):
         store.store({"w": torch.zeros(2, dtype=torch.complex128)})

@@ -25,8 +25,11 @@ import json
 import mmap
 import os
 import struct
+import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -75,6 +78,13 @@ PADDING_PREFIX = "__memmode_padding__."
 HASH = hashlib.sha256
 #: hex digits of the digest kept in a file name (128 bits)
 NAME_DIGITS = 32
+#: A group's bytes are hashed in pieces of this size (each tensor's bytes cut at multiples of it), and the name
+#: is the digest of the header and of the pieces' digests in order (a hash list: as collision-resistant as
+#: the hash). Pieces of a large group are hashed by a small pool of threads (:class:`_Hashers`), so that the
+#: hash, the largest cost of writing a model's group files (SHA-256: about 1.2 GB/s per core here), uses more
+#: than one core: hashing the 22 blocks of a 1.9 GiB model took 0.91 s (0.88-1.73) instead of 1.72 s
+#: (1.69-1.76) on 2 cores. A piece is large enough that a digest per piece costs nothing next to hashing it.
+HASH_PIECE = 4 << 20
 
 
 class UnsupportedDtypeError(TypeError):
@@ -93,12 +103,12 @@ class Layout:
     def data_start(self) -> int:
         return len(self.header)
 
-    @property
+    @cached_property
     def data_bytes(self) -> int:
         return packed_size(self.entries)
 
-    @property
-    def file_size(self) -> int:
+    @cached_property
+    def file_size(self) -> int:  # cached: read at the check before every onload
         return self.data_start + self.data_bytes
 
     @classmethod
@@ -150,11 +160,55 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
 
 
 def content_name(layout: Layout, tensors: Tensors) -> str:
-    """The file name for these exact bytes: a digest of the header (names, dtypes, shapes) and the data."""
-    digest = HASH(layout.header)
+    """The file name for these exact bytes: a digest of the header (names, dtypes, shapes) and of the
+    digests of the data's pieces (see :data:`HASH_PIECE`), hashed by several threads for a large group."""
+    pieces = []
     for entry in layout.entries:
-        digest.update(byte_view(tensors[entry.name]))
+        data = byte_view(tensors[entry.name])
+        pieces.extend(data[start : start + HASH_PIECE] for start in range(0, len(data), HASH_PIECE))
+    digest = HASH(layout.header)
+    for piece_digest in _Hashers.map(pieces) if len(pieces) > 2 else map(_piece_digest, pieces):
+        digest.update(piece_digest)
     return digest.hexdigest()[:NAME_DIGITS]
+
+
+def _piece_digest(piece: memoryview) -> bytes:
+    digest = HASH()
+    digest.update(piece)  # releases the GIL: the pool's threads hash in parallel
+    return digest.digest()
+
+
+class _Hashers:
+    """The threads that hash the pieces of large groups: as many as there are cores, 2 to 4, started on first
+    use (a forked child starts its own: the parent's threads do not exist in it)."""
+
+    pool: ThreadPoolExecutor | None = None
+    lock = threading.Lock()
+
+    @classmethod
+    def map(cls, pieces: list[memoryview]) -> list[bytes]:
+        with cls.lock:
+            if cls.pool is None:
+                workers = min(4, max(2, os.cpu_count() or 1))
+                cls.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="memmode-hash")
+            pool = cls.pool
+        futures = []
+        try:
+            futures.extend(pool.submit(_piece_digest, piece) for piece in pieces)
+        except RuntimeError:  # the interpreter is shutting down: no new work for the pool; hash here
+            wait(futures)
+            return [_piece_digest(piece) for piece in pieces]
+        wait(futures)  # none still reads the tensors once this returns, even where one failed
+        return [future.result() for future in futures]
+
+    @classmethod
+    def forget(cls) -> None:
+        cls.pool = None
+        cls.lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_Hashers.forget)
 
 
 def file_digest_name(path: str | os.PathLike, layout: Layout) -> str:
@@ -287,13 +341,13 @@ class _Pagemap:
     fd: int | None = None
 
     @classmethod
-    def read(cls, first_page: int, pages: int) -> bytes | None:
-        try:
-            if cls.fd is None:
+    def open(cls) -> int | None:
+        if cls.fd is None:
+            try:
                 cls.fd = os.open("/proc/self/pagemap", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            return os.pread(cls.fd, pages * 8, first_page * 8)
-        except OSError:  # not Linux, or /proc not mounted
-            return None
+            except OSError:  # not Linux, or /proc not mounted
+                return None
+        return cls.fd
 
     @classmethod
     def forget(cls) -> None:
@@ -307,20 +361,27 @@ if hasattr(os, "register_at_fork"):
 
 
 def page_range(tensor: torch.Tensor) -> tuple[int, int]:
-    """``(first page, number of pages)`` under ``tensor``'s bytes, for :func:`holds_own_pages`."""
+    """Where the ``/proc/self/pagemap`` entries of the pages under ``tensor``'s bytes are: ``(offset, length)``
+    in bytes, for :func:`holds_own_pages`."""
     start = tensor.data_ptr()
     first = start // _PAGE
-    return first, -(-(start + tensor.numel() * tensor.element_size()) // _PAGE) - first
+    return first * 8, (-(-(start + tensor.numel() * tensor.element_size()) // _PAGE) - first) * 8
 
 
-def holds_own_pages(pages: tuple[int, int]) -> bool:
-    """Whether any of ``pages`` (:func:`page_range` of a view of a private file mapping) is the process's
-    own memory: a copy-on-write copy of a page it wrote. Pages it only read are the page cache's: those
-    are not. One ``pread`` of ``/proc/self/pagemap`` (8 bytes per page); True where that cannot be read."""
-    entries = _Pagemap.read(*pages)
-    if entries is None or len(entries) != pages[1] * 8:
+def holds_own_pages(entries_at: tuple[int, int]) -> bool:
+    """Whether any of the pages whose entries are at ``entries_at`` (:func:`page_range` of a view of a private
+    file mapping) is the process's own memory: a copy-on-write copy of a page it wrote. Pages it only read
+    are the page cache's: those are not. One ``pread`` of ``/proc/self/pagemap`` (8 bytes per page); True
+    where that cannot be read. Runs at every offload of a ``disk`` group on a CPU: kept to one call."""
+    fd = _Pagemap.fd if _Pagemap.fd is not None else _Pagemap.open()
+    if fd is None:
         return True
-    return b"\x01" in entries[7::8].translate(_OWN_PAGE)
+    offset, length = entries_at
+    try:
+        entries = os.pread(fd, length, offset)
+    except OSError:
+        return True
+    return len(entries) != length or b"\x01" in entries[7::8].translate(_OWN_PAGE)
 
 
 def drop_pages(mapping: mmap.mmap) -> bool:

@@ -56,6 +56,10 @@ class GroupFile:
     #: pages it spans, the typed views of its tensors)
     _kept: tuple | None = field(default=None, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        #: the path as a string, for the ``stat`` before every onload (a ``Path`` converts itself at each call)
+        self._where = os.fspath(self.path) if self.path is not None else None
+
     def check(self, verify: str = "size") -> None:
         """Raise ``StorageUnavailableError`` naming the file unless it still holds this group's bytes.
 
@@ -66,16 +70,24 @@ class GroupFile:
         if verify == "none":
             return
         try:
-            st = os.stat(self.path)
+            st = os.stat(self._where)
         except OSError as exc:
             raise self._broken(f"it cannot be read ({exc.strerror or exc})") from None
+        stamp = self.stamp
+        if (  # the common case, field by field: no stamp is built (this runs hundreds of times per call)
+            stamp is not None
+            and st.st_mtime_ns == stamp.mtime_ns
+            and st.st_ino == stamp.inode
+            and st.st_size == stamp.size
+            and st.st_dev == stamp.device
+            and verify != "hash"
+        ):
+            return
         if st.st_size != self.layout.file_size:
             raise self._broken(
                 f"it is {st.st_size} bytes long and the group needs {self.layout.file_size} (truncated or replaced)"
             )
         now = FileStamp(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        if now == self.stamp and verify != "hash":
-            return
         try:
             intact = (
                 group_format.file_digest_name(self.path, self.layout)

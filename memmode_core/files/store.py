@@ -230,7 +230,8 @@ class GroupFileStore:
         In a folder that held no group file when reserved (the default private folder, or a new one), the
         name is only needed to find a file to reuse, and there is none to find: so the bytes are written to
         a temporary file while another thread hashes them (both release the GIL: the writes are the
-        kernel's copies into the page cache, the hash is OpenSSL's), and the file is renamed to its content
+        kernel's copies into the page cache, the hash is OpenSSL's, its pieces spread over the hashing pool
+        of :func:`~memmode_core.files.format.content_name`), and the file is renamed to its content
         name afterwards — the write and the hash overlap instead of following each other, which
         measured 1.5 s of hashing out of 6.3 s for a 0.55 GB model before. The guarantees are those of
         :meth:`store`: the name is the content's digest, written atomically (the rename); a file that
