@@ -1,14 +1,15 @@
 """What a call computes, without computing it: each component's forwards run on fake tensors.
 
 The planner needs, for the shapes of a real call, what weights alone do not say: the activation memory each
-component needs on the device (its peak of live tensors during a forward, inputs included) and the work each
-module does (FLOPs). :func:`trace_call` runs the pipeline call itself — tokenizers, schedulers, the pipeline's
-own tensor code, on real tensors — with every component's forward (and entry methods such as a VAE's
-``decode``) replaced by the same forward run under PyTorch's ``FakeTensorMode``: every tensor it makes has
-shape, dtype and strides but no memory, counted by :class:`LiveBytes` (a dispatch mode that follows each
-storage until its last tensor dies) and by PyTorch's ``FlopCounterMode``. The component hands back zeros of
-the fake output's shape, so the pipeline goes on as it would. Nothing of the model's weights is copied or
-changed; a call at 81 frames of 720p costs what the pipeline's own small tensors cost.
+component needs on the device (its peak of live tensors during a forward, inputs and kernel workspace
+included) and the work each module does (FLOPs). :func:`trace_call` runs the pipeline call itself —
+tokenizers, schedulers, the pipeline's own tensor code, on real tensors — with every component's forward (and
+entry methods such as a VAE's ``decode``) replaced by the same forward run under PyTorch's ``FakeTensorMode``
+(what stands in for what: :mod:`memmode_core.planning.fake_inputs`): every tensor it makes has shape, dtype and
+strides but no memory, counted by :class:`~memmode_core.planning.live_bytes.LiveBytes` and by PyTorch's
+``FlopCounterMode``. The component hands back zeros of the fake output's shape, so the pipeline goes on as it
+would. Nothing of the model's weights is copied or changed; a call at 81 frames of 720p costs what the
+pipeline's own small tensors cost. What cannot be traced is a :class:`TraceError`, before anything is applied.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +29,6 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
 )
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
@@ -37,65 +36,8 @@ from memmode_core.contracts.errors import InvalidOptionError, MemmodeError
 from memmode_core.contracts.targets import Target
 from memmode_core.engine.forwards import entry_methods
 from memmode_core.engine.hooks import hooks_of
-from memmode_core.planning.workspace import workspace_bytes
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the tensors the dispatched operations made that are still alive, and their peak.
-
-    A storage counts once however many views of it live, from its first tensor to the death of its last;
-    :meth:`add` counts tensors that exist already (the inputs). Given a ``device``, each operation's kernel
-    workspace on it (:func:`memmode_core.planning.workspace.workspace_bytes`) counts too, for the moment the
-    operation runs, on top of everything live with its outputs; the operations whose workspace there is not
-    modelled are collected in ``unmodelled``."""
-
-    def __init__(self, device: torch.device | None = None) -> None:
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self.device = device
-        self.unmodelled: set[str] = set()
-        self._refs: dict[int, list[int]] = {}
-
-    def add(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        key = storage._cdata
-        entry = self._refs.get(key)
-        if entry is None:
-            self._refs[key] = [1, storage.nbytes()]
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-        else:
-            entry[0] += 1
-        weakref.finalize(tensor, self._release, key)
-
-    def _release(self, key: int) -> None:
-        entry = self._refs.get(key)
-        if entry is None:
-            return
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live -= entry[1]
-            del self._refs[key]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        returns = func._schema.returns
-        outputs = out if isinstance(out, (tuple, list)) and len(returns) > 1 else (out,)
-        for value, declared in zip(outputs, returns):
-            # an alias (a view, an in-place result) of a tensor from before the call — a weight's transpose,
-            # a weight converted to fake — makes no memory; an alias of a counted one keeps it alive
-            aliases = declared.alias_info is not None
-            for tensor in tree_flatten(value)[0]:
-                if isinstance(tensor, torch.Tensor) and (not aliases or tensor.untyped_storage()._cdata in self._refs):
-                    self.add(tensor)
-        if self.device is not None:
-            workspace = workspace_bytes(func, args, kwargs or {}, self.device)
-            if workspace is None:
-                self.unmodelled.add(str(func.overloadpacket))
-            else:
-                self.peak = max(self.peak, self.live + workspace)
-        return out
+from memmode_core.planning.fake_inputs import HOST, RealIndices, fake_input, has_meta, meta_as_fake, pipeline_on_host
+from memmode_core.planning.live_bytes import LiveBytes
 
 
 @dataclass
@@ -121,95 +63,11 @@ def _attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None,
 #: this kernel; without it a Wan 14B forward at 480p counts 785 of its 1,664 TFLOPs, its attention missing)
 _MORE_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _attention_flops}
 
-#: where a skeleton's pipeline code and fake weights live while its call is traced
-HOST = torch.device("cpu")
-
-
-def _fake(mode: FakeTensorMode, value: torch.Tensor) -> torch.Tensor:
-    """``value`` as a fake tensor of ``mode``; one on the meta device (a skeleton's) as a fake host tensor."""
-    if value.device.type == "meta":
-        return mode.fake_tensor_converter.from_meta_and_device(mode, value, HOST)
-    return mode.from_tensor(value)
-
-
-@contextlib.contextmanager
-def _meta_as_fake(component: nn.Module, mode: FakeTensorMode) -> Iterator[None]:
-    """Within the block, the parameters and buffers of ``component`` that are on the meta device (a skeleton
-    built from config files, :func:`memmode_core.loading.load.skeleton`) are fake host tensors of ``mode``, so
-    they compute with the fake inputs; put back after."""
-    swapped: list[tuple[dict, str, torch.Tensor]] = []
-    try:
-        for module in component.modules():
-            for table in (module._parameters, module._buffers):
-                for key, value in table.items():
-                    if value is not None and value.device.type == "meta":
-                        swapped.append((table, key, value))
-                        table[key] = _fake(mode, value)
-        yield
-    finally:
-        for table, key, value in reversed(swapped):
-            table[key] = value
-
-
-def _has_meta(component: nn.Module) -> bool:
-    return any(t.device.type == "meta" for t in (*component.parameters(), *component.buffers()))
-
-
-@contextlib.contextmanager
-def _pipeline_on_host(pipe: Any, components: Iterable[nn.Module]) -> Iterator[None]:
-    """Within the block, a pipeline whose weights are on the meta device runs its own code (latents,
-    schedulers, prompt handling) on the host: its ``device`` and ``_execution_device``, which it reads from its
-    components' weights, say the host instead of meta (a dynamic subclass, the original class put back after),
-    and the components' buffers that came from the checkpoint (LTX's VAE ``latents_mean``, which the pipeline
-    reads itself) are zeros of their shape on the host. Their values do not change a shape; no weight is read."""
-    original = type(pipe)
-    swapped: list[tuple[dict, str, torch.Tensor]] = []
-    try:
-        for component in components:
-            for module in component.modules():
-                for key, value in module._buffers.items():
-                    if value is not None and value.device.type == "meta":
-                        swapped.append((module._buffers, key, value))
-                        module._buffers[key] = torch.zeros(value.shape, dtype=value.dtype, device=HOST)
-        pipe.__class__ = type(
-            original.__name__,
-            (original,),
-            {"device": property(lambda self: HOST), "_execution_device": property(lambda self: HOST)},
-        )
-        yield
-    finally:
-        pipe.__class__ = original
-        for table, key, value in reversed(swapped):
-            table[key] = value
-
 
 def _to_zeros(value: Any) -> Any:
     if isinstance(value, FakeTensor):
         return torch.zeros(value.shape, dtype=value.dtype)
     return value
-
-
-class _RealIndices(TorchDispatchMode):
-    """Under the fake-tensor mode: an operation whose tensors are all real and none floating (an attention
-    mask, token ids, sequence lengths: the component's integer and boolean inputs stay real) runs for real, so
-    that a forward which reads their values (``mask.sum().item()`` for Lumina 2's sequence lengths,
-    ``mask.nonzero()`` in Mochi) can be traced. Weights and activations are floating and stay fake."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        tensors = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
-        if tensors and not any(isinstance(t, FakeTensor) or t.is_floating_point() for t in tensors):
-            with _disable_current_modes():
-                return func(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-def _fake_input(mode: FakeTensorMode, value: Any) -> Any:
-    """A component's input as the fake run takes it: floating tensors fake, integer and boolean ones real
-    (see :class:`_RealIndices`)."""
-    if not isinstance(value, torch.Tensor) or (not value.is_floating_point() and value.device.type != "meta"):
-        return value
-    return _fake(mode, value)
 
 
 class TraceError(InvalidOptionError):
@@ -259,8 +117,8 @@ def _traced(
     def run_fake(*args, **kwargs):
         if inside:
             return original(*args, **kwargs)
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode, _meta_as_fake(component, mode):
-            fake = tree_map(lambda v: _fake_input(mode, v), (args, kwargs))
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, meta_as_fake(component, mode):
+            fake = tree_map(lambda v: fake_input(mode, v), (args, kwargs))
             live = LiveBytes(device)
             for value in tree_flatten(fake)[0]:
                 if isinstance(value, torch.Tensor):
@@ -269,7 +127,7 @@ def _traced(
             try:
                 with (
                     torch.no_grad(),
-                    _RealIndices(),
+                    RealIndices(),
                     FlopCounterMode(display=False, custom_mapping=_MORE_FLOP_FORMULAS) as counter,
                     live,
                 ):
@@ -347,10 +205,6 @@ def trace_call(target: Any, run: Callable[[], Any], device: torch.device | None 
     return traces
 
 
-#: the call arguments :func:`call_activations` sets when the pipeline takes them
-_SHAPE_ARGUMENTS = ("height", "width", "num_frames")
-
-
 def call_activations(
     pipe: Any, *, batch: int = 1, steps: int = 2, device: torch.device | None = None, **shapes: int | None
 ) -> dict[str, int]:
@@ -385,6 +239,6 @@ def trace_pipeline_call(
     progress = getattr(pipe, "set_progress_bar_config", None)
     if progress is not None:
         progress(disable=True)
-    skeleton = any(_has_meta(c) for c in target.components.values())
-    with _pipeline_on_host(pipe, target.components.values()) if skeleton else contextlib.nullcontext():
+    skeleton = any(has_meta(c) for c in target.components.values())
+    with pipeline_on_host(pipe, target.components.values()) if skeleton else contextlib.nullcontext():
         return trace_call(pipe, lambda: pipe(**kwargs), device)

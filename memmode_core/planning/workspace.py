@@ -1,6 +1,6 @@
 """Memory a kernel allocates for itself while it runs: the workspace a fake run cannot see.
 
-A dispatch-level count (:class:`memmode_core.planning.trace.LiveBytes`) sees each operation's inputs and
+A dispatch-level count (:class:`memmode_core.planning.live_bytes.LiveBytes`) sees each operation's inputs and
 outputs. Some kernels also allocate temporaries of their own, freed before they return, which are on the
 device at the same time as everything live — a convolution's unfolded input, a blocked copy of its weight, the
 attention kernel's per-thread score tiles. They can dominate a VAE's peak (a 3x3 convolution's unfolded input
