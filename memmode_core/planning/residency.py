@@ -178,6 +178,18 @@ def _largest_smallest_window(weights: Sequence[float], streamed: int) -> float:
     return low
 
 
+def _weigh(
+    sequence: list[Group], sizes: Mapping[str, int], base: int, picked: set[int], prefetch: bool
+) -> tuple[int, int, int]:
+    """(peak with one group ahead, bytes staying, the largest streamed group) with the ``picked`` indices of
+    ``sequence`` streamed and the rest kept beside ``base``."""
+    moving = [sizes[g.key] for i, g in enumerate(sequence) if i in picked]
+    staying = sum(sizes[g.key] for i, g in enumerate(sequence) if i not in picked)
+    largest = max(moving, default=0)
+    depth = min(1, len(picked)) if prefetch else 0
+    return (base + staying + (1 + depth) * largest if moving else base + staying), staying, largest
+
+
 def fit(
     groups: list[Group],
     sizes: Mapping[str, int],
@@ -201,14 +213,12 @@ def fit(
         sequence = [g for g in mine if not encloses(g, root)]
         base = sum(sizes[g.key] for g in held)
         smallest = None
-        weights = [compute.get(g.key, 0.0) for g in sequence] if compute else None
+
+        # as few streamed as fit, counted with runs even in count (cheap); then, given the call's compute,
+        # the same number placed by compute if that fits too (its groups may differ in size)
         for streamed in range(len(sequence) + 1):
-            picked = set(spread(len(sequence), streamed, weights))
-            moving = [sizes[g.key] for i, g in enumerate(sequence) if i in picked]
-            staying = sum(sizes[g.key] for i, g in enumerate(sequence) if i not in picked)
-            largest = max(moving, default=0)
-            depth = min(1, streamed) if prefetch else 0
-            peak = base + staying + (1 + depth) * largest if moving else base + staying
+            picked = set(spread(len(sequence), streamed))
+            peak, staying, largest = _weigh(sequence, sizes, base, picked, prefetch)
             if peak <= room:
                 break
             smallest = peak if smallest is None else min(smallest, peak)
@@ -218,12 +228,17 @@ def fit(
                 f"{format_bytes(resident + smallest)} of weights on the device"
                 + (f" ({format_bytes(resident)} resident for good)" if resident else "")
             )
+        if compute and streamed:
+            by_compute = set(spread(len(sequence), streamed, [compute.get(g.key, 0.0) for g in sequence]))
+            weighed = _weigh(sequence, sizes, base, by_compute, prefetch)
+            if weighed[0] <= room:
+                picked, (peak, staying, largest) = by_compute, weighed
         if prefetch and largest:  # the room left goes to looking further ahead
             depth = min(streamed, 1 + (room - peak) // largest)
             peak = base + staying + (1 + depth) * largest
         kept.update(g.key for g in held)
         kept.update(g.key for i, g in enumerate(sequence) if i not in picked)
-        if prefetch and moving:
+        if prefetch and largest:
             lookahead[name] = depth
         peaks[name] = resident + peak
     return Residency(budget, frozenset(kept), lookahead, peaks)
