@@ -355,3 +355,19 @@ def test_the_demo_pipeline_is_public_api():
         assert handle.report().onloads > 0
     finally:
         handle.remove()
+
+
+def test_run_auto_counts_the_call_it_makes(tmp_path, capsys):
+    """``run --mode auto`` hands the call's shapes to auto (the built-in pipeline's size, or --height/--width/
+    --num-frames with --model): its budget then holds weights and activations, and a refusal says both."""
+    from tiny_pipelines import make_pipeline
+
+    make_pipeline("wan22").save_pretrained(tmp_path / "wan")
+    common = ["run", "--model", str(tmp_path / "wan"), "--mode", "auto", "--steps", "2", "--device", "cpu"]
+    shapes = ["--height", "32", "--width", "32", "--num-frames", "5", "--no-progress"]
+    assert main([*common, *shapes, "--option", "vram_budget=600KB"]) == 2
+    err = capsys.readouterr().err
+    assert "of weights" in err and "of activations at the call's shapes" in err
+    assert main([*common, *shapes, "--option", "vram_budget=20MB", "--json"]) == 0
+    (result,) = json.loads(capsys.readouterr().out)["results"]
+    assert result["mode"] == "model_full_load", "20 MB hold the weights and the activations"

@@ -240,6 +240,17 @@ def _describe_options(options: dict) -> str:
 # -- run -------------------------------------------------------------------------------------------
 
 
+def _call_shapes(args: argparse.Namespace) -> dict[str, int]:
+    """The shapes of the call ``run`` makes: the built-in pipeline's size, or what --height/--width/--num-frames
+    say for --model (the pipeline's defaults otherwise, which ``auto`` cannot know: then none)."""
+    if args.model is None:
+        from memmode_core.cli.demo import SIZES
+
+        dims = SIZES[args.size]
+        return {"height": dims.height, "width": dims.width, "num_frames": dims.frames}
+    return {name: getattr(args, name) for name in ("height", "width", "num_frames") if getattr(args, name)}
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from memmode_core.cli.runner import run_modes
     from memmode_core.cli.table import render
@@ -264,6 +275,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         apply_options=args.options,
         keep_going=bool(args.compare),
         load_into=_load_into(args),
+        call_shapes=_call_shapes(args),
     )
     ran = [r for r in results if r.ran]
     if args.plot and ran:

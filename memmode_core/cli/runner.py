@@ -76,6 +76,18 @@ def accepts_step_callback(pipe: Any) -> bool:
         return False
 
 
+def _resolves(mode: str) -> bool:
+    """Whether ``mode``'s placement is a resolver (``auto``): one that takes the call's shapes."""
+    from memmode_core.contracts.resolver import Resolver
+    from memmode_core.discovery.plugins import current
+
+    try:
+        registration = current().get("placement", memmode.parse_mode(mode).placement)
+    except (TypeError, ValueError):
+        return False
+    return registration is not None and isinstance(registration.obj, Resolver)
+
+
 def run_modes(
     load: Callable[[], Any],
     call: Callable[..., torch.Tensor],
@@ -89,25 +101,30 @@ def run_modes(
     apply_options: dict | None = None,
     keep_going: bool = False,
     load_into: Callable[..., Any] | None = None,
+    call_shapes: dict | None = None,
 ) -> list[RunResult]:
     """Measure ``call(pipe, callback=...)`` on a fresh ``load()`` under each of ``modes``.
 
     ``apply_options`` go to ``memmode_core.apply`` as keywords for every mode. With ``keep_going``, a
     mode ``apply`` refuses becomes a ``RunResult.refusal`` instead of an exception. ``load_into(mode,
     device=, storage=, **options) -> Handle``, when given, replaces ``load()`` + ``apply`` (a folder loaded
-    straight into the mode).
+    straight into the mode). ``call_shapes`` (``height``, ``width``, ``num_frames`` of the call) go to a mode
+    whose placement is a resolver (``auto``), which then counts the call's activations against its budget.
     """
     from tqdm.auto import tqdm
 
     results = []
     for mode in modes:
         pipe = None if load_into is not None else load()
+        options = dict(apply_options or {})
+        if call_shapes and _resolves(mode):
+            options = dict(call_shapes) | options  # what the user gave with --option wins
         try:
             if load_into is not None:
-                handle = load_into(mode, device=device, storage=storage, **(apply_options or {}))
+                handle = load_into(mode, device=device, storage=storage, **options)
                 pipe = handle.target
             else:
-                handle = memmode.apply(pipe, mode, device=device, storage=storage, **(apply_options or {}))
+                handle = memmode.apply(pipe, mode, device=device, storage=storage, **options)
         except memmode.MemmodeError as error:
             if not keep_going:
                 raise

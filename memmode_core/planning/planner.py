@@ -577,13 +577,19 @@ def choose(entries: list[PlanEntry], vram: int | None, ram: int | None) -> PlanE
             return e
     if not entries:
         raise NoModeFitsError("no installed placement can place this target")
-    smallest = min(entries, key=lambda e: (e.peak_device_bytes, e.host_bytes))
+    smallest = min(entries, key=lambda e: (e.device_bytes, e.host_bytes))
     budget = ", ".join(
         f"{n}={format_bytes(v)}" for n, v in (("vram_budget", vram), ("ram_budget", ram)) if v is not None
     )
+    on_device = format_bytes(smallest.device_bytes)
+    if smallest.activation_bytes:
+        on_device += (
+            f" ({format_bytes(smallest.peak_device_bytes)} of weights, {format_bytes(smallest.activation_bytes)} "
+            "of activations at the call's shapes)"
+        )
     raise NoModeFitsError(
         f"no mode fits {budget}: the smallest, {smallest.label()} with storage {smallest.storage}, needs "
-        f"{format_bytes(smallest.peak_device_bytes)} on the device and {format_bytes(smallest.host_bytes)} of RAM"
+        f"{on_device} on the device and {format_bytes(smallest.host_bytes)} of RAM"
         + (f" ({format_bytes(smallest.disk_bytes)} on disk)" if smallest.disk_bytes else "")
     )
 
