@@ -198,7 +198,6 @@ def test_plan_with_shapes_counts_activations_against_the_budget():
     assert full.activation_bytes > 0 and full.device_bytes == full.peak_device_bytes + full.activation_bytes
     assert all(e.activation_bytes == 0 for e in weights_only)
     between = full.peak_device_bytes + full.activation_bytes // 2
-    assert next(e for e in memmode.plan(pipe, device="cpu", vram_budget=between) if e is not None).fits in (True, False)
     fits = {e.placement for e in memmode.plan(pipe, device="cpu", vram_budget=between) if e.fits}
     fits_shaped = {
         e.placement for e in memmode.plan(pipe, device="cpu", vram_budget=between, **SHAPES["flux"]) if e.fits

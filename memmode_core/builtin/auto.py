@@ -20,6 +20,7 @@ from memmode_core.planning.planner import (
     DEFAULT_VRAM_SHARE,
     SHAPED_VRAM_SHARE,
     PlanEntry,
+    call_shapes,
     choose,
     default_ram_budget,
     default_vram_budget,
@@ -46,8 +47,7 @@ class AutoOptions(Options):
 
     def shapes(self) -> dict[str, int]:
         """The call's shapes that were given."""
-        given = dict(height=self.height, width=self.width, num_frames=self.num_frames, batch=self.batch)
-        return {name: value for name, value in given.items() if value is not None}
+        return call_shapes(self.height, self.width, self.num_frames, self.batch)
 
 
 class Auto(Resolver):

@@ -19,6 +19,7 @@ import sys
 import memmode_core as memmode
 from memmode_core.contracts.units import format_bytes
 from memmode_core.discovery.first_party import DEFAULT_RUN_MODE
+from memmode_core.planning.planner import call_shapes
 
 #: exit status when the reader of stdout went away (128 + SIGPIPE, what a shell reports for ``cmd | head``)
 BROKEN_PIPE_STATUS = 141
@@ -248,7 +249,12 @@ def _call_shapes(args: argparse.Namespace) -> dict[str, int]:
 
         dims = SIZES[args.size]
         return {"height": dims.height, "width": dims.width, "num_frames": dims.frames}
-    return {name: getattr(args, name) for name in ("height", "width", "num_frames") if getattr(args, name)}
+    return _given_shapes(args)
+
+
+def _given_shapes(args: argparse.Namespace) -> dict[str, int]:
+    """--height/--width/--num-frames, those given."""
+    return call_shapes(args.height, args.width, args.num_frames)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -344,7 +350,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         sizes_only = SIZES_ONLY.set(True)
     else:
         pipe, sizes_only = load(), None
-    shapes = {k: getattr(args, k) for k in ("height", "width", "num_frames") if getattr(args, k) is not None}
+    shapes = _given_shapes(args)
     # placement options go to every candidate whose placement declares them
     try:
         entries = memmode.plan(

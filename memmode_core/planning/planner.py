@@ -461,9 +461,7 @@ def plan(
     ram = _budget("ram_budget", ram_budget)
     plugins = current()
     sequence = call_sequence(tgt, calls if calls is not None else default_calls(tgt, steps))
-    shapes = {k: v for k, v in dict(height=height, width=width, num_frames=num_frames, batch=batch).items() if v}
-    call = CallTrace.of(target, sequence, dev, shapes)
-    activation = call.activation_bytes
+    call = CallTrace.of(target, sequence, dev, call_shapes(height, width, num_frames, batch))
     entries: list[PlanEntry] = []
     for qreg in _quantizers(plugins, quantizer):
         base = Request(
@@ -479,13 +477,21 @@ def plan(
             storage_given=storage,
             # a placement that can fit itself to the budget (group offload keeps groups up to what the
             # activations leave of it) does
-            given=dict(options) | ({"vram_budget": max(vram - activation, 1)} if vram is not None else {}),
+            given=dict(options) | ({"vram_budget": call.weights_budget(vram)} if vram is not None else {}),
             traces=call.traces,
         )
         entries += price_all(candidates(target, base), sequence, call.traces)
     call.mark(entries)
     judge(entries, vram, ram)
     return entries
+
+
+def call_shapes(
+    height: int | None = None, width: int | None = None, num_frames: int | None = None, batch: int | None = None
+) -> dict[str, int]:
+    """The call's shapes that were given (what :class:`CallTrace` traces the call at)."""
+    given = dict(height=height, width=width, num_frames=num_frames, batch=batch)
+    return {name: value for name, value in given.items() if value is not None}
 
 
 @dataclass(frozen=True)
@@ -512,6 +518,10 @@ class CallTrace:
             max((t.activation_peak for t in ran), default=0),
             tuple(sorted(set().union(*(t.unmodelled for t in ran)))),
         )
+
+    def weights_budget(self, vram: int) -> int:
+        """What a device budget of ``vram`` bytes leaves for weights once the call's activations have theirs."""
+        return max(vram - self.activation_bytes, 1)
 
     def mark(self, entries: Iterable[PlanEntry]) -> None:
         for entry in entries:

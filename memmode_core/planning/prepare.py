@@ -83,7 +83,7 @@ def resolve_choice(target: Any, request: Request) -> Prepared:
     sequence = call_sequence(placed, default_calls(placed, budgets.steps))
     call = CallTrace.of(target, sequence, request.device, budgets.shapes)
     if budgets.vram is not None:  # a placement that can fit itself to the budget (group offload) does, to
-        given["vram_budget"] = max(budgets.vram - call.activation_bytes, 1)  # what the activations leave of it
+        given["vram_budget"] = call.weights_budget(budgets.vram)
     base = dataclasses.replace(request, given=given, traces=call.traces)
     entries = price_all(candidates(target, base), sequence, call.traces)
     call.mark(entries)

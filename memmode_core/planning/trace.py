@@ -60,7 +60,7 @@ def _attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None,
 
 
 #: FLOP formulas PyTorch's counter lacks: attention as the CPU runs it (a call traced on host tensors reaches
-#: this kernel; without it a Wan 14B forward at 480p counts 785 of its 1,664 TFLOPs, its attention missing)
+#: this kernel; without it a Wan 14B forward at 480p counts 785 of its 1,678 TFLOPs, its attention missing)
 _MORE_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _attention_flops}
 
 
