@@ -20,7 +20,6 @@ The files remain ordinary safetensors files: ``safetensors.safe_open`` reads the
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import mmap
 import os
@@ -31,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import cached_property
 
+import blake3
 import torch
 
 from memmode_core.contracts.packing import Entry, pack, packed_size, views
@@ -69,21 +69,24 @@ DTYPE_NAMES = _dtype_names()
 DATA_ALIGNMENT = 64
 #: names of the zero-filled byte tensors that fill alignment gaps (safetensors allows no holes)
 PADDING_PREFIX = "__memmode_padding__."
-#: The hash that names files. It runs over every weight at each ``apply``, so its speed matters;
-#: measured single-threaded in CPython 3.11 / OpenSSL 3.0 on an AMD EPYC with SHA extensions, in
-#: GB/s: sha256 1.58, sha1 1.69, blake2b 0.79, md5 0.70, sha512 0.62, blake2s 0.48, sha3_256 0.41
-#: (xxh3_128 from the third-party xxhash reaches 16, but is one more dependency and a weaker hash).
-#: SHA-256 is the fastest unbroken one: hardware-accelerated on current x86 and ARM CPUs, and it
-#: releases the GIL. A name is never trusted alone anyway: :func:`matches` compares the bytes.
-HASH = hashlib.sha256
+#: The hash that names files. It runs over every weight at each ``apply`` into a folder, so its speed is part of
+#: the time to the first output: against diffusers' ``offload_to_disk_path``, which writes without hashing, it
+#: was memmode's whole margin. BLAKE3 (the ``blake3`` package, the reference Rust implementation) is a
+#: cryptographic hash like SHA-256 and 3.6x faster per core on the 2-core Xeon of the project's machine, in
+#: GB/s on 512 MiB: blake3 5.99, sha256 1.65 (with SHA extensions; the fastest of ``hashlib``'s, see
+#: docs/benchmarks.md), xxh3_128 15.6 (not a cryptographic hash: a name could be forged). Its ``update``
+#: releases the GIL (two threads: 11.4 GB/s). Its own multi-threaded mode is not used: that is a Rayon pool,
+#: whose threads a forked child does not have. A name is never trusted alone anyway: :func:`matches` compares
+#: the bytes.
+HASH = blake3.blake3
 #: hex digits of the digest kept in a file name (128 bits)
 NAME_DIGITS = 32
 #: A group's bytes are hashed in pieces of this size (each tensor's bytes cut at multiples of it), and the name
 #: is the digest of the header and of the pieces' digests in order (a hash list: as collision-resistant as
 #: the hash). Pieces of a large group are hashed by a small pool of threads (:class:`_Hashers`), so that the
-#: hash, the largest cost of writing a model's group files (SHA-256: about 1.2 GB/s per core here), uses more
-#: than one core: hashing the 22 blocks of a 1.9 GiB model took 0.91 s (0.88-1.73) instead of 1.72 s
-#: (1.69-1.76) on 2 cores. A piece is large enough that a digest per piece costs nothing next to hashing it.
+#: hash uses more than one core: with SHA-256, hashing the 22 blocks of a 1.9 GiB model took 0.91 s
+#: (0.88-1.73) instead of 1.72 s (1.69-1.76) on 2 cores. A piece is large enough that a digest per piece costs
+#: nothing next to hashing it.
 HASH_PIECE = 4 << 20
 
 
