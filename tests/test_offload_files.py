@@ -188,24 +188,22 @@ def temporaries(folder: Path) -> list[str]:
     return [p.name for p in folder.iterdir() if p.name.endswith(".tmp")]
 
 
-@pytest.mark.parametrize("threaded", [True, False], ids=["hashed-in-a-thread", "hashed-after"])
-def test_in_a_new_folder_a_group_is_written_while_hashed_then_named_by_its_content(tmp_path, monkeypatch, threaded):
+def test_in_a_new_folder_a_group_is_written_then_hashed_then_named_by_its_content(tmp_path, monkeypatch):
     """A folder with no group file when reserved has no file to reuse: the group is written to a temporary
-    file while it is hashed (in a second thread for large groups), then renamed to its content name."""
-    from memmode_core.files import store as store_module
-
-    monkeypatch.setattr(store_module, "PARALLEL_HASH_BYTES", 0 if threaded else 1 << 62)
-    started = []
-    real_thread = store_module.threading.Thread
-    monkeypatch.setattr(store_module.threading, "Thread", lambda *a, **k: started.append(1) or real_thread(*a, **k))
+    file first, hashed after the write (never while it: a second reader of the weights slows the write),
+    then renamed to its content name."""
+    events = []
+    real_write, real_name = GroupFileStore._write_temporary, group_format.content_name
+    monkeypatch.setattr(GroupFileStore, "_write_temporary", lambda *a: events.append("write") or real_write(*a))
+    monkeypatch.setattr(group_format, "content_name", lambda *a: events.append("hash") or real_name(*a))
     s = GroupFileStore(tmp_path / "offload", keep_files=False, owner="test")
     s.reserve({"g": 10_000})
     tensors = group()
     path = s.store(tensors).path
-    assert bool(started) == threaded
+    assert events == ["write", "hash"]
     host = group_format.host_tensors(tensors)
     layout = group_format.Layout.of(host)
-    assert path.name == FILE_PREFIX + group_format.content_name(layout, host) + FILE_SUFFIX
+    assert path.name == FILE_PREFIX + real_name(layout, host) + FILE_SUFFIX
     assert group_format.matches(path, layout, host)
     assert temporaries(s.folder) == []
     s.close()
@@ -237,11 +235,7 @@ def test_a_folder_with_group_files_hashes_first_and_writes_nothing_it_can_reuse(
     second.close()
 
 
-def test_a_hash_that_fails_while_writing_leaves_no_temporary_file(store, monkeypatch):
-    from memmode_core.files import store as store_module
-
-    monkeypatch.setattr(store_module, "PARALLEL_HASH_BYTES", 0)
-
+def test_a_hash_that_fails_after_writing_leaves_no_temporary_file(store, monkeypatch):
     def broken(layout, tensors):
         raise RuntimeError("hash failed")
 

@@ -16,8 +16,8 @@ the device; ``mmap``: mapped once, for the whole session):
   and folder, so that they survive a power cut; the others are not, since they are deleted at ``close()``
   and a file that did not reach the disk whole is never reused: reuse compares every byte (below). The
   ``fsync`` of every group costs about as much as writing it (measured: 1.1 s of 3.0 s for 570 MiB).
-  In a folder that held no group file when reserved, a group is written to its temporary file while a
-  second thread hashes it, and renamed to its content name after (:meth:`GroupFileStore._store_written`).
+  In a folder that held no group file when reserved, a group is written to its temporary file first, then
+  hashed and renamed to its content name (:meth:`GroupFileStore._store_written`).
 - **Safe to share.** Processes using one folder take turns on a lock of the folder while they
   check and write, so N processes applying the same model write each file once and all map the
   same file (one copy in the page cache); no session deletes a file another live session still
@@ -40,7 +40,6 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,9 +63,6 @@ logger = logging.getLogger("memmode")
 
 #: reserved per group on top of its bytes: its header and the filesystem's last partial block
 PER_FILE_ALLOWANCE = 8 << 10
-#: groups at least this large are hashed in a second thread while they are written (see
-#: GroupFileStore._store_written); smaller ones are hashed after, where a thread would cost more than it saves
-PARALLEL_HASH_BYTES = 4 << 20
 
 
 #: how much a group file is checked before each onload and before remove() reads it back
@@ -224,47 +220,28 @@ class GroupFileStore:
         return GroupFile(path, layout, stamp)
 
     def _store_written(self, layout: Layout, host: Tensors) -> GroupFile:
-        """:meth:`store` where no file is expected to be reused: write the group to a temporary file while it
-        is hashed, then name it.
+        """:meth:`store` where no file is expected to be reused: write the group to a temporary file, then hash
+        it and rename the file to its content name.
 
         In a folder that held no group file when reserved (the default private folder, or a new one), the
-        name is only needed to find a file to reuse, and there is none to find: so the bytes are written to
-        a temporary file while another thread hashes them (both release the GIL: the writes are the
-        kernel's copies into the page cache, the hash is BLAKE3's, its pieces spread over the hashing pool
-        of :func:`~memmode_core.files.format.content_name`), and the file is renamed to its content
-        name afterwards — the write and the hash overlap instead of following each other, which
-        measured 1.5 s of hashing out of 6.3 s for a 0.55 GB model before. The guarantees are those of
+        name is only needed to find a file to reuse, and there is none to find: so the bytes are written first
+        and hashed after (by the hashing pool of :func:`~memmode_core.files.format.content_name`), from memory
+        the write has just read. Not at the same time: a second thread reading the weights while they are
+        written slows the write more than the hash costs, where the weights lie in a file mapping (as after
+        ``from_pretrained``): the two threads' page faults on the one mapping contend. Measured for the 22
+        blocks of a 1.9 GiB bf16 checkpoint on 2 cores (4 runs each, fresh processes): writing alone 0.9-2.3 s,
+        writing then hashing with BLAKE3 1.3-1.7 s, writing while BLAKE3 hashed in a thread 3.0-4.1 s, and a
+        thread that only touched each page ahead of the writer 2.9-3.9 s. The guarantees are those of
         :meth:`store`: the name is the content's digest, written atomically (the rename); a file that
         appeared under that name meanwhile (a peer, or an identical group of this session) is compared
         byte for byte and reused, and the temporary file dropped, or else replaced.
         """
-        hashed: list[str] = []
-        failure: list[BaseException] = []
-
-        def digest() -> None:
-            try:
-                hashed.append(group_format.content_name(layout, host))
-            except BaseException as exc:  # noqa: BLE001 - raised in the storing thread below
-                failure.append(exc)
-
         with self._folder.locked():  # held while writing, as in store: a temporary file seen unlocked is an orphan
             if self._room_per_write:
                 self._check_room(layout.file_size + PER_FILE_ALLOWANCE)
-            hasher = None
-            if layout.data_bytes >= PARALLEL_HASH_BYTES:
-                hasher = threading.Thread(target=digest, name="memmode-hash", daemon=True)
-                hasher.start()
+            temporary = self._write_temporary(layout, host)
             try:
-                temporary = self._write_temporary(layout, host)
-            finally:
-                if hasher is not None:
-                    hasher.join()  # never leave a thread reading tensors the caller may free
-            try:
-                if hasher is None:
-                    digest()
-                if failure:
-                    raise failure[0]
-                name = FILE_PREFIX + hashed[0] + FILE_SUFFIX
+                name = FILE_PREFIX + group_format.content_name(layout, host) + FILE_SUFFIX
                 path = self.folder / name
                 self._folder.claim(name)
                 if _holds(path, layout, host):
