@@ -175,18 +175,24 @@ class _EntryPoint:
 
 
 def _entry_points() -> list[_EntryPoint]:
-    """Entry points of group ``memmode``, one distribution counted once even if found twice on the path."""
+    """Entry points of group ``memmode``, one distribution counted once even if found twice on the path (the
+    first found, the one that imports).
+
+    A distribution is known by the name its ``.dist-info`` folder gives (``_normalized_name``, read from the
+    path without parsing anything); only the distributions that declare an entry point of ours have their
+    metadata parsed. Parsing every installed distribution's metadata was most of discovery's time: 17 ms
+    against 2 ms with 78 distributions, more on a cold start."""
     found: list[_EntryPoint] = []
     seen: set[str] = set()
     for dist in list(metadata.distributions()):
-        dist_name = dist.metadata["Name"] or "<unnamed>"
-        key = normalize(dist_name)
+        key = getattr(dist, "_normalized_name", None) or normalize(dist.metadata["Name"] or "<unnamed>")
         if key in seen:
             continue
         seen.add(key)
-        for ep in dist.entry_points:
-            if ep.group == ENTRY_POINT_GROUP:
-                found.append(_EntryPoint(ep.name, dist_name, dist.version, ep))
+        ours = [ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
+        if ours:
+            dist_name = dist.metadata["Name"] or "<unnamed>"
+            found.extend(_EntryPoint(ep.name, dist_name, dist.version, ep) for ep in ours)
     return found
 
 
