@@ -4,6 +4,7 @@ are cut into staging chunks."""
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import shutil
@@ -188,25 +189,55 @@ def temporaries(folder: Path) -> list[str]:
     return [p.name for p in folder.iterdir() if p.name.endswith(".tmp")]
 
 
-def test_in_a_new_folder_a_group_is_written_then_hashed_then_named_by_its_content(tmp_path, monkeypatch):
-    """A folder with no group file when reserved has no file to reuse: the group is written to a temporary
-    file first, hashed after the write (never while it: a second reader of the weights slows the write),
-    then renamed to its content name."""
-    events = []
-    real_write, real_name = GroupFileStore._write_temporary, group_format.content_name
-    monkeypatch.setattr(GroupFileStore, "_write_temporary", lambda *a: events.append("write") or real_write(*a))
-    monkeypatch.setattr(group_format, "content_name", lambda *a: events.append("hash") or real_name(*a))
+def test_in_a_new_folder_a_group_is_named_by_its_content_without_a_second_pass(tmp_path, monkeypatch):
+    """A folder with no group file when reserved has no file to reuse: the group is hashed along its write to a
+    temporary file, then renamed to its content name; the name is computed once, from the write."""
+    monkeypatch.setattr(group_format, "content_name", lambda *a: pytest.fail("hashed a second time"))
     s = GroupFileStore(tmp_path / "offload", keep_files=False, owner="test")
     s.reserve({"g": 10_000})
     tensors = group()
     path = s.store(tensors).path
-    assert events == ["write", "hash"]
     host = group_format.host_tensors(tensors)
     layout = group_format.Layout.of(host)
-    assert path.name == FILE_PREFIX + real_name(layout, host) + FILE_SUFFIX
+    monkeypatch.undo()
+    assert path.name == FILE_PREFIX + group_format.content_name(layout, host) + FILE_SUFFIX
     assert group_format.matches(path, layout, host)
     assert temporaries(s.folder) == []
     s.close()
+
+
+@pytest.mark.parametrize("piece", [1024, 1 << 20], ids=["pooled", "in-thread"])
+def test_a_tensor_is_hashed_only_once_written(monkeypatch, piece):
+    """The pool never reads a tensor ahead of the write (two readers of one file mapping contend): each
+    tensor's first piece is hashed only after the file received its last byte, and the name equals
+    content_name's."""
+    monkeypatch.setattr(group_format, "HASH_PIECE", piece)
+    host = group_format.host_tensors({"a": torch.randn(3000), "b": torch.randn(700), "c": torch.ones(5)})
+    layout = group_format.Layout.of(host)
+    written = []  # bytes the file had received when each piece was hashed
+    hashed = []
+
+    class File:
+        def write(self, data):
+            written.append(len(data) + (written[-1] if written else 0))
+            return len(data)
+
+    real = group_format._piece_digest
+
+    def recorded(part):
+        hashed.append((part.obj, written[-1]))
+        return real(part)
+
+    monkeypatch.setattr(group_format, "_piece_digest", recorded)
+    namer = group_format.ContentNamer(layout)
+    group_format.write(File(), layout, host, namer)
+    name = namer.name()
+    for entry in layout.entries:
+        tensor_end = layout.data_start + entry.end
+        address = host[entry.name].data_ptr()
+        seen_at = [got for obj, got in hashed if ctypes.addressof(obj) == address]
+        assert seen_at and min(seen_at) >= tensor_end, entry.name
+    assert name == group_format.content_name(layout, host)
 
 
 def test_identical_groups_written_in_one_session_share_one_file(store):
@@ -235,11 +266,13 @@ def test_a_folder_with_group_files_hashes_first_and_writes_nothing_it_can_reuse(
     second.close()
 
 
-def test_a_hash_that_fails_after_writing_leaves_no_temporary_file(store, monkeypatch):
-    def broken(layout, tensors):
+@pytest.mark.parametrize("piece", [16, 1 << 20], ids=["pooled", "in-thread"])
+def test_a_hash_that_fails_while_writing_leaves_no_temporary_file(store, monkeypatch, piece):
+    def broken(piece):
         raise RuntimeError("hash failed")
 
-    monkeypatch.setattr(group_format, "content_name", broken)
+    monkeypatch.setattr(group_format, "HASH_PIECE", piece)
+    monkeypatch.setattr(group_format, "_piece_digest", broken)
     with pytest.raises(RuntimeError, match="hash failed"):
         store.store(group())
     assert temporaries(store.folder) == [] and files_in(store.folder) == []
@@ -267,7 +300,7 @@ def test_a_full_filesystem_is_refused(tmp_path, monkeypatch):
 
 
 def test_a_write_that_fails_midway_is_an_error_and_leaves_nothing(store, monkeypatch):
-    def full_disk(file, layout, tensors):
+    def full_disk(file, layout, tensors, namer=None):
         file.write(layout.header)
         raise OSError(28, "No space left on device")
 

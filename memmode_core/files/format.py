@@ -26,7 +26,7 @@ import os
 import struct
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -165,14 +165,47 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
 def content_name(layout: Layout, tensors: Tensors) -> str:
     """The file name for these exact bytes: a digest of the header (names, dtypes, shapes) and of the
     digests of the data's pieces (see :data:`HASH_PIECE`), hashed by several threads for a large group."""
-    pieces = []
+    namer = ContentNamer(layout)
     for entry in layout.entries:
-        data = byte_view(tensors[entry.name])
-        pieces.extend(data[start : start + HASH_PIECE] for start in range(0, len(data), HASH_PIECE))
-    digest = HASH(layout.header)
-    for piece_digest in _Hashers.map(pieces) if len(pieces) > 2 else map(_piece_digest, pieces):
-        digest.update(piece_digest)
-    return digest.hexdigest()[:NAME_DIGITS]
+        namer.add(byte_view(tensors[entry.name]))
+    return namer.name()
+
+
+class ContentNamer:
+    """:func:`content_name` of a group whose tensors' bytes are handed in one at a time, in layout order.
+
+    :func:`write` hands each tensor in right after writing it, so that the hashing pool hashes tensor *k* while
+    the file receives tensor *k + 1*: never a page before the write has read it. A second thread reading the
+    weights ahead of the write slows the write more than the hash costs where the weights lie in a file
+    mapping (as after ``from_pretrained``: the two threads' page faults on one mapping contend); behind it,
+    it reads memory already mapped. Writing the 22 blocks of a 1.9 GiB bf16 checkpoint on 2 cores, in fresh
+    processes: 0.81-0.83 s alone, 0.93-0.94 s hashed this way, 1.09-1.10 s hashed after the write, 3.0-4.1 s
+    hashed by a thread running ahead. A group of at most two pieces is hashed in the calling thread, at
+    :meth:`name`.
+    """
+
+    def __init__(self, layout: Layout) -> None:
+        self._header = layout.header
+        self._pooled = sum(-(-(e.end - e.start) // HASH_PIECE) for e in layout.entries) > 2
+        #: per piece in order: its digest's future (pooled) or its bytes (hashed at name())
+        self._parts: list = []
+
+    def add(self, data: memoryview) -> None:
+        """The next tensor's bytes; with the pool they are read after this returns, until :meth:`wait`."""
+        pieces = [data[start : start + HASH_PIECE] for start in range(0, len(data), HASH_PIECE)]
+        self._parts.extend(map(_Hashers.submit, pieces) if self._pooled else pieces)
+
+    def wait(self) -> None:
+        """Return once no thread reads what was added (also where a hash failed)."""
+        if self._pooled:
+            wait(self._parts)
+
+    def name(self) -> str:
+        self.wait()
+        digest = HASH(self._header)
+        for part in self._parts:
+            digest.update(part.result() if self._pooled else _piece_digest(part))
+        return digest.hexdigest()[:NAME_DIGITS]
 
 
 def _piece_digest(piece: memoryview) -> bytes:
@@ -189,20 +222,22 @@ class _Hashers:
     lock = threading.Lock()
 
     @classmethod
-    def map(cls, pieces: list[memoryview]) -> list[bytes]:
+    def submit(cls, piece: memoryview) -> Future:
+        """The piece's digest, to come from the pool."""
         with cls.lock:
             if cls.pool is None:
                 workers = min(4, max(2, os.cpu_count() or 1))
                 cls.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="memmode-hash")
             pool = cls.pool
-        futures = []
         try:
-            futures.extend(pool.submit(_piece_digest, piece) for piece in pieces)
+            return pool.submit(_piece_digest, piece)
         except RuntimeError:  # the interpreter is shutting down: no new work for the pool; hash here
-            wait(futures)
-            return [_piece_digest(piece) for piece in pieces]
-        wait(futures)  # none still reads the tensors once this returns, even where one failed
-        return [future.result() for future in futures]
+            done: Future = Future()
+            try:
+                done.set_result(_piece_digest(piece))
+            except Exception as exc:  # noqa: BLE001 - raised by name(), as a pool's failure would be
+                done.set_exception(exc)
+            return done
 
     @classmethod
     def forget(cls) -> None:
@@ -221,14 +256,18 @@ def file_digest_name(path: str | os.PathLike, layout: Layout) -> str:
     return content_name(layout, views(flat, layout.entries, layout.data_start))
 
 
-def write(file, layout: Layout, tensors: Tensors) -> None:
-    """Write the group to an open binary file (buffered writes loop until every byte is written)."""
+def write(file, layout: Layout, tensors: Tensors, namer: ContentNamer | None = None) -> None:
+    """Write the group to an open binary file (buffered writes loop until every byte is written); each tensor
+    is handed to ``namer`` once written. On an error, the caller waits for ``namer`` before freeing anything."""
     file.write(layout.header)
     end = 0
     for entry in layout.entries:
         if entry.start > end:
             file.write(bytes(entry.start - end))  # alignment padding: zeros
-        file.write(byte_view(tensors[entry.name]))
+        data = byte_view(tensors[entry.name])
+        file.write(data)
+        if namer is not None:
+            namer.add(data)
         end = entry.end
 
 

@@ -16,8 +16,8 @@ the device; ``mmap``: mapped once, for the whole session):
   and folder, so that they survive a power cut; the others are not, since they are deleted at ``close()``
   and a file that did not reach the disk whole is never reused: reuse compares every byte (below). The
   ``fsync`` of every group costs about as much as writing it (measured: 1.1 s of 3.0 s for 570 MiB).
-  In a folder that held no group file when reserved, a group is written to its temporary file first, then
-  hashed and renamed to its content name (:meth:`GroupFileStore._store_written`).
+  In a folder that held no group file when reserved, a group is hashed along its write to a temporary file
+  (each tensor once written) and renamed to its content name after (:meth:`GroupFileStore._store_written`).
 - **Safe to share.** Processes using one folder take turns on a lock of the folder while they
   check and write, so N processes applying the same model write each file once and all map the
   same file (one copy in the page cache); no session deletes a file another live session still
@@ -220,28 +220,27 @@ class GroupFileStore:
         return GroupFile(path, layout, stamp)
 
     def _store_written(self, layout: Layout, host: Tensors) -> GroupFile:
-        """:meth:`store` where no file is expected to be reused: write the group to a temporary file, then hash
-        it and rename the file to its content name.
+        """:meth:`store` where no file is expected to be reused: write the group to a temporary file, hashing
+        each tensor once it is written, then rename the file to its content name.
 
         In a folder that held no group file when reserved (the default private folder, or a new one), the
-        name is only needed to find a file to reuse, and there is none to find: so the bytes are written first
-        and hashed after (by the hashing pool of :func:`~memmode_core.files.format.content_name`), from memory
-        the write has just read. Not at the same time: a second thread reading the weights while they are
-        written slows the write more than the hash costs, where the weights lie in a file mapping (as after
-        ``from_pretrained``): the two threads' page faults on the one mapping contend. Measured for the 22
-        blocks of a 1.9 GiB bf16 checkpoint on 2 cores (4 runs each, fresh processes): writing alone 0.9-2.3 s,
-        writing then hashing with BLAKE3 1.3-1.7 s, writing while BLAKE3 hashed in a thread 3.0-4.1 s, and a
-        thread that only touched each page ahead of the writer 2.9-3.9 s. The guarantees are those of
-        :meth:`store`: the name is the content's digest, written atomically (the rename); a file that
-        appeared under that name meanwhile (a peer, or an identical group of this session) is compared
-        byte for byte and reused, and the temporary file dropped, or else replaced.
+        name is only needed to find a file to reuse, and there is none to find: so the name is computed along
+        the write, each tensor hashed by the pool while the next one is written
+        (:class:`~memmode_core.files.format.ContentNamer`, which measured why never ahead of the write). The
+        guarantees are those of :meth:`store`: the name is the content's digest, written atomically (the
+        rename); a file that appeared under that name meanwhile (a peer, or an identical group of this
+        session) is compared byte for byte and reused, and the temporary file dropped, or else replaced.
         """
         with self._folder.locked():  # held while writing, as in store: a temporary file seen unlocked is an orphan
             if self._room_per_write:
                 self._check_room(layout.file_size + PER_FILE_ALLOWANCE)
-            temporary = self._write_temporary(layout, host)
+            namer = group_format.ContentNamer(layout)
             try:
-                name = FILE_PREFIX + group_format.content_name(layout, host) + FILE_SUFFIX
+                temporary = self._write_temporary(layout, host, namer)
+            finally:
+                namer.wait()  # never leave a thread reading tensors the caller may free
+            try:
+                name = FILE_PREFIX + namer.name() + FILE_SUFFIX
                 path = self.folder / name
                 self._folder.claim(name)
                 if _holds(path, layout, host):
@@ -279,13 +278,14 @@ class GroupFileStore:
                 os.unlink(temporary)
             raise
 
-    def _write_temporary(self, layout: Layout, tensors: Tensors) -> str:
-        """The group written to a new temporary file in the folder (``fsync``-ed if kept); its path."""
+    def _write_temporary(self, layout: Layout, tensors: Tensors, namer: group_format.ContentNamer | None = None) -> str:
+        """The group written to a new temporary file in the folder (``fsync``-ed if kept), each tensor handed to
+        ``namer`` once written; its path."""
         temporary = None
         try:
             fd, temporary = self._folder.temporary_file()
             with open(fd, "wb") as file:
-                group_format.write(file, layout, tensors)
+                group_format.write(file, layout, tensors, namer)
                 file.flush()
                 if self.keep_files:
                     os.fsync(file.fileno())
