@@ -115,6 +115,7 @@ def test_a_large_group_is_named_by_a_hash_list_of_its_pieces_hashed_in_parallel(
     import blake3
 
     monkeypatch.setattr(group_format, "HASH_PIECE", 1024)
+    monkeypatch.setattr(group_format, "HASH_TASK", 2048)
     host = group_format.host_tensors({"a": torch.randn(3000), "b": torch.randn(700), "c": torch.zeros(0)})
     layout = group_format.Layout.of(host)
     expected = blake3.blake3(layout.header)
@@ -206,12 +207,13 @@ def test_in_a_new_folder_a_group_is_named_by_its_content_without_a_second_pass(t
     s.close()
 
 
-@pytest.mark.parametrize("piece", [1024, 1 << 20], ids=["pooled", "in-thread"])
-def test_a_tensor_is_hashed_only_once_written(monkeypatch, piece):
+@pytest.mark.parametrize("piece,task", [(1024, 2048), (1024, 1 << 20)], ids=["pooled", "in-thread"])
+def test_a_tensor_is_hashed_only_once_written(monkeypatch, piece, task):
     """The pool never reads a tensor ahead of the write (two readers of one file mapping contend): each
     tensor's first piece is hashed only after the file received its last byte, and the name equals
     content_name's."""
     monkeypatch.setattr(group_format, "HASH_PIECE", piece)
+    monkeypatch.setattr(group_format, "HASH_TASK", task)
     host = group_format.host_tensors({"a": torch.randn(3000), "b": torch.randn(700), "c": torch.ones(5)})
     layout = group_format.Layout.of(host)
     written = []  # bytes the file had received when each piece was hashed
@@ -266,12 +268,13 @@ def test_a_folder_with_group_files_hashes_first_and_writes_nothing_it_can_reuse(
     second.close()
 
 
-@pytest.mark.parametrize("piece", [16, 1 << 20], ids=["pooled", "in-thread"])
-def test_a_hash_that_fails_while_writing_leaves_no_temporary_file(store, monkeypatch, piece):
+@pytest.mark.parametrize("task", [16, 1 << 20], ids=["pooled", "in-thread"])
+def test_a_hash_that_fails_while_writing_leaves_no_temporary_file(store, monkeypatch, task):
     def broken(piece):
         raise RuntimeError("hash failed")
 
-    monkeypatch.setattr(group_format, "HASH_PIECE", piece)
+    monkeypatch.setattr(group_format, "HASH_PIECE", 16)
+    monkeypatch.setattr(group_format, "HASH_TASK", task)
     monkeypatch.setattr(group_format, "_piece_digest", broken)
     with pytest.raises(RuntimeError, match="hash failed"):
         store.store(group())
