@@ -9,8 +9,10 @@ Every placement x storage combination runs on one family of a rotation (each fam
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import DiffusionPipeline
+from safetensors import safe_open
 
 import memmode_core as memmode
 from helpers import ACCELERATOR, nbytes, on_accelerator, placement_id
@@ -434,6 +437,98 @@ def test_a_checkpoint_from_elsewhere_is_written_on_a_cpu_compute_device():
     handle = memmode.load(saved_folder("flux"), "model_group_offload", device="cpu", storage="mmap")
     stats = handle.report().storage_bytes
     assert stats["borrowed_bytes"] == 0 and stats["disk_bytes"] > 0
+
+
+def copying(monkeypatch, before_each=None) -> list[int]:
+    """Count the bytes ``copy_file_range`` moves (one entry per call), after ``before_each(src_fd)`` if given."""
+    real, calls = os.copy_file_range, []
+
+    def counted(src, dst, count, offset_src=None, offset_dst=None):
+        if before_each is not None:
+            before_each(src)
+        got = real(src, dst, count, offset_src, offset_dst)
+        calls.append(got)
+        return got
+
+    monkeypatch.setattr(os, "copy_file_range", counted)
+    return calls
+
+
+@pytest.mark.parametrize("storage", ["disk", "mmap"])
+def test_the_groups_written_from_a_checkpoint_are_copied_file_to_file(storage, monkeypatch):
+    """The weights a load writes into group files are copied from the checkpoint by the kernel
+    (``copy_file_range``), not written from its mapping; the files are named by what they hold (``verify="hash"``
+    checks each name against the bytes at every onload), and outputs equal from_pretrained + apply."""
+    family = "flux"
+    calls = copying(monkeypatch)
+    handle = memmode.load(saved_folder(family), "model_group_offload", device="cpu", storage=storage, verify="hash")
+    stats = handle.report().storage_bytes
+    assert stats["borrowed_bytes"] == 0 and stats["disk_bytes"] > 0
+    assert sum(calls) >= 0.9 * stats["disk_bytes"], (sum(calls), stats)
+    expected = reference(family, saved_folder(family), None, "model_group_offload", storage=storage)
+    assert torch.equal(loaded_output(handle, family), expected)
+
+
+def test_where_the_kernel_cannot_copy_the_bytes_are_written_from_memory(monkeypatch):
+    def cannot(*args):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", cannot)
+    family = "flux"
+    handle = memmode.load(saved_folder(family), "model_group_offload", device="cpu", storage="disk", verify="hash")
+    expected = reference(family, saved_folder(family), None, "model_group_offload", storage="disk")
+    assert torch.equal(loaded_output(handle, family), expected)
+
+
+def test_a_checkpoint_changed_while_copied_is_refused_naming_it_with_nothing_left_behind(tmp_path, monkeypatch):
+    folder = tmp_path / "pipe"
+    shutil.copytree(saved_folder("flux"), folder)
+    weights = folder / "transformer" / "diffusion_pytorch_model.safetensors"
+
+    def rewrite(src_fd):
+        if os.fstat(src_fd).st_ino == weights.stat().st_ino:
+            with open(weights, "r+b") as file:  # the same bytes written again: a new modification time
+                file.seek(-64, os.SEEK_END)
+                tail = file.read(64)
+                file.seek(-64, os.SEEK_END)
+                file.write(tail)
+            os.utime(weights, ns=(1, 1))
+
+    copying(monkeypatch, rewrite)
+    offload = tmp_path / "offload"
+    with pytest.raises(memmode.StorageUnavailableError, match=f"{weights} changed while its weights were copied"):
+        memmode.load(folder, "model_group_offload", device="cpu", storage="disk", offload_dir=offload)
+    assert not offload.exists() or [p.name for p in offload.iterdir() if not p.name.endswith(".lease")] == []
+
+
+def test_a_weight_written_in_memory_is_written_from_memory_not_copied_from_its_file(tmp_path):
+    """A tensor of a lent mapping whose pages the process wrote (copy-on-write copies) no longer equals its
+    file: it is written from memory; its untouched neighbour is copied from the file."""
+    from memmode_core.files import format as group_format
+    from memmode_core.files.borrowed import lending, source_of_mapping
+    from memmode_core.files.groupfile import FILE_PREFIX, FILE_SUFFIX
+    from memmode_core.files.store import GroupFileStore
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(torch.arange(4 * 4096, dtype=torch.float32).numpy().tobytes())
+    flat = group_format.map_private(path)
+    floats = flat.view(torch.float32)
+    written, untouched = floats[:4096], floats[8192:]
+    written.add_(1.0)  # copy-on-write: the file still holds the old values
+    store = GroupFileStore(tmp_path / "offload", keep_files=False, owner="test")
+    store.reserve({"g": 64 << 10})
+    with lending([source_of_mapping(flat, path)]):
+        from memmode_core.files.borrowed import lent_ranges
+
+        assert set(lent_ranges({"written": written, "untouched": untouched})) == {"untouched"}
+        group_file = store.store({"written": written, "untouched": untouched})
+    host = {"written": written, "untouched": untouched}
+    layout = group_format.Layout.of(host)
+    assert group_file.path.name == FILE_PREFIX + group_format.content_name(layout, host) + FILE_SUFFIX
+    with safe_open(group_file.path, "pt") as file:
+        assert torch.equal(file.get_tensor("written"), written)
+        assert torch.equal(file.get_tensor("untouched"), untouched)
+    store.close()
 
 
 @pytest.mark.parametrize("storage", ["disk", "mmap"])

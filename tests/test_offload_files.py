@@ -303,7 +303,7 @@ def test_a_full_filesystem_is_refused(tmp_path, monkeypatch):
 
 
 def test_a_write_that_fails_midway_is_an_error_and_leaves_nothing(store, monkeypatch):
-    def full_disk(file, layout, tensors, namer=None):
+    def full_disk(file, layout, tensors, namer=None, copies=None):
         file.write(layout.header)
         raise OSError(28, "No space left on device")
 

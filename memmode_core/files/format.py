@@ -20,6 +20,7 @@ The files remain ordinary safetensors files: ``safetensors.safe_open`` reads the
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import mmap
 import os
@@ -275,19 +276,61 @@ def file_digest_name(path: str | os.PathLike, layout: Layout) -> str:
     return content_name(layout, views(flat, layout.entries, layout.data_start))
 
 
-def write(file, layout: Layout, tensors: Tensors, namer: ContentNamer | None = None) -> None:
+@dataclass(frozen=True)
+class Copy:
+    """Where a tensor's exact bytes lie in a file open for reading (the checkpoint a load mapped it from)."""
+
+    fd: int
+    offset: int
+
+
+#: errors of ``copy_file_range`` that mean "not between these files" (another filesystem on an old kernel, a
+#: filesystem without it): the bytes are then written from memory, which holds the same bytes
+_NO_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
+
+
+def write(
+    file, layout: Layout, tensors: Tensors, namer: ContentNamer | None = None, copies: dict[str, Copy] | None = None
+) -> None:
     """Write the group to an open binary file (buffered writes loop until every byte is written); each tensor
-    is handed to ``namer`` once written. On an error, the caller waits for ``namer`` before freeing anything."""
+    is handed to ``namer`` once written. On an error, the caller waits for ``namer`` before freeing anything.
+
+    A tensor in ``copies`` is copied from its file by the kernel (``copy_file_range``: page cache to page
+    cache) instead of written from memory, which must hold the same bytes: writing from a file mapping
+    faults its pages in one by one inside the write, and the copy measured 0.80-1.19 s against 1.12-1.60 s
+    for the 22 blocks of a 1.9 GiB checkpoint, hash included (1.1-1.8 s against 2.5-3.8 s on the machine's
+    slower days)."""
     file.write(layout.header)
     end = 0
     for entry in layout.entries:
         if entry.start > end:
             file.write(bytes(entry.start - end))  # alignment padding: zeros
         data = byte_view(tensors[entry.name])
-        file.write(data)
+        copy = copies.get(entry.name) if copies else None
+        if copy is None or not _copied(copy, file, layout.data_start + entry.start, len(data)):
+            file.write(data)
         if namer is not None:
             namer.add(data)
         end = entry.end
+
+
+def _copied(copy: Copy, file, at: int, count: int) -> bool:
+    """Copy ``count`` bytes of ``copy``'s file into ``file`` at ``at``, leaving ``file`` positioned after them;
+    False (nothing copied) where the kernel cannot copy between these files."""
+    file.flush()
+    done = 0
+    while done < count:
+        try:
+            got = os.copy_file_range(copy.fd, file.fileno(), count - done, copy.offset + done, at + done)
+        except OSError as exc:
+            if done == 0 and exc.errno in _NO_COPY:
+                return False
+            raise
+        if got == 0:
+            raise OSError(errno.EIO, f"the file copied from ended {count - done} bytes early (truncated?)")
+        done += got
+    file.seek(at + count)
+    return True
 
 
 def map_private(path: str | os.PathLike) -> torch.Tensor:
@@ -376,7 +419,12 @@ class Windows:
     @property
     def mapped(self) -> list[torch.Tensor]:
         """The windows mapped so far, each as a flat ``uint8`` tensor."""
-        return [flat for flat in self._mapped if flat is not None]
+        return [flat for _, flat in self.mapped_at]
+
+    @property
+    def mapped_at(self) -> list[tuple[int, torch.Tensor]]:
+        """The windows mapped so far, each with where it starts in the file."""
+        return [(lo, flat) for (lo, _), flat in zip(self.spans, self._mapped) if flat is not None]
 
 
 def map_private_kept(path: str | os.PathLike) -> tuple[mmap.mmap, torch.Tensor]:

@@ -39,7 +39,8 @@ class FileStamp(NamedTuple):
     mtime_ns: int
 
     @classmethod
-    def of(cls, path: Path) -> FileStamp:
+    def of(cls, path: Path | int) -> FileStamp:
+        """The stamp of the file at ``path``, or of an open file descriptor."""
         st = os.stat(path)
         return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 

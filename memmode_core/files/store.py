@@ -53,10 +53,10 @@ from memmode_core.engine.staging import Fill, StagingRing
 from memmode_core.engine.streams import active
 from memmode_core.files import folder as offload_folder
 from memmode_core.files import format as group_format
-from memmode_core.files.borrowed import borrow
+from memmode_core.files.borrowed import borrow, lent_ranges
 from memmode_core.files.borrowed import lending_now as lending
 from memmode_core.files.folder import OffloadFolder
-from memmode_core.files.format import Layout
+from memmode_core.files.format import Copy, Layout
 from memmode_core.files.groupfile import FILE_PREFIX, FILE_SUFFIX, FileStamp, GroupFile
 
 logger = logging.getLogger("memmode")
@@ -280,15 +280,23 @@ class GroupFileStore:
 
     def _write_temporary(self, layout: Layout, tensors: Tensors, namer: group_format.ContentNamer | None = None) -> str:
         """The group written to a new temporary file in the folder (``fsync``-ed if kept), each tensor handed to
-        ``namer`` once written; its path."""
+        ``namer`` once written; its path. The tensors still exactly in a checkpoint a load lends are copied
+        from it file to file (:func:`~memmode_core.files.borrowed.lent_ranges`)."""
         temporary = None
+        ranges = lent_ranges(tensors) if hasattr(os, "copy_file_range") else {}
         try:
-            fd, temporary = self._folder.temporary_file()
-            with open(fd, "wb") as file:
-                group_format.write(file, layout, tensors, namer)
-                file.flush()
-                if self.keep_files:
-                    os.fsync(file.fileno())
+            with contextlib.ExitStack() as opened:
+                fds = self._open_unchanged({source for source, _ in ranges.values()}, opened)
+                copies = {name: Copy(fds[s], offset) for name, (s, offset) in ranges.items() if s in fds}
+                fd, temporary = self._folder.temporary_file()
+                with open(fd, "wb") as file:
+                    group_format.write(file, layout, tensors, namer, copies)
+                    file.flush()
+                    if self.keep_files:
+                        os.fsync(file.fileno())
+                for source, source_fd in fds.items():
+                    if FileStamp.of(source_fd) != source.stamp:
+                        raise self._refusal(f"{source.path} changed while its weights were copied into a group file")
             written, temporary = temporary, None
             return written
         except OSError as exc:
@@ -299,6 +307,21 @@ class GroupFileStore:
             if temporary is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(temporary)
+
+    @staticmethod
+    def _open_unchanged(sources, opened: contextlib.ExitStack) -> dict:
+        """The checkpoint files to copy from, opened, each the very file that was mapped (same identity, size
+        and modification time); a file gone or replaced is left out, and its tensors are written from memory."""
+        fds = {}
+        for source in sources:
+            try:
+                fd = os.open(source.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError:
+                continue
+            opened.callback(os.close, fd)
+            if FileStamp.of(fd) == source.stamp:
+                fds[source] = fd
+        return fds
 
     def _publish(self, temporary: str, path: Path, layout: Layout) -> None:
         """Rename a written temporary file to its name: the name only ever points at a complete file."""
