@@ -501,6 +501,33 @@ def test_a_checkpoint_changed_while_copied_is_refused_naming_it_with_nothing_lef
     assert not offload.exists() or [p.name for p in offload.iterdir() if not p.name.endswith(".lease")] == []
 
 
+@pytest.mark.parametrize("storage", ["disk", "mmap"])
+def test_apply_after_from_pretrained_copies_from_the_file_the_weights_are_mapped_from(storage, monkeypatch):
+    """After from_pretrained the weights are views of the checkpoint mapped privately: the mapping table says
+    which file, and apply copies them from it, except a weight changed in memory since (its pages are the
+    process's own), which is written from memory. Outputs equal the changed model's, fully loaded, and every
+    name matches its file's bytes (``verify="hash"``)."""
+    from memmode_core.files import store as store_module
+
+    monkeypatch.setattr(store_module, "COPY_MIN_BYTES", 0)  # the tiny model's groups are small
+    family = "flux"
+    changed = "transformer.transformer_blocks.0.ff.net.0.proj.weight"
+
+    def loaded():
+        pipe = from_pretrained(saved_folder(family))
+        with torch.no_grad():
+            pipe.transformer.get_parameter(changed.split(".", 1)[1]).mul_(2.0)  # in place: copy-on-write pages
+        return pipe
+
+    expected = run(loaded(), family)
+    calls = copying(monkeypatch)
+    pipe = loaded()
+    handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage=storage, verify="hash")
+    written = handle.report().storage_bytes["disk_bytes"]
+    assert sum(calls) >= 0.5 * written, (sum(calls), written)
+    assert torch.equal(run(pipe, family), expected)
+
+
 def test_a_weight_written_in_memory_is_written_from_memory_not_copied_from_its_file(tmp_path):
     """A tensor of a lent mapping whose pages the process wrote (copy-on-write copies) no longer equals its
     file: it is written from memory; its untouched neighbour is copied from the file."""

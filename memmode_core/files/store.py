@@ -58,6 +58,7 @@ from memmode_core.files.borrowed import lending_now as lending
 from memmode_core.files.folder import OffloadFolder
 from memmode_core.files.format import Copy, Layout
 from memmode_core.files.groupfile import FILE_PREFIX, FILE_SUFFIX, FileStamp, GroupFile
+from memmode_core.files.mapped import COPY_MIN_BYTES, file_ranges
 
 logger = logging.getLogger("memmode")
 
@@ -98,6 +99,37 @@ def _holds(path: Path, layout: Layout, host: Tensors) -> bool:
             "memmode: %s does not hold the bytes its name promises (truncated or another file); rewriting it", path
         )
     return False
+
+
+def _copy_places(layout: Layout, tensors: Tensors) -> dict[str, tuple[Path, int, tuple]]:
+    """``name -> (file, offset, expected)`` for the tensors whose exact bytes lie in a file, for
+    :func:`group_format.write` to copy them: those of a checkpoint a load lends (``expected``: the file's whole
+    stamp when it was mapped), else, for a group large enough, those the mapping table finds
+    (``expected``: the device and inode of the file mapped)."""
+    if not hasattr(os, "copy_file_range"):
+        return {}
+    places = {name: (source.path, offset, source.stamp) for name, (source, offset) in lent_ranges(tensors).items()}
+    if len(places) < len(tensors) and layout.data_bytes >= COPY_MIN_BYTES:
+        for name, place in file_ranges(tensors).items():
+            places.setdefault(name, place)
+    return places
+
+
+def _open_unchanged(expected: dict[Path, tuple], opened: contextlib.ExitStack) -> dict[Path, tuple[int, FileStamp]]:
+    """The files to copy from, opened: ``path -> (fd, its stamp now)`` for each that is the very file expected
+    (its stamp starts with ``expected``: device and inode, or the whole stamp); a file gone or replaced is left
+    out, and its tensors are written from memory."""
+    files = {}
+    for path, wanted in expected.items():
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue
+        opened.callback(os.close, fd)
+        stamp = FileStamp.of(fd)
+        if tuple(stamp)[: len(wanted)] == tuple(wanted):
+            files[path] = (fd, stamp)
+    return files
 
 
 class GroupFileStore:
@@ -280,23 +312,25 @@ class GroupFileStore:
 
     def _write_temporary(self, layout: Layout, tensors: Tensors, namer: group_format.ContentNamer | None = None) -> str:
         """The group written to a new temporary file in the folder (``fsync``-ed if kept), each tensor handed to
-        ``namer`` once written; its path. The tensors still exactly in a checkpoint a load lends are copied
-        from it file to file (:func:`~memmode_core.files.borrowed.lent_ranges`)."""
+        ``namer`` once written; its path. The tensors whose exact bytes lie in a file (a checkpoint a load lends,
+        or mapped by another loader) are copied from it file to file (see :func:`group_format.write`)."""
         temporary = None
-        ranges = lent_ranges(tensors) if hasattr(os, "copy_file_range") else {}
+        places = _copy_places(layout, tensors)
         try:
             with contextlib.ExitStack() as opened:
-                fds = self._open_unchanged({source for source, _ in ranges.values()}, opened)
-                copies = {name: Copy(fds[s], offset) for name, (s, offset) in ranges.items() if s in fds}
+                files = _open_unchanged({path: expected for path, _, expected in places.values()}, opened)
+                copies = {
+                    name: Copy(files[path][0], offset) for name, (path, offset, _) in places.items() if path in files
+                }
                 fd, temporary = self._folder.temporary_file()
                 with open(fd, "wb") as file:
                     group_format.write(file, layout, tensors, namer, copies)
                     file.flush()
                     if self.keep_files:
                         os.fsync(file.fileno())
-                for source, source_fd in fds.items():
-                    if FileStamp.of(source_fd) != source.stamp:
-                        raise self._refusal(f"{source.path} changed while its weights were copied into a group file")
+                for path, (source_fd, stamp) in files.items():
+                    if FileStamp.of(source_fd) != stamp:
+                        raise self._refusal(f"{path} changed while its weights were copied into a group file")
             written, temporary = temporary, None
             return written
         except OSError as exc:
@@ -307,21 +341,6 @@ class GroupFileStore:
             if temporary is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(temporary)
-
-    @staticmethod
-    def _open_unchanged(sources, opened: contextlib.ExitStack) -> dict:
-        """The checkpoint files to copy from, opened, each the very file that was mapped (same identity, size
-        and modification time); a file gone or replaced is left out, and its tensors are written from memory."""
-        fds = {}
-        for source in sources:
-            try:
-                fd = os.open(source.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except OSError:
-                continue
-            opened.callback(os.close, fd)
-            if FileStamp.of(fd) == source.stamp:
-                fds[source] = fd
-        return fds
 
     def _publish(self, temporary: str, path: Path, layout: Layout) -> None:
         """Rename a written temporary file to its name: the name only ever points at a complete file."""
