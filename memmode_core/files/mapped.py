@@ -29,10 +29,7 @@ COPY_MIN_BYTES = 4 << 20
 def file_ranges(tensors: Tensors) -> dict[str, tuple[Path, int, tuple[int, int]]]:
     """``name -> (file, offset in it, (device, inode))`` for the tensors that are contiguous views of a private
     or shared mapping of a regular file, with none of their pages the process's own."""
-    table = _file_mappings()
-    if not table:
-        return {}
-    starts = [entry[0] for entry in table]
+    starts, ends, lines = _file_mappings()
     places = {}
     for name, tensor in tensors.items():
         size = tensor.numel() * tensor.element_size()
@@ -40,31 +37,30 @@ def file_ranges(tensors: Tensors) -> dict[str, tuple[Path, int, tuple[int, int]]
             continue
         address = tensor.data_ptr()
         index = bisect.bisect_right(starts, address) - 1
-        if index < 0:
+        if index < 0 or address + size > ends[index] or holds_own_pages(page_range(tensor)):
             continue
-        start, end, offset, identity, path = table[index]
-        if address + size <= end and not holds_own_pages(page_range(tensor)):
-            places[name] = (path, offset + address - start, identity)
+        _, _, offset, device, inode, path = lines[index].split(maxsplit=5)
+        major, minor = (int(x, 16) for x in device.split(":"))
+        places[name] = (Path(path), int(offset, 16) + address - starts[index], (os.makedev(major, minor), int(inode)))
     return places
 
 
-def _file_mappings() -> list[tuple[int, int, int, tuple[int, int], Path]]:
-    """``(start, end, file offset, (device, inode), path)`` of each mapping of a file, by address."""
+def _file_mappings() -> tuple[list[int], list[int], list[str]]:
+    """The start and end addresses, and the line, of each mapping of a file still linked, in address order
+    (the order the kernel lists them in). Only what a lookup needs is parsed: this runs once per group
+    written, and a tuple per line set off the garbage collector during ``apply``."""
     try:
         with open("/proc/self/maps") as maps:
-            lines = maps.read().splitlines()
+            text = maps.read()
     except OSError:  # not Linux, or /proc not mounted
-        return []
-    table = []
-    for line in lines:
-        fields = line.split(maxsplit=5)
-        if len(fields) < 6 or not fields[5].startswith("/") or fields[5].endswith(" (deleted)"):
+        return [], [], []
+    starts, ends, lines = [], [], []
+    for line in text.splitlines():
+        if " /" not in line or line.endswith(" (deleted)"):
             continue
-        span, _, offset, device, inode, path = fields
-        if inode == "0":
-            continue
-        start, end = (int(x, 16) for x in span.split("-"))
-        major, minor = (int(x, 16) for x in device.split(":"))
-        table.append((start, end, int(offset, 16), (os.makedev(major, minor), int(inode)), Path(path)))
-    table.sort()
-    return table
+        span = line[: line.index(" ")]
+        dash = span.index("-")
+        starts.append(int(span[:dash], 16))
+        ends.append(int(span[dash + 1 :], 16))
+        lines.append(line)
+    return starts, ends, lines
