@@ -94,7 +94,7 @@ def test_a_conversion_says_what_it_writes(bf16_folder, tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if "converting" in r.getMessage()]
     assert lines and all("from bfloat16 to float32" in line and "bytes) to a staging file in" in line for line in lines)
     assert sum(int(line.split(" (")[2].split(" bytes")[0]) for line in lines) == loading["converted_bytes"]
-    assert torch.equal(output(handle), reference(bf16_folder, None))
+    assert torch.equal(output(handle), reference(bf16_folder, torch.bfloat16))
     with pytest.raises(memmode.InvalidOptionError, match="auto"):
         memmode.load(bf16_folder, "model_group_offload", torch_dtype="bf16")
 
@@ -340,6 +340,30 @@ def test_the_report_says_what_was_kept_in_place_and_what_was_written(in_place, b
     said = f"{loading['kept_in_place_groups']} groups ("
     assert said in caplog.text and "kept in the checkpoint's pages" in caplog.text
     assert f"{loading['written_groups']} groups (" in caplog.text
+
+
+def test_groups_written_from_a_checkpoint_mapped_in_windows_are_copied_from_each_window_s_place(
+    bf16_folder, tmp_path, monkeypatch
+):
+    """A large checkpoint is mapped in windows, each from its own offset of the file: the weights a load writes
+    are copied from the right place of the file (``verify="hash"`` checks every group file's bytes against
+    its name at each onload), and outputs equal from_pretrained + apply."""
+    from memmode_core.files.format import Windows
+
+    monkeypatch.setattr(Windows.__init__, "__defaults__", (64 << 10,))  # windows of 64 KiB: many, far into it
+    real, copied = os.copy_file_range, []
+
+    def counted(src, dst, count, offset_src=None, offset_dst=None):
+        copied.append((offset_src, real(src, dst, count, offset_src, offset_dst)))
+        return copied[-1][1]
+
+    monkeypatch.setattr(os, "copy_file_range", counted)
+    handle = memmode.load(
+        bf16_folder, "model_group_offload", device="cpu", storage="disk", offload_dir=tmp_path, verify="hash"
+    )
+    assert sum(n for _, n in copied) > 0.5 * handle.report().storage_bytes["disk_bytes"]
+    assert max(offset for offset, _ in copied) > 64 << 10, "copies from windows far into the file"
+    assert torch.equal(output(handle), reference(bf16_folder, torch.bfloat16))
 
 
 # -- freed heap after in-memory quantization ---------------------------------------------------------------
