@@ -251,7 +251,7 @@ def test_a_sparse_checkpoint_larger_than_ram_opens_and_reads(tmp_path):
         last = checkpoint.view(f"blocks.{count - 1}.weight")
         assert len(checkpoint.files[0].mappings) == 1, "only the window read is mapped"
         views = [checkpoint.view(key) for key in checkpoint.keys()]  # every window at once: > RAM of mappings
-        windows = [window for _, window in checkpoint.files[0].mappings]
+        windows = checkpoint.files[0].mappings
         assert sum(w.numel() for w in windows) >= count * tensor_bytes > _ram_bytes()
         assert max(w.numel() for w in windows) <= MAP_WINDOW
         assert last.dtype == torch.bfloat16 and last.shape == (tensor_bytes // 2 // 4096, 4096)
@@ -343,7 +343,7 @@ def test_the_report_says_what_was_kept_in_place_and_what_was_written(in_place, b
 
 
 def test_groups_written_from_a_checkpoint_mapped_in_windows_are_copied_from_each_window_s_place(
-    bf16_folder, tmp_path, monkeypatch
+    bf16_folder, tmp_path, monkeypatch, kernel_copies
 ):
     """A large checkpoint is mapped in windows, each from its own offset of the file: the weights a load writes
     are copied from the right place of the file (``verify="hash"`` checks every group file's bytes against
@@ -351,18 +351,11 @@ def test_groups_written_from_a_checkpoint_mapped_in_windows_are_copied_from_each
     from memmode_core.files.format import Windows
 
     monkeypatch.setattr(Windows.__init__, "__defaults__", (64 << 10,))  # windows of 64 KiB: many, far into it
-    real, copied = os.copy_file_range, []
-
-    def counted(src, dst, count, offset_src=None, offset_dst=None):
-        copied.append((offset_src, real(src, dst, count, offset_src, offset_dst)))
-        return copied[-1][1]
-
-    monkeypatch.setattr(os, "copy_file_range", counted)
     handle = memmode.load(
         bf16_folder, "model_group_offload", device="cpu", storage="disk", offload_dir=tmp_path, verify="hash"
     )
-    assert sum(n for _, n in copied) > 0.5 * handle.report().storage_bytes["disk_bytes"]
-    assert max(offset for offset, _ in copied) > 64 << 10, "copies from windows far into the file"
+    assert kernel_copies.bytes > 0.5 * handle.report().storage_bytes["disk_bytes"]
+    assert max(offset for offset, _ in kernel_copies.calls) > 64 << 10, "copies from windows far into the file"
     assert torch.equal(output(handle), reference(bf16_folder, torch.bfloat16))
 
 

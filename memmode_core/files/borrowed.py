@@ -42,7 +42,7 @@ from memmode_core.contracts.errors import StorageUnavailableError
 from memmode_core.contracts.storage import Tensors
 from memmode_core.engine.staging import Fill
 from memmode_core.engine.streams import active
-from memmode_core.files.format import DATA_ALIGNMENT, Layout, holds_own_pages, page_range
+from memmode_core.files.format import DATA_ALIGNMENT, Layout
 from memmode_core.files.groupfile import FileStamp, GroupFile
 
 
@@ -55,8 +55,6 @@ class Source:
     stamp: FileStamp | None
     #: borrow tensors at any alignment, on a CPU compute device too (``load(..., in_place=True)``)
     any_alignment: bool = False
-    #: where the mapping starts in the file (a window of a large checkpoint)
-    at: int = 0
 
     @property
     def base(self) -> int:
@@ -82,12 +80,11 @@ def lending_now() -> bool:
         return bool(_lent)
 
 
-def source_of_mapping(view: torch.Tensor, path: Path | None, *, at: int = 0, any_alignment: bool = False) -> Source:
-    """The :class:`Source` of the whole mapping ``view`` is a view of (its untyped storage), which maps ``path``
-    from byte ``at``."""
+def source_of_mapping(view: torch.Tensor, path: Path | None, *, any_alignment: bool = False) -> Source:
+    """The :class:`Source` of the whole mapping ``view`` is a view of (its untyped storage)."""
     storage = view.untyped_storage()
     flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
-    return Source(flat, path, FileStamp.of(path) if path is not None else None, any_alignment, at)
+    return Source(flat, path, FileStamp.of(path) if path is not None else None, any_alignment)
 
 
 @contextlib.contextmanager
@@ -132,21 +129,6 @@ def borrow(layout: Layout, tensors: Tensors, device: torch.device) -> BorrowedFi
     if not places or extra_bytes > EXTRAS_FRACTION * layout.data_bytes:
         return None
     return BorrowedFile(layout, places, {name: t.clone() for name, t in extras.items()})
-
-
-def lent_ranges(tensors: Tensors) -> dict[str, tuple[Source, int]]:
-    """For the tensors of a group that is written (not borrowed), those whose bytes are still exactly their
-    file's: ``name -> (source, offset in its file)``, for :func:`~memmode_core.files.format.write` to copy them
-    file to file. A tensor qualifies if it lies in a lent mapping of a named file, and no page under it is the
-    process's own (a copy-on-write copy of a page some code wrote: the file no longer holds those bytes)."""
-    with _lock:
-        lent = [s for s in _lent if s.path is not None]
-    ranges: dict[str, tuple[Source, int]] = {}
-    for name, tensor in tensors.items():
-        found = next(((s, o) for s in lent if (o := s.offset_of(tensor)) is not None), None)
-        if found is not None and not holds_own_pages(page_range(tensor)):
-            ranges[name] = (found[0], found[0].at + found[1])
-    return ranges
 
 
 class BorrowedFile(GroupFile):

@@ -156,10 +156,9 @@ class CheckpointFile:
         return map_private_range(self.path, offset, length)
 
     @property
-    def mappings(self) -> list[tuple[int, torch.Tensor]]:
-        """The windows of the file mapped so far (those a view was taken from), each as ``uint8``, with where it
-        starts in the file."""
-        return self._windows.mapped_at if self._windows is not None else []
+    def mappings(self) -> list[torch.Tensor]:
+        """The windows of the file mapped so far (those a view was taken from), each as ``uint8``."""
+        return self._windows.mapped if self._windows is not None else []
 
     def release(self) -> None:
         """Drop this file's mappings (the views handed out keep theirs alive as long as they live)."""

@@ -419,12 +419,7 @@ class Windows:
     @property
     def mapped(self) -> list[torch.Tensor]:
         """The windows mapped so far, each as a flat ``uint8`` tensor."""
-        return [flat for _, flat in self.mapped_at]
-
-    @property
-    def mapped_at(self) -> list[tuple[int, torch.Tensor]]:
-        """The windows mapped so far, each with where it starts in the file."""
-        return [(lo, flat) for (lo, _), flat in zip(self.spans, self._mapped) if flat is not None]
+        return [flat for flat in self._mapped if flat is not None]
 
 
 def map_private_kept(path: str | os.PathLike) -> tuple[mmap.mmap, torch.Tensor]:

@@ -2,14 +2,14 @@
 
 After ``from_pretrained`` a model's weights are views of its safetensors files, mapped privately. When such a
 group is written to a group file, copying its bytes from that file by the kernel (``copy_file_range``) is
-cheaper than writing them from the mapping (:func:`~memmode_core.files.format.write`). ``load`` knows the
-files it mapped (:func:`~memmode_core.files.borrowed.lent_ranges`); after any other loader, the mapping table
-says which file, at which offset, lies under an address.
+cheaper than writing them from the mapping (:func:`~memmode_core.files.format.write`). The mapping table
+says which file, at which offset, lies under an address: after ``load`` (its windows of a checkpoint) as after
+any other loader.
 
 A tensor is copied from its file only where the file still holds its exact bytes: its pages are not the
 process's own (a copy-on-write copy of a page something wrote), and the file is the one that was mapped (the
-same device and inode as the mapping, checked at open; the same size and modification time before and after
-the copy, :meth:`~memmode_core.files.store.GroupFileStore._write_temporary`). The table is read at each call,
+same device and inode as the mapping, checked at open; the same size and modification time after the copy
+as at open, :meth:`~memmode_core.files.store.GroupFileStore._write_temporary`). The table is read at each call,
 while the caller holds the tensors (so their mappings, and the addresses, cannot go away meanwhile).
 """
 

@@ -53,7 +53,7 @@ from memmode_core.engine.staging import Fill, StagingRing
 from memmode_core.engine.streams import active
 from memmode_core.files import folder as offload_folder
 from memmode_core.files import format as group_format
-from memmode_core.files.borrowed import borrow, lent_ranges
+from memmode_core.files.borrowed import borrow
 from memmode_core.files.borrowed import lending_now as lending
 from memmode_core.files.folder import OffloadFolder
 from memmode_core.files.format import Copy, Layout
@@ -101,33 +101,29 @@ def _holds(path: Path, layout: Layout, host: Tensors) -> bool:
     return False
 
 
-def _copy_places(layout: Layout, tensors: Tensors) -> dict[str, tuple[Path, int, tuple]]:
-    """``name -> (file, offset, expected)`` for the tensors whose exact bytes lie in a file, for
-    :func:`group_format.write` to copy them: those of a checkpoint a load lends (``expected``: the file's whole
-    stamp when it was mapped), else, for a group large enough, those the mapping table finds
-    (``expected``: the device and inode of the file mapped)."""
-    if not hasattr(os, "copy_file_range"):
+def _copy_places(layout: Layout, tensors: Tensors) -> dict[str, tuple[Path, int, tuple[int, int]]]:
+    """``name -> (file, offset, (device, inode))`` for the tensors of a group large enough whose exact bytes
+    lie in a file they are mapped from (a checkpoint a load mapped, or another loader did), for
+    :func:`group_format.write` to copy them (:func:`~memmode_core.files.mapped.file_ranges`)."""
+    if not hasattr(os, "copy_file_range") or layout.data_bytes < COPY_MIN_BYTES:
         return {}
-    places = {name: (source.path, offset, source.stamp) for name, (source, offset) in lent_ranges(tensors).items()}
-    if len(places) < len(tensors) and layout.data_bytes >= COPY_MIN_BYTES:
-        for name, place in file_ranges(tensors).items():
-            places.setdefault(name, place)
-    return places
+    return file_ranges(tensors)
 
 
-def _open_unchanged(expected: dict[Path, tuple], opened: contextlib.ExitStack) -> dict[Path, tuple[int, FileStamp]]:
-    """The files to copy from, opened: ``path -> (fd, its stamp now)`` for each that is the very file expected
-    (its stamp starts with ``expected``: device and inode, or the whole stamp); a file gone or replaced is left
-    out, and its tensors are written from memory."""
+def _open_unchanged(
+    identities: dict[Path, tuple[int, int]], opened: contextlib.ExitStack
+) -> dict[Path, tuple[int, FileStamp]]:
+    """The files to copy from, opened: ``path -> (fd, its stamp now)`` for each that is still the file mapped
+    (its device and inode); a file gone or replaced is left out, and its tensors are written from memory."""
     files = {}
-    for path, wanted in expected.items():
+    for path, identity in identities.items():
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError:
             continue
         opened.callback(os.close, fd)
         stamp = FileStamp.of(fd)
-        if tuple(stamp)[: len(wanted)] == tuple(wanted):
+        if (stamp.device, stamp.inode) == identity:
             files[path] = (fd, stamp)
     return files
 
@@ -312,13 +308,13 @@ class GroupFileStore:
 
     def _write_temporary(self, layout: Layout, tensors: Tensors, namer: group_format.ContentNamer | None = None) -> str:
         """The group written to a new temporary file in the folder (``fsync``-ed if kept), each tensor handed to
-        ``namer`` once written; its path. The tensors whose exact bytes lie in a file (a checkpoint a load lends,
-        or mapped by another loader) are copied from it file to file (see :func:`group_format.write`)."""
+        ``namer`` once written; its path. The tensors whose exact bytes lie in a file they are mapped from are
+        copied from it file to file (see :func:`group_format.write`)."""
         temporary = None
         places = _copy_places(layout, tensors)
         try:
             with contextlib.ExitStack() as opened:
-                files = _open_unchanged({path: expected for path, _, expected in places.values()}, opened)
+                files = _open_unchanged({path: identity for path, _, identity in places.values()}, opened)
                 copies = {
                     name: Copy(files[path][0], offset) for name, (path, offset, _) in places.items() if path in files
                 }

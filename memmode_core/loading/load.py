@@ -201,10 +201,10 @@ def load(
         if in_place is False
         else [
             *(
-                source_of_mapping(window, f.path, at=offset, any_alignment=anywhere)
+                source_of_mapping(window, f.path, any_alignment=anywhere)
                 for item in loads
                 for f in item.checkpoint.files
-                for offset, window in f.mappings
+                for window in f.mappings
             ),
             *(source_of_mapping(flat, None, any_alignment=anywhere) for flat in mappings),
         ]
