@@ -12,6 +12,8 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
+import time
 from collections import namedtuple
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from memmode_core.engine import streams
 from memmode_core.engine.staging import StagingRing, chunk_plan
 from memmode_core.files import folder as offload_folder
 from memmode_core.files import format as group_format
+from memmode_core.files.groupfile import FileStamp
 from memmode_core.files.store import FILE_PREFIX, FILE_SUFFIX, GroupFileStore
 
 
@@ -279,6 +282,151 @@ def test_a_hash_that_fails_while_writing_leaves_no_temporary_file(store, monkeyp
     with pytest.raises(RuntimeError, match="hash failed"):
         store.store(group())
     assert temporaries(store.folder) == [] and files_in(store.folder) == []
+
+
+# -- writing in the background ----------------------------------------------------------------------
+
+
+class GatedWrites:
+    """``group_format.write`` held at a gate: each write says it started, then waits for :meth:`open`; counts
+    how many ran at once."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.real = group_format.write
+        self.gate = threading.Event()
+        self.lock = threading.Lock()
+        self.started = 0
+        self.running = 0
+        self.most_at_once = 0
+        monkeypatch.setattr(group_format, "write", self)
+
+    def __call__(self, file, layout, tensors, namer=None, copies=None):
+        with self.lock:
+            self.started += 1
+            self.running += 1
+            self.most_at_once = max(self.most_at_once, self.running)
+        try:
+            assert self.gate.wait(30), "the gate was never opened"
+            self.real(file, layout, tensors, namer, copies)
+        finally:
+            with self.lock:
+                self.running -= 1
+
+    def wait_started(self, count: int) -> None:
+        deadline = time.monotonic() + 30
+        while self.started < count:
+            assert time.monotonic() < deadline, f"{self.started} writes started, expected {count}"
+            time.sleep(0.005)
+
+    def open(self) -> None:
+        self.gate.set()
+
+
+def test_groups_are_written_two_at_once_and_named_in_order_at_flush(store, monkeypatch):
+    """In a new folder, store(wait=False) returns while the group is written by a writer thread: two groups
+    are written at once, to temporary files that already have their final size (the mmap storage maps them
+    on return); a third waits until the oldest is named; flush() names them all by content."""
+    writes = GatedWrites(monkeypatch)
+    groups = [group(seed) for seed in range(3)]
+    first = [store.store(tensors, wait=False) for tensors in groups[:2]]
+    writes.wait_started(2)
+    assert writes.most_at_once == 2
+    assert files_in(store.folder) == [] and len(temporaries(store.folder)) == 2
+    assert all(f.path.stat().st_size == f.layout.file_size for f in first)
+
+    third = []
+    blocked = threading.Thread(target=lambda: third.append(store.store(groups[2], wait=False)))
+    blocked.start()
+    blocked.join(0.3)
+    assert blocked.is_alive(), "a third group was taken on while two were in flight"
+    writes.open()
+    blocked.join(30)
+    store.flush()
+    for tensors, stored in zip(groups, [*first, *third], strict=True):
+        host = group_format.host_tensors(tensors)
+        layout = group_format.Layout.of(host)
+        assert stored.path.name == FILE_PREFIX + group_format.content_name(layout, host) + FILE_SUFFIX
+        assert group_format.matches(stored.path, layout, host)
+        assert stored.stamp == FileStamp.of(stored.path)
+        stored.check()
+    assert temporaries(store.folder) == []
+
+
+def test_identical_groups_in_flight_at_once_share_one_file(store, monkeypatch):
+    writes = GatedWrites(monkeypatch)
+    a, b = store.store(group(), wait=False), store.store(group(), wait=False)
+    writes.wait_started(2)
+    writes.open()
+    store.flush()
+    assert a.path == b.path and files_in(store.folder) == [a.path]
+    assert a.stamp == b.stamp == FileStamp.of(a.path), "the second is the first file, reused, not written over it"
+    assert temporaries(store.folder) == []
+
+
+def test_a_background_write_that_fails_is_refused_at_flush_and_its_peers_dropped(store, monkeypatch):
+    """The second of three groups in flight hits a full disk: flush() names the first, then raises the typed
+    refusal, after deleting every temporary file and waiting for every thread (nothing reads the tensors
+    after it returns). The tensors are untouched."""
+    real, calls = group_format.write, []
+
+    def full_on_second(file, layout, tensors, namer=None, copies=None):
+        calls.append(1)
+        if len(calls) == 2:
+            file.write(layout.header)
+            raise OSError(28, "No space left on device")
+        real(file, layout, tensors, namer, copies)
+
+    monkeypatch.setattr(group_format, "write", full_on_second)
+    groups = [group(seed) for seed in range(3)]
+    copies = [{k: v.clone() for k, v in g.items()} for g in groups]
+    stored = []
+    with pytest.raises(StorageUnavailableError, match="No space left") as caught:
+        for tensors in groups:
+            stored.append(store.store(tensors, wait=False))
+        store.flush()
+    assert str(store.folder) in str(caught.value)
+    assert temporaries(store.folder) == []
+    assert files_in(store.folder) == [stored[0].path]
+    for tensors, before in zip(groups, copies, strict=True):
+        assert all(torch.equal(tensors[k], v) for k, v in before.items())
+    store.close()
+    assert not store.folder.exists() or files_in(store.folder) == []
+
+
+def test_close_waits_for_the_writers_and_leaves_no_file(tmp_path, monkeypatch):
+    writes = GatedWrites(monkeypatch)
+    s = GroupFileStore(tmp_path / "offload", keep_files=False, owner="test")
+    s.reserve({"g": 10_000})
+    s.store(group(0), wait=False)
+    s.store(group(1), wait=False)
+    writes.wait_started(2)
+    closing = threading.Thread(target=s.close)
+    closing.start()
+    closing.join(0.3)
+    assert closing.is_alive(), "close() returned while writer threads still read the tensors"
+    writes.open()
+    closing.join(30)
+    assert writes.running == 0
+    assert list((tmp_path / "offload").iterdir()) == []
+
+
+def test_a_sweep_removes_dead_writers_temporary_files_and_never_a_live_ones(tmp_path):
+    """A writer holds its temporary file's lock while it writes in the background, without the folder lock; a
+    peer's reserve sweeps only temporary files nobody holds (a process that died lost its lock)."""
+    folder = tmp_path / "offload"
+    live = offload_folder.OffloadFolder(folder, keep_files=False)
+    live.open()
+    with live.locked():
+        fd, writing = live.temporary_file()
+    (folder / ".memmode-crashed.tmp").write_bytes(b"half a file")
+    peer = GroupFileStore(folder, keep_files=False, owner="test")
+    peer.reserve({"g": 100})
+    assert temporaries(folder) == [Path(writing).name]
+    os.close(fd)  # the writer is gone: its file is an orphan now
+    peer.reserve({"g": 100})
+    assert temporaries(folder) == []
+    peer.close()
+    live.close()
 
 
 # -- refusing a bad folder, before anything is written ----------------------------------------------

@@ -497,6 +497,97 @@ def test_a_killed_sessions_kept_files_are_not_collected(crash_scene):
     )
 
 
+_WRITING_CHILD = textwrap.dedent("""
+    import sys, threading
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    torch.set_num_threads(1)
+    import memmode_core as memmode
+    from memmode_core.files import format as group_format
+    from tiny_models import make_blocks, make_inputs
+
+    folder, seed = sys.argv[2], int(sys.argv[3])
+    model = make_blocks(seed)
+    (x,) = make_inputs(seed)
+    with torch.no_grad():
+        expected = model(x)
+    real, started, lock = group_format.write, [], threading.Lock()
+
+    def held(file, layout, tensors, namer=None, copies=None):  # the second group's write waits for a line
+        with lock:
+            started.append(1)
+            second = len(started) == 2
+        if second:
+            print("writing", flush=True)
+            sys.stdin.readline()
+        real(file, layout, tensors, namer, copies)
+
+    group_format.write = held
+    print("imported", flush=True)
+    sys.stdin.readline()
+    memmode.apply(model, "model_group_offload", device="cpu", storage="disk", offload_dir=folder)
+    with torch.no_grad():
+        print("exact" if torch.equal(model(x), expected) else "differs", flush=True)
+""")
+TEMPORARIES = ".memmode-*.tmp"
+
+
+def test_a_writer_killed_mid_write_leaves_nothing_and_a_live_ones_files_are_never_swept(tmp_path):
+    """Groups are written to temporary files in the background, without the folder lock, each file locked by
+    its writer. Two processes apply disk storage in one folder and stop inside the write of their second
+    group: one is killed with SIGKILL, and the next session's reserve deletes its temporary files (the kernel
+    dropped its locks); the other is alive, and this process's apply in the folder leaves its files alone:
+    released, it finishes and computes exactly."""
+    folder = tmp_path / "D"
+    folder.mkdir()
+    children = {
+        role: subprocess.Popen(
+            [sys.executable, "-c", _WRITING_CHILD, str(TESTS_DIR), str(folder), str(seed)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            bufsize=0,
+        )
+        for role, seed in (("dead", 1), ("live", 2))
+    }
+    handle = None
+    try:
+        temporaries = {}
+        for role, child in children.items():
+            assert read_line(child, 120) == "imported"
+            before = names_in(folder, TEMPORARIES)
+            child.stdin.write(b"go\n")
+            assert read_line(child, 60) == "writing"
+            temporaries[role] = names_in(folder, TEMPORARIES) - before
+            assert temporaries[role], f"{role}: no temporary file while a group is written"
+            if role == "dead":
+                child.send_signal(signal.SIGKILL)
+                assert child.wait(30) == -signal.SIGKILL
+                assert temporaries["dead"] <= names_in(folder, TEMPORARIES), "left behind by the kill"
+        assert not temporaries["dead"] & names_in(folder, TEMPORARIES), "the killed writer's files were not swept"
+        handle = apply_blocks(make_blocks(0), "disk", folder)
+        # the file of the group held mid-write is still there (the one before it may have been named since),
+        # and the live writer finishes: renaming a swept file would have failed it
+        assert temporaries["live"] & names_in(folder, TEMPORARIES), "a live writer's file was swept"
+        live = children["live"]
+        live.stdin.write(b"go\n")
+        assert read_line(live, 60) == "exact"
+        assert live.wait(60) == 0
+        handle.remove()
+        handle = None
+        assert names_in(folder, TEMPORARIES) == set()
+    finally:
+        if handle is not None:
+            with contextlib.suppress(Exception):
+                handle.remove()
+        for child in children.values():
+            if child.poll() is None:
+                child.kill()
+            child.wait()
+            for stream in (child.stdin, child.stdout, child.stderr):
+                stream.close()
+
+
 # -- 5. two threads, one model ---------------------------------------------------------------------------
 
 CALLS_PER_THREAD = 150

@@ -11,7 +11,10 @@ A :class:`Storage` is what a plugin registers; ``open`` gives a :class:`StorageS
    loose parameters) must hold real values at rest, because pipelines read them outside any forward
    (a VAE's ``latents_mean``, ACE-Step's ``condition_encoder.null_condition_emb``). ``put``
    must not modify the tensors it is given: if a later ``put`` fails, the engine closes the
-   session and the model still holds its original weights.
+   session and the model still holds its original weights. ``put`` may leave work in flight (a file
+   storage writes groups in the background, reading the tensors it was given): ``flush()`` finishes it
+   or raises what failed, and the engine calls it after its puts, before it releases anything or
+   fetches a group.
 3. ``fetch(key, device, stream)`` returns the group's tensors on the compute device. With a
    ``stream`` the copies are issued on that stream (asynchronously where the memory allows); the
    engine makes the compute stream wait for them. Copies, allocations and page-locked memory go
@@ -50,6 +53,11 @@ class StorageSession:
 
     def put(self, key: str, tensors: Tensors, readable: frozenset[str] = frozenset()) -> Tensors:
         raise NotImplementedError
+
+    def flush(self) -> None:
+        """Finish what the ``put`` calls so far left in flight, or raise (``StorageUnavailableError`` naming
+        what broke) after dropping it. Until it returns, the session may still read the tensors it was given
+        and the values ``put`` returned may not hold their bytes yet."""
 
     def fetch(self, key: str, device: torch.device, stream: torch.Stream | None = None) -> Tensors:
         raise NotImplementedError

@@ -286,6 +286,7 @@ class Changes:
             readable = frozenset(s.name for s in fresh if s.name in group.readable)
             self.session.reserve({key: sum(v.numel() * v.element_size() for v in values.values())})
             at_rest.update(self.session.put(key, values, readable))
+            self.session.flush()
             parts.append(Part(key, tuple(values)))
         group.parts = parts
         group.rest(at_rest)

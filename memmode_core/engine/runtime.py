@@ -97,6 +97,7 @@ class Runtime(Forwards, Changes, Moving):
                 for group in stored:
                     group.parts = [Part(group.key, tuple(s.name for s in group.slots))]
                     group.at_rest = self.session.put(group.key, group.tensors(), group.readable)
+                self.session.flush()
         except BaseException:
             if self.session is not None:
                 self.session.close()

@@ -80,14 +80,38 @@ class OffloadFolder:
             fcntl.flock(self._cleanup.folder_fd, fcntl.LOCK_UN)
 
     def temporary_file(self) -> tuple[int, str]:
-        """A new temporary file in the folder (same filesystem, so it can be renamed into place)."""
-        return tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=self.path)
+        """A new temporary file in the folder (same filesystem, so it can be renamed into place), locked
+        (``flock``) through the returned descriptor until it is closed: the mark of a live writer, which
+        :meth:`sweep_temporaries` leaves alone. Call with the folder lock held, so that no sweep meets the file
+        between its creation and its lock."""
+        fd, path = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=self.path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        return fd, path
 
     def sweep_temporaries(self) -> None:
-        """Delete temporary files whose writer died. Call with the lock held: a live writer holds it
-        for the whole write, so every temporary file seen then is an orphan."""
+        """Delete temporary files whose writer died. Call with the folder lock held. A live writer holds
+        its file's own lock until the file is renamed into place or deleted (a group may be written in the
+        background while the folder is unlocked); the kernel drops the lock of a process that died, so
+        every temporary file that can be locked is an orphan."""
         for stale in self.path.glob(f"{TEMP_PREFIX}*{TEMP_SUFFIX}"):
-            stale.unlink(missing_ok=True)
+            try:
+                fd = os.open(stale, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # locked: its writer is alive
+                continue
+            else:
+                stale.unlink(missing_ok=True)
+            finally:
+                os.close(fd)
 
     def collect_dead(self) -> list[str]:
         """Remove what sessions killed mid-run left here (see :func:`collect_dead`). Call with the

@@ -27,7 +27,7 @@ import os
 import struct
 import threading
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -36,6 +36,7 @@ import torch
 
 from memmode_core.contracts.packing import Entry, pack, packed_size, views
 from memmode_core.contracts.storage import Tensors
+from memmode_core.files.pools import LazyPool
 
 
 def _dtype_names() -> dict[torch.dtype, str]:
@@ -84,7 +85,7 @@ HASH = blake3.blake3
 NAME_DIGITS = 32
 #: A group's bytes are hashed in pieces of this size (each tensor's bytes cut at multiples of it), and the name
 #: is the digest of the header and of the pieces' digests in order (a hash list: as collision-resistant as
-#: the hash). Pieces of a large group are hashed by a small pool of threads (:class:`_Hashers`), so that the
+#: the hash). Pieces of a large group are hashed by a small pool of threads (:data:`_HASHERS`), so that the
 #: hash uses more than one core: with SHA-256, hashing the 22 blocks of a 1.9 GiB model took 0.91 s
 #: (0.88-1.73) instead of 1.72 s (1.69-1.76) on 2 cores. A piece is large enough that a digest per piece costs
 #: nothing next to hashing it.
@@ -206,7 +207,7 @@ class ContentNamer:
 
     def _flush(self) -> None:
         if self._pending:
-            self._tasks.append(_Hashers.submit(self._pending) if self._pooled else self._pending)
+            self._tasks.append(_HASHERS.submit(_digests, self._pending) if self._pooled else self._pending)
             self._pending, self._pending_bytes = [], 0
 
     def wait(self) -> None:
@@ -234,39 +235,8 @@ def _piece_digest(piece: memoryview) -> bytes:
     return digest.digest()
 
 
-class _Hashers:
-    """The threads that hash the pieces of large groups: as many as there are cores, 2 to 4, started on first
-    use (a forked child starts its own: the parent's threads do not exist in it)."""
-
-    pool: ThreadPoolExecutor | None = None
-    lock = threading.Lock()
-
-    @classmethod
-    def submit(cls, pieces: list[memoryview]) -> Future:
-        """The pieces' digests, to come from the pool."""
-        with cls.lock:
-            if cls.pool is None:
-                workers = min(4, max(2, os.cpu_count() or 1))
-                cls.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="memmode-hash")
-            pool = cls.pool
-        try:
-            return pool.submit(_digests, pieces)
-        except RuntimeError:  # the interpreter is shutting down: no new work for the pool; hash here
-            done: Future = Future()
-            try:
-                done.set_result(_digests(pieces))
-            except Exception as exc:  # noqa: BLE001 - raised by name(), as a pool's failure would be
-                done.set_exception(exc)
-            return done
-
-    @classmethod
-    def forget(cls) -> None:
-        cls.pool = None
-        cls.lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_Hashers.forget)
+#: the threads that hash the pieces of large groups: as many as there are cores, 2 to 4
+_HASHERS = LazyPool("memmode-hash", lambda cores: min(4, max(2, cores)))
 
 
 def file_digest_name(path: str | os.PathLike, layout: Layout) -> str:
@@ -440,24 +410,28 @@ _PAGE = mmap.PAGESIZE
 
 class _Pagemap:
     """This process's ``/proc/self/pagemap``, opened on first use (a forked child opens its own: the
-    parent's file describes the parent's pages)."""
+    parent's file describes the parent's pages). Two writer threads may ask first at once: a lock keeps it
+    to one descriptor."""
 
     fd: int | None = None
+    lock = threading.Lock()
 
     @classmethod
     def open(cls) -> int | None:
-        if cls.fd is None:
-            try:
-                cls.fd = os.open("/proc/self/pagemap", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except OSError:  # not Linux, or /proc not mounted
-                return None
-        return cls.fd
+        with cls.lock:
+            if cls.fd is None:
+                try:
+                    cls.fd = os.open("/proc/self/pagemap", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                except OSError:  # not Linux, or /proc not mounted
+                    return None
+            return cls.fd
 
     @classmethod
     def forget(cls) -> None:
         if cls.fd is not None:
             os.close(cls.fd)
         cls.fd = None
+        cls.lock = threading.Lock()  # a thread of the parent may have held it at the fork
 
 
 if hasattr(os, "register_at_fork"):

@@ -61,6 +61,13 @@ class GroupFile:
         #: the path as a string, for the ``stat`` before every onload (a ``Path`` converts itself at each call)
         self._where = os.fspath(self.path) if self.path is not None else None
 
+    def place(self, path: Path, stamp: FileStamp) -> None:
+        """The file is now at ``path`` (renamed to its content name once written in the background, or the
+        equal file found there), as ``stamp`` says."""
+        self.path = path
+        self._where = os.fspath(path)
+        self.stamp = stamp
+
     def check(self, verify: str = "size") -> None:
         """Raise ``StorageUnavailableError`` naming the file unless it still holds this group's bytes.
 

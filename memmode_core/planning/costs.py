@@ -90,6 +90,7 @@ def _probe(storage: Storage, device: torch.device) -> StorageCost:
         session.reserve({"probe/big": PROBE_BYTES, "probe/small": 64})
         session.put("probe/big", big)
         session.put("probe/small", small)
+        session.flush()
         held = session.stats()
         zero_copy = session.zero_copy(device)
         latency = _best_time(lambda: session.fetch("probe/small", device), repeat=30, device=device)
