@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import importlib.metadata
-import os
 import sys
 import tempfile
 import zlib
@@ -101,39 +100,6 @@ def qint8():
     """The test quantizer ``qint8`` (``fake_plugins.Int8Rows``), registered for one test."""
     with memmode.temporary_plugin(Int8Plugin(), name="qint8", distribution="tests"):
         yield
-
-
-class KernelCopies:
-    """What ``os.copy_file_range`` moved during a test: ``(source offset, bytes)`` per call; ``before(src_fd)``,
-    if set, runs ahead of each call."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[int, int]] = []
-        self.before = None
-
-    @property
-    def bytes(self) -> int:
-        return sum(n for _, n in self.calls)
-
-
-@pytest.fixture
-def kernel_copies(monkeypatch) -> KernelCopies:
-    """Group files are copied from the files their weights are mapped from whatever the group's size (the tiny
-    models' groups are below ``COPY_MIN_BYTES``), and every copy is recorded."""
-    from memmode_core.files import store
-
-    monkeypatch.setattr(store, "COPY_MIN_BYTES", 0)
-    log, real = KernelCopies(), os.copy_file_range
-
-    def recorded(src, dst, count, offset_src=None, offset_dst=None):
-        if log.before is not None:
-            log.before(src)
-        got = real(src, dst, count, offset_src, offset_dst)
-        log.calls.append((offset_src, got))
-        return got
-
-    monkeypatch.setattr(os, "copy_file_range", recorded)
-    return log
 
 
 @pytest.fixture

@@ -138,11 +138,11 @@ def test_a_full_offload_dir_is_refused_with_the_pipeline_intact(storage, tmp_pat
 def test_a_write_failing_midway_is_refused_with_the_pipeline_intact(storage, tmp_path, monkeypatch):
     real_write, calls = group_format.write, []
 
-    def fails_on_third_group(file, layout, tensors, namer=None, copies=None):
+    def fails_on_third_group(file, layout, tensors, namer=None):
         calls.append(1)
         if len(calls) == 3:
             raise OSError(28, "No space left on device")
-        real_write(file, layout, tensors, namer, copies)
+        real_write(file, layout, tensors, namer)
 
     monkeypatch.setattr(group_format, "write", fails_on_third_group)
     pipe = make_pipeline("flux")

@@ -342,20 +342,19 @@ def test_the_report_says_what_was_kept_in_place_and_what_was_written(in_place, b
     assert f"{loading['written_groups']} groups (" in caplog.text
 
 
-def test_groups_written_from_a_checkpoint_mapped_in_windows_are_copied_from_each_window_s_place(
-    bf16_folder, tmp_path, monkeypatch, kernel_copies
+def test_groups_written_from_a_checkpoint_mapped_in_windows_hold_each_window_s_bytes(
+    bf16_folder, tmp_path, monkeypatch
 ):
     """A large checkpoint is mapped in windows, each from its own offset of the file: the weights a load writes
-    are copied from the right place of the file (``verify="hash"`` checks every group file's bytes against
-    its name at each onload), and outputs equal from_pretrained + apply."""
+    are the right bytes of the file (``verify="hash"`` checks every group file's bytes against its name at each
+    onload), and outputs equal from_pretrained + apply."""
     from memmode_core.files.format import Windows
 
     monkeypatch.setattr(Windows.__init__, "__defaults__", (64 << 10,))  # windows of 64 KiB: many, far into it
     handle = memmode.load(
         bf16_folder, "model_group_offload", device="cpu", storage="disk", offload_dir=tmp_path, verify="hash"
     )
-    assert kernel_copies.bytes > 0.5 * handle.report().storage_bytes["disk_bytes"]
-    assert max(offset for offset, _ in kernel_copies.calls) > 64 << 10, "copies from windows far into the file"
+    assert handle.report().storage_bytes["disk_bytes"] > 0
     assert torch.equal(output(handle), reference(bf16_folder, torch.bfloat16))
 
 

@@ -210,39 +210,47 @@ def test_in_a_new_folder_a_group_is_named_by_its_content_without_a_second_pass(t
     s.close()
 
 
-@pytest.mark.parametrize("piece,task", [(1024, 2048), (1024, 1 << 20)], ids=["pooled", "in-thread"])
-def test_a_tensor_is_hashed_only_once_written(monkeypatch, piece, task):
-    """The pool never reads a tensor ahead of the write (two readers of one file mapping contend): each
-    tensor's first piece is hashed only after the file received its last byte, and the name equals
-    content_name's."""
+@pytest.mark.parametrize("piece,step", [(1024, 256), (1024, 4096), (4096, 1024)], ids=["steps", "pieces", "both"])
+def test_a_group_is_written_in_steps_each_hashed_just_before_it_is_written(monkeypatch, piece, step):
+    """Writing along the name (ContentNamer.write): no write is larger than WRITE_STEP, no step is cut across a
+    piece, each step is hashed by the writing thread right before the file receives it (never a byte further),
+    and the name equals content_name's."""
     monkeypatch.setattr(group_format, "HASH_PIECE", piece)
-    monkeypatch.setattr(group_format, "HASH_TASK", task)
+    monkeypatch.setattr(group_format, "WRITE_STEP", step)
     host = group_format.host_tensors({"a": torch.randn(3000), "b": torch.randn(700), "c": torch.ones(5)})
     layout = group_format.Layout.of(host)
-    written = []  # bytes the file had received when each piece was hashed
-    hashed = []
+    received = [0]  # bytes the file received so far
+    events = []
 
     class File:
         def write(self, data):
-            written.append(len(data) + (written[-1] if written else 0))
+            events.append(("write", ctypes.addressof(data.obj) if isinstance(data, memoryview) else None, len(data)))
+            received[0] += len(data)
             return len(data)
 
-    real = group_format._piece_digest
+    real = group_format.HASH
 
-    def recorded(part):
-        hashed.append((part.obj, written[-1]))
-        return real(part)
+    class Recorded:
+        def __init__(self, *data):
+            self.digest_ = real(*data)
 
-    monkeypatch.setattr(group_format, "_piece_digest", recorded)
+        def update(self, data):
+            events.append(("hash", ctypes.addressof(data.obj), len(data)))
+            self.digest_.update(data)
+
+        def digest(self):
+            return self.digest_.digest()
+
+    monkeypatch.setattr(group_format, "HASH", Recorded)
     namer = group_format.ContentNamer(layout)
     group_format.write(File(), layout, host, namer)
-    name = namer.name()
-    for entry in layout.entries:
-        tensor_end = layout.data_start + entry.end
-        address = host[entry.name].data_ptr()
-        seen_at = [got for obj, got in hashed if ctypes.addressof(obj) == address]
-        assert seen_at and min(seen_at) >= tensor_end, entry.name
-    assert name == group_format.content_name(layout, host)
+    monkeypatch.setattr(group_format, "HASH", real)
+    assert namer.name() == group_format.content_name(layout, host)
+    data_writes = [e for e in events if e[0] == "write" and e[1] is not None]
+    assert data_writes and max(n for _, _, n in data_writes) <= min(step, piece)
+    for before, after in zip(events, events[1:], strict=False):
+        if after[0] == "write" and after[1] is not None:
+            assert before == ("hash", after[1], after[2]), (before, after)  # hashed right before, the same bytes
 
 
 def test_identical_groups_written_in_one_session_share_one_file(store):
@@ -271,14 +279,15 @@ def test_a_folder_with_group_files_hashes_first_and_writes_nothing_it_can_reuse(
     second.close()
 
 
-@pytest.mark.parametrize("task", [16, 1 << 20], ids=["pooled", "in-thread"])
-def test_a_hash_that_fails_while_writing_leaves_no_temporary_file(store, monkeypatch, task):
-    def broken(piece):
-        raise RuntimeError("hash failed")
+def test_a_hash_that_fails_while_writing_leaves_no_temporary_file(store, monkeypatch):
+    class Broken:
+        def __init__(self, *data):
+            pass
 
-    monkeypatch.setattr(group_format, "HASH_PIECE", 16)
-    monkeypatch.setattr(group_format, "HASH_TASK", task)
-    monkeypatch.setattr(group_format, "_piece_digest", broken)
+        def update(self, data):
+            raise RuntimeError("hash failed")
+
+    monkeypatch.setattr(group_format, "HASH", Broken)
     with pytest.raises(RuntimeError, match="hash failed"):
         store.store(group())
     assert temporaries(store.folder) == [] and files_in(store.folder) == []
@@ -300,14 +309,14 @@ class GatedWrites:
         self.most_at_once = 0
         monkeypatch.setattr(group_format, "write", self)
 
-    def __call__(self, file, layout, tensors, namer=None, copies=None):
+    def __call__(self, file, layout, tensors, namer=None):
         with self.lock:
             self.started += 1
             self.running += 1
             self.most_at_once = max(self.most_at_once, self.running)
         try:
             assert self.gate.wait(30), "the gate was never opened"
-            self.real(file, layout, tensors, namer, copies)
+            self.real(file, layout, tensors, namer)
         finally:
             with self.lock:
                 self.running -= 1
@@ -369,12 +378,12 @@ def test_a_background_write_that_fails_is_refused_at_flush_and_its_peers_dropped
     after it returns). The tensors are untouched."""
     real, calls = group_format.write, []
 
-    def full_on_second(file, layout, tensors, namer=None, copies=None):
+    def full_on_second(file, layout, tensors, namer=None):
         calls.append(1)
         if len(calls) == 2:
             file.write(layout.header)
             raise OSError(28, "No space left on device")
-        real(file, layout, tensors, namer, copies)
+        real(file, layout, tensors, namer)
 
     monkeypatch.setattr(group_format, "write", full_on_second)
     groups = [group(seed) for seed in range(3)]
@@ -451,7 +460,7 @@ def test_a_full_filesystem_is_refused(tmp_path, monkeypatch):
 
 
 def test_a_write_that_fails_midway_is_an_error_and_leaves_nothing(store, monkeypatch):
-    def full_disk(file, layout, tensors, namer=None, copies=None):
+    def full_disk(file, layout, tensors, namer=None):
         file.write(layout.header)
         raise OSError(28, "No space left on device")
 

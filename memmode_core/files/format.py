@@ -20,14 +20,13 @@ The files remain ordinary safetensors files: ``safetensors.safe_open`` reads the
 from __future__ import annotations
 
 import ctypes
-import errno
 import json
 import mmap
 import os
 import struct
 import threading
 import warnings
-from concurrent.futures import wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -94,6 +93,15 @@ HASH_PIECE = 4 << 20
 #: a future per piece made about 700 per 1.9 GiB model, whose allocations set off a full collection of the
 #: garbage collector (0.13 s) during ``apply``; a task this size takes about 3 ms to hash.
 HASH_TASK = 16 << 20
+#: Group files are written in steps of this many bytes. Where the name is computed along the write, each step is
+#: hashed just before it is written, by the writing thread: the bytes are in the core's cache when the write
+#: copies them. On the project's 2-core machine (ext4, Linux 6.18), two threads writing 2 GB from a buffer took
+#: 0.18-0.20 s in steps of 128-256 KiB and 0.19-1.7 s in steps of 1-4 MiB: large writes vary with the kernel's
+#: state (diffusers' ``save_file``, which writes each group at once, took 1.0-3.7 s for the same model within
+#: one day). The 22 blocks of a 1.9 GiB bf16 checkpoint, written and hashed by two threads (six alternated
+#: rounds): 0.42-0.47 s in steps of 128 KiB hashed as written, 0.43-0.56 s in steps of 256 KiB, 0.53-0.62 s
+#: copied by the kernel (``copy_file_range``) and hashed behind by a pool.
+WRITE_STEP = 128 << 10
 
 
 class UnsupportedDtypeError(TypeError):
@@ -178,23 +186,23 @@ def content_name(layout: Layout, tensors: Tensors) -> str:
 
 
 class ContentNamer:
-    """:func:`content_name` of a group whose tensors' bytes are handed in one at a time, in layout order.
+    """:func:`content_name` of a group whose tensors' bytes come one at a time, in layout order: handed in
+    (:meth:`add`: hashed by the pool for a large group, else here at :meth:`name`), or written to a file and
+    hashed along the write (:meth:`write`).
 
-    :func:`write` hands each tensor in right after writing it, so that the hashing pool hashes tensor *k* while
-    the file receives tensor *k + 1*: never a page before the write has read it. A second thread reading the
-    weights ahead of the write slows the write more than the hash costs where the weights lie in a file
-    mapping (as after ``from_pretrained``: the two threads' page faults on one mapping contend); behind it,
-    it reads memory already mapped. Writing the 22 blocks of a 1.9 GiB bf16 checkpoint on 2 cores, in fresh
-    processes: 0.81-0.83 s alone, 0.93-0.94 s hashed this way, 1.09-1.10 s hashed after the write, 3.0-4.1 s
-    hashed by a thread running ahead. The pieces go to the pool in tasks of about :data:`HASH_TASK` bytes; a
-    group of at most one task is hashed in the calling thread, at :meth:`name`.
+    :meth:`write` hashes each step of :data:`WRITE_STEP` bytes in the writing thread just before writing it.
+    A second thread hashing what is written instead, behind the write, cost more: its reads of the weights
+    compete with the write for the cores and the memory bus, and a thread reading ahead of the write slowed
+    it most (the two threads' page faults on one file mapping contend: 3.0-4.1 s for the 22 blocks of a
+    1.9 GiB checkpoint, against 0.93-0.94 s hashed behind and 0.42-0.47 s hashed as written, see
+    :data:`WRITE_STEP`).
     """
 
     def __init__(self, layout: Layout) -> None:
         self._header = layout.header
         self._pooled = layout.data_bytes > HASH_TASK
-        #: per task in order: the future of its pieces' digests (pooled) or the pieces (hashed at name())
-        self._tasks: list = []
+        #: per task in order: the future of its pieces' digests
+        self._tasks: list[Future] = []
         self._pending: list[memoryview] = []
         self._pending_bytes = 0
 
@@ -205,24 +213,45 @@ class ContentNamer:
         if self._pending_bytes >= HASH_TASK:
             self._flush()
 
+    def write(self, file, data: memoryview) -> None:
+        """Write the next tensor's bytes to ``file`` in steps of at most :data:`WRITE_STEP` bytes, each hashed
+        just before it is written; its pieces' digests are those :meth:`add` would give."""
+        self._flush()
+        digests = []
+        for start in range(0, len(data), HASH_PIECE):
+            digest = HASH()
+            end = min(start + HASH_PIECE, len(data))
+            for at in range(start, end, WRITE_STEP):
+                step = data[at : min(at + WRITE_STEP, end)]
+                digest.update(step)
+                file.write(step)
+            digests.append(digest.digest())
+        self._tasks.append(_completed(digests))
+
     def _flush(self) -> None:
         if self._pending:
-            self._tasks.append(_HASHERS.submit(_digests, self._pending) if self._pooled else self._pending)
+            pieces = self._pending
+            self._tasks.append(_HASHERS.submit(_digests, pieces) if self._pooled else _completed(_digests(pieces)))
             self._pending, self._pending_bytes = [], 0
 
     def wait(self) -> None:
         """Return once no thread reads what was added (also where a hash failed)."""
-        if self._pooled:
-            wait(self._tasks)
+        wait(self._tasks)
 
     def name(self) -> str:
         self._flush()
         self.wait()
         digest = HASH(self._header)
         for task in self._tasks:
-            for piece_digest in task.result() if self._pooled else _digests(task):
+            for piece_digest in task.result():
                 digest.update(piece_digest)
         return digest.hexdigest()[:NAME_DIGITS]
+
+
+def _completed(value) -> Future:
+    done: Future = Future()
+    done.set_result(value)
+    return done
 
 
 def _digests(pieces: list[memoryview]) -> list[bytes]:
@@ -246,61 +275,22 @@ def file_digest_name(path: str | os.PathLike, layout: Layout) -> str:
     return content_name(layout, views(flat, layout.entries, layout.data_start))
 
 
-@dataclass(frozen=True)
-class Copy:
-    """Where a tensor's exact bytes lie in a file open for reading (the checkpoint a load mapped it from)."""
-
-    fd: int
-    offset: int
-
-
-#: errors of ``copy_file_range`` that mean "not between these files" (another filesystem on an old kernel, a
-#: filesystem without it): the bytes are then written from memory, which holds the same bytes
-_NO_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
-
-
-def write(
-    file, layout: Layout, tensors: Tensors, namer: ContentNamer | None = None, copies: dict[str, Copy] | None = None
-) -> None:
-    """Write the group to an open binary file (buffered writes loop until every byte is written); each tensor
-    is handed to ``namer`` once written. On an error, the caller waits for ``namer`` before freeing anything.
-
-    A tensor in ``copies`` is copied from its file by the kernel (``copy_file_range``: page cache to page
-    cache) instead of written from memory, which must hold the same bytes: writing from a file mapping
-    faults its pages in one by one inside the write, and the copy measured 0.80-1.19 s against 1.12-1.60 s
-    for the 22 blocks of a 1.9 GiB checkpoint, hash included (1.1-1.8 s against 2.5-3.8 s on the machine's
-    slower days)."""
+def write(file, layout: Layout, tensors: Tensors, namer: ContentNamer | None = None) -> None:
+    """Write the group to an open binary file, in steps of at most :data:`WRITE_STEP` bytes (buffered writes
+    loop until every byte is written); with ``namer``, each step hashed as it is written
+    (:meth:`ContentNamer.write`)."""
     file.write(layout.header)
     end = 0
     for entry in layout.entries:
         if entry.start > end:
             file.write(bytes(entry.start - end))  # alignment padding: zeros
         data = byte_view(tensors[entry.name])
-        copy = copies.get(entry.name) if copies else None
-        if copy is None or not _copied(copy, file, layout.data_start + entry.start, len(data)):
-            file.write(data)
         if namer is not None:
-            namer.add(data)
+            namer.write(file, data)
+        else:
+            for at in range(0, len(data), WRITE_STEP):
+                file.write(data[at : at + WRITE_STEP])
         end = entry.end
-
-
-def _copied(copy: Copy, file, at: int, count: int) -> bool:
-    """Copy ``count`` bytes of ``copy``'s file into ``file`` at ``at``, leaving ``file`` positioned after them;
-    False (nothing copied) where the kernel cannot copy between these files."""
-    file.flush()
-    done = 0
-    while done < count:
-        try:
-            got = os.copy_file_range(copy.fd, file.fileno(), count - done, copy.offset + done, at + done)
-        except OSError as exc:
-            if done == 0 and exc.errno in _NO_COPY:
-                return False
-            raise
-        if got == 0:
-            raise OSError(errno.EIO, f"the file copied from ended {count - done} bytes early (truncated?)")
-        done += got
-    file.seek(at + count)
-    return True
 
 
 def map_private(path: str | os.PathLike) -> torch.Tensor:

@@ -60,9 +60,8 @@ from memmode_core.files import format as group_format
 from memmode_core.files.borrowed import borrow
 from memmode_core.files.borrowed import lending_now as lending
 from memmode_core.files.folder import OffloadFolder
-from memmode_core.files.format import Copy, Layout
+from memmode_core.files.format import Layout
 from memmode_core.files.groupfile import FILE_PREFIX, FILE_SUFFIX, FileStamp, GroupFile
-from memmode_core.files.mapped import COPY_MIN_BYTES, file_ranges
 from memmode_core.files.pools import LazyPool
 
 logger = logging.getLogger("memmode")
@@ -72,7 +71,7 @@ PER_FILE_ALLOWANCE = 8 << 10
 
 
 #: groups written to their files at once while the engine goes on (:meth:`GroupFileStore.store` with
-#: ``wait=False``): two writers kept both cores of the project's machine busy, copying and hashing
+#: ``wait=False``): two writers keep both cores of the project's machine busy writing and hashing
 WRITES_AHEAD = 2
 _WRITERS = LazyPool("memmode-write", lambda cores: WRITES_AHEAD)
 
@@ -109,33 +108,6 @@ def _holds(path: Path, layout: Layout, host: Tensors) -> bool:
             "memmode: %s does not hold the bytes its name promises (truncated or another file); rewriting it", path
         )
     return False
-
-
-def _copy_places(layout: Layout, tensors: Tensors) -> dict[str, tuple[Path, int, tuple[int, int]]]:
-    """``name -> (file, offset, (device, inode))`` for the tensors of a group large enough whose exact bytes
-    lie in a file they are mapped from (a checkpoint a load mapped, or another loader did), for
-    :func:`group_format.write` to copy them (:func:`~memmode_core.files.mapped.file_ranges`)."""
-    if not hasattr(os, "copy_file_range") or layout.data_bytes < COPY_MIN_BYTES:
-        return {}
-    return file_ranges(tensors)
-
-
-def _open_unchanged(
-    identities: dict[Path, tuple[int, int]], opened: contextlib.ExitStack
-) -> dict[Path, tuple[int, FileStamp]]:
-    """The files to copy from, opened: ``path -> (fd, its stamp now)`` for each that is still the file mapped
-    (its device and inode); a file gone or replaced is left out, and its tensors are written from memory."""
-    files = {}
-    for path, identity in identities.items():
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
-            continue
-        opened.callback(os.close, fd)
-        stamp = FileStamp.of(fd)
-        if (stamp.device, stamp.inode) == identity:
-            files[path] = (fd, stamp)
-    return files
 
 
 @dataclass(eq=False)
@@ -313,12 +285,13 @@ class GroupFileStore:
 
         There, the name is only needed to find a file to reuse, and there is none to find: so the name is
         computed along the write, each tensor hashed by the pool once it is written
-        (:class:`~memmode_core.files.format.ContentNamer`, which measured why never ahead of the write). The
+        (:meth:`~memmode_core.files.format.ContentNamer.write`: each step hashed as it is written). The
         engine stores a component group by group and releases nothing until every group is stored, so
         writing a group while the next is prepared and written holds no memory the model does not hold
         anyway. Two groups written at once, to two files, measured 0.53-0.55 s for the 22 blocks of a
-        1.9 GiB bf16 checkpoint against 0.63-1.23 s one after the other, hash included (five alternated
-        rounds). The guarantees are those of :meth:`store`: the name is the content's digest, written
+        1.9 GiB bf16 checkpoint against 0.63-1.23 s one after the other (five alternated rounds, copied by
+        the kernel and hashed behind, as memmode wrote them then; three or four writers did no better on 2
+        cores). The guarantees are those of :meth:`store`: the name is the content's digest, written
         atomically (the rename); a file that appeared under that name meanwhile (a peer, or an identical
         group of this session) is compared byte for byte and reused, and the temporary file dropped, or
         else replaced. A temporary file is locked by its writer until then, so a peer's sweep leaves it.
@@ -426,26 +399,15 @@ class GroupFileStore:
     def _write_into(
         self, fd: int, layout: Layout, tensors: Tensors, namer: group_format.ContentNamer | None = None
     ) -> FileStamp:
-        """Write the group into the open file ``fd`` (``fsync``-ed if kept), each tensor handed to ``namer``
-        once written; the file's stamp after. The tensors whose exact bytes lie in a file they are mapped
-        from are copied from it file to file (see :func:`group_format.write`). Runs in a writer thread for
-        :meth:`_write_in_background`: it touches nothing but ``fd``, the files it copies from, and the
-        tensors."""
-        places = _copy_places(layout, tensors)
+        """Write the group into the open file ``fd`` (``fsync``-ed if kept), hashed along the write by ``namer``
+        if given (:func:`group_format.write`); the file's stamp after. Runs in a writer thread for
+        :meth:`_write_in_background`: it touches nothing but ``fd`` and the tensors."""
         try:
-            with contextlib.ExitStack() as opened:
-                files = _open_unchanged({path: identity for path, _, identity in places.values()}, opened)
-                copies = {
-                    name: Copy(files[path][0], offset) for name, (path, offset, _) in places.items() if path in files
-                }
-                with open(fd, "wb", closefd=False) as file:
-                    group_format.write(file, layout, tensors, namer, copies)
-                    file.flush()
-                    if self.keep_files:
-                        os.fsync(fd)
-                for path, (source_fd, stamp) in files.items():
-                    if FileStamp.of(source_fd) != stamp:
-                        raise self._refusal(f"{path} changed while its weights were copied into a group file")
+            with open(fd, "wb", closefd=False) as file:
+                group_format.write(file, layout, tensors, namer)
+                file.flush()
+                if self.keep_files:
+                    os.fsync(fd)
             return FileStamp.of(fd)
         except OSError as exc:
             raise self._cannot_write(layout, exc) from None
@@ -552,7 +514,7 @@ class GroupFileSession(StorageSession):
         self.store.flush()
 
     def check(self, key: str) -> None:
-        self.store.flush()  # the engine flushes after its puts; a check never reads a file still being written
+        self.flush()  # the engine flushes after its puts; a check never reads a file still being written
         group_file = self.files.get(key)
         if group_file is None:
             raise StorageUnavailableError(f"storage {self.store.owner!r} holds no group {key!r}")

@@ -16,6 +16,8 @@ mapping. So:
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from memmode_core.contracts.costs import StorageCost, copying_cost
@@ -29,11 +31,34 @@ class MmapSession(GroupFileSession):
         super().__init__(store, device)
         #: key -> (the whole mapped file as uint8, typed views of its tensors)
         self._mapped: dict[str, tuple[torch.Tensor, Tensors]] = {}
+        #: key -> the inode mapped at put, for the groups put since the last flush
+        self._unflushed: dict[str, int] = {}
 
     def put(self, key: str, tensors: Tensors, readable: frozenset[str] = frozenset()) -> Tensors:
-        flat, views = self.store_group(key, tensors).map()
+        group_file = self.store_group(key, tensors)
+        flat, views = group_file.map()
         self._mapped[key] = (flat, views)
+        if group_file.path is not None and group_file.stamp is None:  # written in the background: named at flush
+            self._unflushed[key] = os.stat(group_file.path).st_ino
         return dict(views)
+
+    def flush(self) -> None:
+        """Name the files written in the background; a group whose name led to a file already there (a peer's,
+        or an identical group's) is mapped from that file, so that every process maps one copy: the tensors
+        ``put`` returned are pointed at the new mapping (``Tensor.set_``; the engine assigns them to the
+        model only after this), and the temporary file's pages go with the old one."""
+        try:
+            super().flush()
+            for key, inode in self._unflushed.items():
+                group_file = self.files.get(key)
+                if group_file is None or group_file.stamp is None or group_file.stamp.inode == inode:
+                    continue
+                flat, views = group_file.map()
+                for name, tensor in self._mapped[key][1].items():
+                    tensor.set_(views[name])
+                self._mapped[key] = (flat, self._mapped[key][1])
+        finally:
+            self._unflushed.clear()
 
     def zero_copy(self, device: torch.device) -> bool:
         return active().is_host(device)
