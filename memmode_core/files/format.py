@@ -24,7 +24,6 @@ import json
 import mmap
 import os
 import struct
-import threading
 import warnings
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
@@ -400,28 +399,24 @@ _PAGE = mmap.PAGESIZE
 
 class _Pagemap:
     """This process's ``/proc/self/pagemap``, opened on first use (a forked child opens its own: the
-    parent's file describes the parent's pages). Two writer threads may ask first at once: a lock keeps it
-    to one descriptor."""
+    parent's file describes the parent's pages)."""
 
     fd: int | None = None
-    lock = threading.Lock()
 
     @classmethod
     def open(cls) -> int | None:
-        with cls.lock:
-            if cls.fd is None:
-                try:
-                    cls.fd = os.open("/proc/self/pagemap", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                except OSError:  # not Linux, or /proc not mounted
-                    return None
-            return cls.fd
+        if cls.fd is None:
+            try:
+                cls.fd = os.open("/proc/self/pagemap", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError:  # not Linux, or /proc not mounted
+                return None
+        return cls.fd
 
     @classmethod
     def forget(cls) -> None:
         if cls.fd is not None:
             os.close(cls.fd)
         cls.fd = None
-        cls.lock = threading.Lock()  # a thread of the parent may have held it at the fork
 
 
 if hasattr(os, "register_at_fork"):

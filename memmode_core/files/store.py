@@ -17,7 +17,7 @@ the device; ``mmap``: mapped once, for the whole session):
   and a file that did not reach the disk whole is never reused: reuse compares every byte (below). The
   ``fsync`` of every group costs about as much as writing it (measured: 1.1 s of 3.0 s for 570 MiB).
   In a folder that held no group file when reserved, a group is written to a temporary file by a writer
-  thread (two at a time), hashed along its write (each tensor once written) and renamed to its content name
+  thread (two at a time), hashed along its write (each step just before it is written) and renamed to its content name
   after (:meth:`GroupFileStore._write_in_background`, :meth:`GroupFileStore.flush`); the temporary file is
   locked by its writer meanwhile, so a peer's sweep of orphans leaves it.
 - **Safe to share.** Processes using one folder take turns on a lock of the folder while they
@@ -45,7 +45,7 @@ import tempfile
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -124,7 +124,7 @@ class _Unnamed:
     fd: int | None
     namer: group_format.ContentNamer
     #: the writer's future: the file's stamp once every byte is in, or its failure
-    written: Future | None = field(default=None)
+    written: Future | None = None
 
     def finish(self) -> FileStamp:
         """The file's stamp once written; raises the write's failure. Returns, or raises, only once no thread
@@ -284,8 +284,8 @@ class GroupFileStore:
         oldest of more than :data:`WRITES_AHEAD` groups in flight).
 
         There, the name is only needed to find a file to reuse, and there is none to find: so the name is
-        computed along the write, each tensor hashed by the pool once it is written
-        (:meth:`~memmode_core.files.format.ContentNamer.write`: each step hashed as it is written). The
+        computed along the write, each step hashed by the writer just before it is written
+        (:meth:`~memmode_core.files.format.ContentNamer.write`). The
         engine stores a component group by group and releases nothing until every group is stored, so
         writing a group while the next is prepared and written holds no memory the model does not hold
         anyway. Two groups written at once, to two files, measured 0.53-0.55 s for the 22 blocks of a
@@ -320,8 +320,7 @@ class GroupFileStore:
     def flush(self) -> None:
         """Name every group :meth:`store` left writing in the background, in order. On a failure (a typed
         refusal from the write, or the hash's error) the groups still in flight are dropped, their
-        temporary files deleted, and the failure raised: the caller closes the session. Cheap when nothing
-        is in flight (it runs before every check)."""
+        temporary files deleted, and the failure raised: the caller closes the session."""
         while self._unnamed:
             self._name_oldest()
 
@@ -514,7 +513,6 @@ class GroupFileSession(StorageSession):
         self.store.flush()
 
     def check(self, key: str) -> None:
-        self.flush()  # the engine flushes after its puts; a check never reads a file still being written
         group_file = self.files.get(key)
         if group_file is None:
             raise StorageUnavailableError(f"storage {self.store.owner!r} holds no group {key!r}")
