@@ -144,6 +144,32 @@ def assert_same_tensors(
         assert same, f"{name} changed"
 
 
+def in_torch_memory(target):
+    """``target`` (a module or pipeline) with each parameter and buffer moved into a fresh torch allocation, its
+    values unchanged, ties kept; returns ``target``. After ``from_pretrained`` the weights are views into the
+    mapped checkpoint, at its offsets (the tiny Flux transformer's at 24 bytes mod 64); a weight that
+    memmode stores in its files sits at a 64-byte boundary, as torch's allocations do. CPU kernels can round
+    the last bits differently for operands aligned differently, so a reference that a file storage's output is
+    compared with bit for bit is computed on weights in torch memory (docs/modes.md)."""
+    copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def fresh(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in copies:
+            copy = tensor.detach().clone()
+            assert copy.device.type != "cpu" or copy.data_ptr() % 64 == 0, "torch's CPU allocator aligns to 64 bytes"
+            copies[id(tensor)] = (tensor, copy)
+        return copies[id(tensor)][1]
+
+    modules = [target] if isinstance(target, nn.Module) else list(module_components(target).values())
+    with torch.no_grad():
+        for module in (m for root in modules for m in root.modules()):
+            for param in module.parameters(recurse=False):
+                param.data = fresh(param)
+            for name, buffer in module.named_buffers(recurse=False, remove_duplicate=False):
+                setattr(module, name, fresh(buffer))
+    return target
+
+
 def files_under(folder: Path) -> list[Path]:
     """Every file below ``folder``, sorted."""
     return sorted(p for p in folder.rglob("*") if p.is_file())
