@@ -145,7 +145,7 @@ def installed_guide_plugins(tmp_path_factory) -> Path:
 
 
 CHECKS = r'''
-import contextlib, io, json, os, statistics, traceback
+import contextlib, io, json, traceback
 import torch
 torch.set_num_threads(1)
 from torch import nn
@@ -188,23 +188,6 @@ def keys(handle, policy):
 def same_weights(pipe, fresh):
     mine, theirs = state_of(pipe), state_of(fresh)
     return mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
-
-
-@contextlib.contextmanager
-def timing_priority():
-    """On a machine shared with other work, a prediction measured at one moment and calls timed at
-    another see different loads. Where the scheduler allows it (root), the timed part runs at a higher
-    priority for its second or two, so that other processes on the same cores stretch neither."""
-    try:
-        before = os.getpriority(os.PRIO_PROCESS, 0)
-        os.setpriority(os.PRIO_PROCESS, 0, -15)
-    except OSError:
-        before = None
-    try:
-        yield
-    finally:
-        if before is not None:
-            os.setpriority(os.PRIO_PROCESS, 0, before)
 
 
 @check
@@ -267,28 +250,18 @@ def zram_cost():
     model, x = blocks(6, torch.bfloat16)
     handle = memmode.apply(model, "model_group_offload", device="cpu", storage="zram")
     model(x)  # the plan is for a steady-state call
-    rounds = []
-    with timing_priority():
-        for _ in range(3):
-            # Each round prices the storage afresh (zram measures its cost once per process, so
-            # forget the last measurement) and then times calls right away: both sides of a round
-            # see the machine in the same state, and the median round ignores one disturbed round.
-            memmode_zram._costs.clear()
-            (entry,) = [e for e in memmode.plan(model, device="cpu", storage="zram")
-                        if e.placement == "model_group_offload" and e.options.get("offload_type") == "block_level"]
-            per_call = []
-            for _ in range(3):
-                handle.reset_stats()
-                model(x)
-                report = handle.report()
-                per_call.append(report.transfer_seconds / report.component_calls["module"])
-            rounds.append({"predicted": entry.seconds_per_call, "measured": statistics.median(per_call),
-                           "calls": per_call})
-    middle = sorted(rounds, key=lambda r: r["predicted"] / r["measured"])[1]
-    return {**middle, "rounds": rounds,
-            "predicted_held": entry.pageable_bytes, "held": report.storage_bytes["pageable_bytes"],
-            "offloaded": sum(g.nbytes for g in handle._runtime.groups),
-            "predicted_moved": entry.transfer_bytes_per_call, "moved": report.bytes_transferred}
+    (entry,) = [e for e in memmode.plan(model, device="cpu", storage="zram")
+                if e.placement == "model_group_offload" and e.options.get("offload_type") == "block_level"]
+    handle.reset_stats()
+    model(x)
+    report = handle.report()
+    # the ratio cost() declared, from its seeded sample (the same on every run). Its time per call is a
+    # timing: benchmarks/plugin_storage_cost.py measures how close plan() comes to it, not the suite
+    declared = memmode_zram._costs["cpu"]
+    return {"predicted_held": entry.pageable_bytes, "held": report.storage_bytes["pageable_bytes"],
+            "offloaded": sum(g.nbytes for g in handle._runtime.groups), "ratio": declared.pageable_per_byte,
+            "predicted_moved": entry.transfer_bytes_per_call, "moved": report.bytes_transferred,
+            "predicted_onloads": entry.onloads_per_call, "onloads": report.onloads}
 
 
 @check
@@ -398,14 +371,15 @@ def test_the_guide_storage_is_exact_and_holds_fewer_bytes(guide_checks, mode):
 
 
 def test_the_planner_predicts_the_guide_storage(guide_checks):
+    """What ``plan()`` predicts for the guide's storage and a real call gives: bytes moved, bytes held. Its time
+    per call is a timing, not checked here (no wall-clock assertion in the suite): benchmarks/plugin_storage_cost.py
+    measures it."""
     result = part(guide_checks, "zram_cost")
-    assert result["predicted_moved"] == result["moved"]
+    assert (result["predicted_moved"], result["predicted_onloads"]) == (result["moved"], result["onloads"])
     # bytes at rest: the ratio declared from a bf16 sample, against these bf16 weights
     assert result["held"] < result["offloaded"]
+    assert result["predicted_held"] == round(result["offloaded"] * result["ratio"])
     assert result["predicted_held"] == pytest.approx(result["held"], rel=0.1)
-    # time: decompression dominates each onload. Of three rounds (a fresh prediction, then the median
-    # of three steady-state calls), the round with the median ratio
-    assert result["predicted"] == pytest.approx(result["measured"], rel=0.25), result["rounds"]
 
 
 BLOCK = 1024 * 1024 * 4 + 1024 * 4  # one Linear(1024, 1024) in float32
