@@ -6,6 +6,13 @@ untouched, then :func:`execute` acts in the order of the contract — make room 
 the old mode off, quantize, place. Applying a mode to a target that already has one replaces the
 placement cleanly: the old one is removed (weights back in ordinary memory) only after the new one
 has been fully validated, and if the new one fails after that, the old one is put back.
+
+"The old one" is every handle now placing the target or any of its components: its own, and that of
+another pipeline sharing the components (``NewPipeline.from_pipe(placed)``). Applying a mode to the
+new pipeline moves the placement there, as diffusers' ``enable_model_cpu_offload`` on it takes the
+old hooks off the shared components first; the old handle becomes inactive. A bare module placed as
+one component of a pipeline is refused instead: placing it alone would unplace the rest of that
+pipeline.
 """
 
 from __future__ import annotations
@@ -77,9 +84,7 @@ def apply(
 
 def execute(prepared: Prepared) -> Handle:
     """Act on a prepared plan: make room in the storage, take the old mode off, quantize, place."""
-    obj = prepared.whole.obj
-    previous = handle_of(obj)
-    _refuse_foreign_handles(prepared.target, previous)
+    placing = _placing(prepared.whole)
     _refuse_stale_quantization(prepared)
     session = prepared.open_session()
     try:  # room for what will be stored, before quantizing: a refusal leaves the target untouched
@@ -91,14 +96,14 @@ def execute(prepared: Prepared) -> Handle:
 
     quantized: dict[str, Any] = {}
     try:
-        if previous is not None:
+        for previous in placing:
             previous.remove()
         quantized = _quantize(prepared)
         runtime, ledger = install(prepared, session, prepared.stored_sizes)
     except BaseException as exc:
         if session is not None:
             session.close()
-        if previous is not None:
+        for previous in placing:
             _revive(previous, exc, quantized)
         raise
     if quantized:
@@ -107,6 +112,7 @@ def execute(prepared: Prepared) -> Handle:
         )
     handle = Handle(prepared, runtime, ledger, quantized)
     handle._attach()
+    _log_moves(prepared, placing)
     return handle
 
 
@@ -229,16 +235,56 @@ def _refuse_fusing_packed(method: str, components: dict[str, nn.Module]) -> None
                 )
 
 
-def _refuse_foreign_handles(tgt: Target, previous: Handle | None) -> None:
-    """A component placed through another target (a pipeline sharing it) cannot be placed twice."""
-    for name, module in tgt.components.items():
+def _placing(whole: Target) -> list[Handle]:
+    """The active handles now placing ``whole`` or any of its components, its own first: what ``execute``
+    takes off before placing, and puts back if that fails.
+
+    Another target's handle is there when pipelines share components (``from_pipe``): the placement moves
+    to this pipeline. A bare module placed as a component of a pipeline is refused: placing it alone would
+    take the mode off the rest of that pipeline (diffusers refuses a model-level offload there too).
+    """
+    own = handle_of(whole.obj)
+    handles = [own] if own is not None else []
+    for module in whole.components.values():
         other = getattr(module, HANDLE_ATTRIBUTE, None)
-        if isinstance(other, Handle) and other.active and other is not previous:
-            owner = other.target
+        if not isinstance(other, Handle) or not other.active or any(other is h for h in handles):
+            continue
+        if not whole.is_pipeline:
             raise IncompatibleModeError(
-                f"component {name!r} is already placed by memmode mode {other.mode!r} applied to "
-                f"{type(owner).__name__}; call remove() on that first"
+                f"{type(module).__name__} is already placed by memmode mode {other.mode!r} applied to "
+                f"{type(other.target).__name__}, as its component {_name_in(other, module)!r}; placing it alone "
+                f"would take that mode off the rest of the pipeline. Call remove() on that first, or apply the "
+                f"mode to a pipeline that has this component (the placement then moves to it)"
             )
+        handles.append(other)
+    return handles
+
+
+def _name_in(handle: Handle, module: nn.Module) -> str:
+    return next((name for name, m in handle._components.items() if m is module), "?")
+
+
+def _log_moves(prepared: Prepared, placing: list[Handle]) -> None:
+    """Say which placements moved here from another target, and what they placed that is placed no more."""
+    obj = prepared.whole.obj
+    placed = {id(m) for m in prepared.target.components.values()}
+    for old in placing:
+        if old.target is obj:
+            continue
+        left = [name for name, m in old._components.items() if id(m) not in placed]
+        unplaced = f"; its {', '.join(left)} no longer placed (not placed by the new mode)" if left else ""
+        logger.info(
+            "memmode: the placement moved from %s (mode %s) to %s (mode %s)%s",
+            _describe(old.target),
+            old.mode,
+            _describe(obj),
+            prepared.mode,
+            unplaced,
+        )
+
+
+def _describe(obj: Any) -> str:
+    return f"{type(obj).__name__} at {id(obj):#x}"
 
 
 def convert(quantizer: Any, module: nn.Module, **kwargs: Any):

@@ -292,14 +292,18 @@ def test_a_failed_re_apply_leaves_the_previous_mode_active(first):
     assert_same_tensors(tensors_of(pipe), before)
 
 
-def test_a_component_placed_through_another_pipeline_is_refused():
+def test_a_component_placed_through_a_pipeline_is_refused_alone():
+    """A pipeline sharing the components takes the placement over (tests/test_from_pipe.py); one of them alone
+    would unplace the rest of the pipeline placing it."""
     pipe = make_pipeline("flux")
-    memmode.apply(pipe, "model_cpu_offload", device="cpu")
+    first = memmode.apply(pipe, "model_cpu_offload", device="cpu")
     sibling = type(pipe)(**pipe.components)
     with pytest.raises(IncompatibleModeError, match="already placed"):
-        memmode.apply(sibling, "model_full_load", device="cpu")
-    with pytest.raises(IncompatibleModeError, match="already placed"):
         memmode.apply(pipe.transformer, "model_full_load", device="cpu")
+    moved = memmode.apply(sibling, "model_full_load", device="cpu")
+    assert not first.active and moved.active
+    with pytest.raises(IncompatibleModeError, match="already placed"):
+        memmode.apply(sibling.transformer, "model_full_load", device="cpu")
 
 
 def test_diffusers_removing_its_hooks_removes_the_placement():
