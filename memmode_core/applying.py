@@ -174,6 +174,8 @@ def install(prepared: Prepared, session, reserved: dict[str, int] | None = None)
         relayout=prepared.relayout,
         pipeline=target.obj if target.is_pipeline else None,
         refuse_edit=_refuse_fusing_packed,
+        strict=prepared.request.strict,
+        storage=prepared.request.storage.name if prepared.request.storage is not None else None,
     )
     runtime.install(reserved)
     return runtime, ledger

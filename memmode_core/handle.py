@@ -13,6 +13,7 @@ from memmode_core.engine import pipeline_hooks
 from memmode_core.engine.ledger import Ledger, Report, clock
 from memmode_core.engine.runtime import Runtime
 from memmode_core.planning.prepared import Prepared
+from memmode_core.quantization import is_quantized
 
 logger = logging.getLogger("memmode")
 
@@ -22,6 +23,9 @@ HANDLE_ATTRIBUTE = "_memmode_handle"
 
 class Handle:
     """What ``apply`` returns: the applied mode, its ledger, and the way back."""
+
+    #: a copy of a placed object has no placement (``engine.copying``)
+    __memmode_uncopied__ = True
 
     def __init__(self, prepared: Prepared, runtime: Runtime, ledger: Ledger, quantized: dict[str, Any]) -> None:
         request = prepared.request
@@ -78,6 +82,9 @@ class Handle:
             call_sequence=list(self._runtime.calls),
             placement_notes=dict(self.notes),
             loading=dict(self.loading),
+            reads_served=self._ledger.reads_served,
+            bytes_served=self._ledger.bytes_served,
+            served=dict(self._ledger.served_names),
         )
 
     def reset_stats(self) -> None:
@@ -120,7 +127,11 @@ class Handle:
         if is_pipeline:
             pipeline_hooks.install(self._components, self.device, self.remove)
         self._guards = pipeline_hooks.install_guards(
-            self.target if is_pipeline else None, self._components, self.mode, self._runtime.end_call
+            self.target if is_pipeline else None,
+            self._components,
+            self.mode,
+            self._runtime.end_call,
+            quantized=is_quantized,
         )
         for obj in [self.target, *self._components.values()]:
             setattr(obj, HANDLE_ATTRIBUTE, self)

@@ -87,6 +87,49 @@ def strict_streams(request):
     assert not model.errors, f"errors the test swallowed: {model.errors}"
 
 
+@pytest.fixture(autouse=True)
+def no_stand_in_escapes(monkeypatch):
+    """Suite-wide: no placed or quantized model ever gives a non-finite value to a read outside its forward.
+
+    Whenever a test removes a placement, and for every placement still live when a test ends, every tensor of
+    every placed component is read as a script would (``state_dict()``, then a computation with each value):
+    each read gets a finite value, or a typed memmode error (a weight whose stored copy a test destroyed,
+    ``strict=True``). A NaN or an infinity fails the test that left it, naming the tensor."""
+    from memmode_core.engine import watch
+    from memmode_core.engine.runtime import Runtime
+
+    def check(runtime) -> None:
+        if runtime._removed_runtime:
+            return
+        for component, module in runtime.components.items():
+            try:
+                state = module.state_dict()
+            except memmode.MemmodeError:
+                continue
+            for name, tensor in state.items():
+                if not (tensor.is_floating_point() or tensor.is_complex()) or tensor.is_meta:
+                    continue
+                try:
+                    with torch.no_grad():
+                        finite = bool(torch.isfinite(tensor.to(torch.float32)).all())
+                except memmode.MemmodeError:
+                    continue
+                assert finite, f"{component}.{name} read as a non-finite value outside its forward"
+
+    original = Runtime.remove
+
+    def remove(self) -> None:
+        check(self)
+        original(self)
+
+    monkeypatch.setattr(Runtime, "remove", remove)
+    before = {id(runtime) for runtime in watch.live_runtimes()}
+    yield
+    for runtime in watch.live_runtimes():
+        if id(runtime) not in before:
+            check(runtime)
+
+
 @pytest.fixture
 def poison_storage():
     """The test storage ``poison`` (NaN placeholders at rest; ``fake_plugins.PoisonStorage``), registered for one

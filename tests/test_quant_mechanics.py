@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 
 import pytest
@@ -72,11 +73,13 @@ def test_layer_weight_is_a_stand_in_that_writes_through_or_fails_loudly(quantize
     quantize_component(quantizer_obj, layer, weight_dtype=torch.float32)
     weight = layer.weight
     assert (weight.shape, weight.dtype, weight.device.type) == ((48, 64), torch.float32, "cpu")
-    assert torch.isnan(weight).all() and weight.untyped_storage().nbytes() == 4  # one element, broadcast
+    assert weight.untyped_storage().nbytes() == 4  # one element, broadcast: no memory of its own
     record = layer._memmode_packed
 
     def dequantized():
         return quantizer_obj.unpack({n: getattr(layer, n) for n in record.names}, record.shape, torch.float32)
+
+    assert torch.equal(weight * 1, dequantized()), "a read of its values is the dequantized weight"
 
     before = dequantized()
     layer.weight.data += torch.ones(48, 64)  # merging into a quantized weight is not silently lost
@@ -390,11 +393,21 @@ def test_state_dicts_carry_the_stand_in_and_refuse_full_precision_weights():
     quantize_component(QFloat8(), model, weight_dtype=None)
     state = model.state_dict()
     stand_in = state["blocks.0.0.weight"]
-    assert stand_in.shape == (32, 32) and torch.isnan(stand_in).all()
+    layer = model.blocks[0][0]
+    record = layer._memmode_packed
+    dequantized = record.codec.unpack({n: getattr(layer, n) for n in record.names}, record.shape, record.compute_dtype)
+    assert stand_in.shape == (32, 32) and torch.equal(stand_in, dequantized), "its values are the dequantized weight"
     assert state["blocks.0.0.weight_packed"].dtype == torch.uint8
     x = torch.randn(2, 16)
     before = model(x)
     model.load_state_dict(state)  # a quantized model's own state dict loads back
+    torch.testing.assert_close(model(x), before)
+    saved = io.BytesIO()
+    torch.save(state, saved)  # pickled as plain tensors: loadable with weights_only, and back into the model
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=True)
+    assert type(loaded["blocks.0.0.weight"]) is torch.Tensor and torch.equal(loaded["blocks.0.0.weight"], dequantized)
+    model.load_state_dict(loaded)
     torch.testing.assert_close(model(x), before)
     state["blocks.0.0.weight"] = torch.randn(32, 32)
     with pytest.raises(RuntimeError, match="cannot load a full-precision weight into a layer quantized with qfloat8"):

@@ -46,11 +46,23 @@ class OffloadedWeightReadError(MemmodeError, RuntimeError):
     outside that submodule's forward. The message names the module whose forward failed."""
 
 
+class StandInReadError(OffloadedWeightReadError):
+    """A read of a weight outside the forward that owns it, which memmode would serve from a stand-in (onloading
+    it into the running call, reading it from the storage, dequantizing it), refused because the mode was
+    applied with ``strict=True``. The message names the tensor and the code that read it."""
+
+
+class OffloadedWeightWriteError(IncompatibleModeError, RuntimeError):
+    """An in-place write memmode cannot carry to the weight it aims at (a view of a value served for one read,
+    whose copy is temporary), refused before anything changes."""
+
+
 class RestoreError(MemmodeError):
     """``remove()`` could not give back some groups (their stored copy was lost or damaged).
 
     Every other weight was restored and the mode is fully removed; ``failed`` maps each group key
-    that was not restored to why. Those groups' tensors hold NaN placeholders.
+    that was not restored to why. Those groups' tensors have no value: a read of one raises
+    :class:`OffloadedWeightReadError` naming it, and a whole new value (``load_state_dict``) brings it back.
     """
 
     def __init__(self, failed: dict[str, str]) -> None:
@@ -58,7 +70,7 @@ class RestoreError(MemmodeError):
         lines = "; ".join(f"{key}: {why}" for key, why in self.failed.items())
         super().__init__(
             f"remove() restored every weight except {len(self.failed)} group(s), whose stored copy is lost and "
-            f"whose tensors now hold NaN placeholders: {lines}"
+            f"whose tensors now have no value (reading one raises, naming it): {lines}"
         )
 
 

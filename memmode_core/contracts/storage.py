@@ -24,7 +24,9 @@ A :class:`Storage` is what a plugin registers; ``open`` gives a :class:`StorageS
    ``fetch`` returned (unless ``intact`` is False: the model replaced some tensor with one of its own,
    which may be a view of what ``fetch`` returned). A storage that keeps something between onloads
    (``disk``'s mapping of the file) gives back its memory here.
-4. ``restore(key)`` returns the tensors in ordinary CPU memory, for ``remove()``.
+4. ``restore(key)`` returns the tensors in ordinary CPU memory, for ``remove()``; ``read(key, name)`` one
+   of them, for code that reads a resting weight's value (``state_dict()``, a parent module) when what
+   ``put`` left at rest holds no value (a placeholder).
    ``check(key)`` comes before every onload and every restore: a storage whose copies can break
    behind its back (files) says so there, with a typed error, instead of handing back wrong bytes.
 5. ``close()`` releases whatever the session holds (memory, files it wrote).
@@ -48,6 +50,11 @@ Tensors = dict[str, torch.Tensor]
 
 
 class StorageSession:
+    #: True when what ``put`` leaves at rest can break behind the session's back (views of a mapped file that
+    #: another process may truncate): the engine then rests those tensors as stand-ins too, and a read of one
+    #: at rest calls ``check(key)`` first, so it is a typed error instead of a SIGBUS
+    at_rest_can_break: bool = False
+
     def reserve(self, sizes: Mapping[str, int]) -> None:
         """Check that groups of these byte sizes fit; raise ``StorageUnavailableError`` if not."""
 
@@ -64,6 +71,13 @@ class StorageSession:
 
     def restore(self, key: str) -> Tensors:
         raise NotImplementedError
+
+    def read(self, key: str, name: str) -> torch.Tensor:
+        """The real value of one tensor of a stored group, on the CPU, for a read at rest: code reading a
+        weight whose at-rest tensor is a placeholder (``state_dict()``, ``save_pretrained``, a script).
+        The engine calls ``check(key)`` first and never writes into the result. The default restores the
+        group and returns the one tensor; a storage that can do better (map one tensor of a file) says so."""
+        return self.restore(key)[name]
 
     def offloaded(self, key: str, intact: bool = True) -> None:
         """The group went back to rest after a ``fetch``; ``intact``: the model holds none of what ``fetch``
@@ -154,8 +168,16 @@ def placeholder(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def is_placeholder(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a :func:`placeholder` (a broadcast single element), not real data."""
-    return tensor.numel() > 1 and all(stride == 0 for stride in tensor.stride())
+    """Whether ``tensor`` is a :func:`placeholder` (a broadcast single element), not real data.
+
+    A tensor of one element (or none) looks the same broadcast or not: it is a placeholder only if
+    :func:`placeholder` made it (a bias of one channel, a mixing factor, a scalar parameter)."""
+    if not all(stride == 0 for stride in tensor.stride()):
+        return False
+    if tensor.numel() > 1:
+        return True
+    held = _PLACEHOLDERS.get(tensor.data_ptr()) if tensor.numel() == 1 else None
+    return held is not None and held.dtype == tensor.dtype
 
 
 def is_known_placeholder(tensor: torch.Tensor) -> bool:

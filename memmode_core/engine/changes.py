@@ -27,11 +27,12 @@ from torch import nn
 from memmode_core.contracts.errors import OffloadedWeightReadError
 from memmode_core.contracts.layout import GroupSpec, Policy
 from memmode_core.contracts.storage import Tensors, is_placeholder
-from memmode_core.engine import watch
+from memmode_core.engine import standins, watch
 from memmode_core.engine.groups import Group, Part, Slot, claim_groups, module_path
 from memmode_core.engine.hooks import not_traced
 from memmode_core.engine.pipeline_hooks import refuse_foreign_offloading
 from memmode_core.engine.reads import PlaceholderTrap
+from memmode_core.engine.standins import raw_access
 
 
 class Changes:
@@ -69,6 +70,7 @@ class Changes:
     def _index_members(self) -> None:
         self._member_of = {id(m): name for name, root in self.components.items() for m in root.modules()}
 
+    @raw_access
     def note_registration(self, module: nn.Module, name: str | None = None, value: object = None) -> None:
         """Called for every parameter, buffer or submodule registration in the process (see watch).
 
@@ -102,6 +104,7 @@ class Changes:
         else:
             self._placeholdered.discard(component)
 
+    @raw_access
     def placeholder_name(self, tensor: torch.Tensor) -> str | None:
         """``"<slot name> (group <key>)"`` if ``tensor`` holds the at-rest placeholder of one of this runtime's
         slots."""
@@ -131,6 +134,7 @@ class Changes:
             self._diagnosing -= 1
 
     @not_traced
+    @raw_access
     def changed(self, component: str) -> bool:
         """Whether ``component``'s tensors are no longer the ones its groups were built from.
 
@@ -191,6 +195,7 @@ class Changes:
         with self.lock:
             self._refresh()
 
+    @raw_access
     def _refresh(self) -> None:
         if self._async:
             self.streams.synchronize(self.device)
@@ -204,6 +209,7 @@ class Changes:
             self.rebuild(name, keep_parts=False)
 
     @not_traced
+    @raw_access
     def rebuild(self, component: str, *, keep_parts: bool = True) -> None:
         """Lay ``component`` out again and store what changed; keep the parts that did not change."""
         if self._relayout is None:
@@ -224,12 +230,16 @@ class Changes:
                 self._onload_resident(group)
             else:
                 kept.update(self._store_rebuilt(group, previous, keep_parts))
+        held = {id(slot.tensor) for group in new for slot in group.slots}
         for group in old:
             if group.resident:  # a resident group (full load) is not offloaded: its bytes leave now
                 self.ledger.offloaded(group.nbytes, 0.0)
             for part in group.parts:
                 if part.key not in kept:
                     self.session.discard(part.key)
+            for slot in group.slots:
+                if id(slot.tensor) not in held:  # no longer the component's: plain again
+                    standins.forget(slot.tensor)
         self.groups = [g for g in self.groups if g.component != component] + new
         self._index_groups()
         self._resident[component].clear()  # resident groups were offloaded above; RESIDENT ones are not tracked
@@ -290,6 +300,7 @@ class Changes:
             parts.append(Part(key, tuple(values)))
         group.parts = parts
         group.rest(at_rest)
+        self.rest_as_stand_ins(group)
         return {p.key for p in parts}
 
     def _real_value(self, group: Group, slot: Slot, current: torch.Tensor) -> torch.Tensor:
@@ -317,7 +328,7 @@ class Changes:
 
         For reading a placed model's weights without removing the mode (saving it). Nothing is moved.
         """
-        with self.lock:
+        with self.lock, standins.raw_reads():
             found: dict[int, torch.Tensor] = {}
             for group in self._groups_of.get(component, []):
                 if group.policy is Policy.RESIDENT or group.resident:

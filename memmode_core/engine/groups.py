@@ -21,6 +21,10 @@ from torch import nn
 
 from memmode_core.contracts.layout import GroupSpec, Policy
 from memmode_core.contracts.storage import Tensors
+from memmode_core.engine.standins import PLAIN_CLASS
+
+#: engine code reading what a resting stand-in holds, not the value it serves
+_RAW = torch._C.DisableTorchFunctionSubclass
 
 
 @dataclass(eq=False)
@@ -37,6 +41,10 @@ class Slot:
     rest_ptr: int = 0
     #: the address of the data onloading gave it (a different one at offload: replaced while onloaded)
     live_ptr: int = 0
+    #: the class it has while it rests as a stand-in (``engine.standins``), None when it rests plain
+    served: type | None = None
+    #: the class it has while onloaded (its own)
+    plain: type | None = None
 
     def registered(self) -> bool:
         registry = self.owner._buffers if self.is_buffer else self.owner._parameters
@@ -126,18 +134,40 @@ class Group:
         return not self.resident or self.ready_event is not None or (nxt is not None and not nxt.resident)
 
     def tensors(self) -> Tensors:
-        return {slot.name: slot.tensor.data for slot in self.slots}
+        """What each slot's tensor holds now (a resting stand-in's raw data: never served)."""
+        with _RAW():
+            return {slot.name: slot.tensor.data for slot in self.slots}
 
     def assign(self, tensors: Tensors) -> None:
+        """Give every slot ``tensors`` as plain tensors (restoring, giving real values for an edit)."""
         for slot in self.slots:
-            slot.tensor.data = tensors[slot.name]
+            tensor = slot.tensor
+            plain = PLAIN_CLASS.get(type(tensor))
+            if plain is not None:
+                tensor.__class__ = plain
+            tensor.data = tensors[slot.name]
 
     def onload(self, tensors: Tensors) -> None:
         """Assign the onloaded tensors, remembering their addresses for :meth:`offload_at_rest`."""
         for slot in self.slots:
             data = tensors[slot.name]
+            if slot.served is not None:
+                slot.tensor.__class__ = slot.plain
             slot.tensor.data = data
             slot.live_ptr = data.data_ptr()
+
+    def wake(self) -> None:
+        """An onload that swaps no data (the storage's at-rest tensors are the device tensors): the slots that
+        rest as stand-ins are plain while the group is onloaded."""
+        for slot in self.slots:
+            if slot.served is not None:
+                slot.tensor.__class__ = slot.plain
+
+    def lull(self) -> None:
+        """The offload of such a group: its stand-ins rest as stand-ins again."""
+        for slot in self.slots:
+            if slot.served is not None and type(slot.tensor) is slot.plain:
+                slot.tensor.__class__ = slot.served
 
     def offload_at_rest(self) -> list[Slot]:
         """Give every slot its at-rest tensor again, except those whose tensor was replaced while the group
@@ -149,14 +179,22 @@ class Group:
                 replaced.append(slot)
             else:
                 slot.tensor.data = self.at_rest[slot.name]
+                if slot.served is not None:
+                    slot.tensor.__class__ = slot.served
         return replaced
 
     def rest(self, tensors: Tensors) -> None:
-        """Assign the at-rest tensors and remember their addresses (to notice replacements)."""
+        """Assign the at-rest tensors and remember their addresses (to notice replacements). Which of them rest
+        as stand-ins the runtime decides next (``Serving.rest_as_stand_ins``)."""
         self.at_rest = tensors
         for slot in self.slots:
             data = tensors[slot.name]
-            slot.tensor.data = data
+            tensor = slot.tensor
+            plain = PLAIN_CLASS.get(type(tensor))
+            if plain is not None:
+                tensor.__class__ = plain
+            slot.served = None
+            tensor.data = data
             slot.rest_ptr = data.data_ptr()
 
     def __repr__(self) -> str:

@@ -33,6 +33,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from memmode_core.engine import copying
+
 #: attribute on an installed wrapper that points to its hook (``is_wrapped`` checks it)
 MARKER = "__memmode_wrapper__"
 #: attribute (in the owner's ``__dict__``) holding its :class:`HookRegistry` while it has hooks
@@ -46,7 +48,7 @@ def not_traced(function):
 
 
 class Hook:
-    """One named hook of memmode's on ``owner``'s ``method``.
+    """One named hook of memmode's on ``owner``'s ``method``. Never copied with its owner (``engine.copying``).
 
     ``kind`` names what hooks of a class do. ``name`` tells one owner's hooks apart: the kind alone for
     a hook on the method its class always wraps (``default_method``), else ``kind:method``
@@ -54,6 +56,7 @@ class Hook:
     """
 
     kind: ClassVar[str] = "memmode.hook"
+    __memmode_uncopied__: ClassVar[bool] = True
     #: the method hooks of this kind wrap unless told otherwise
     default_method: ClassVar[str | None] = None
 
@@ -81,6 +84,7 @@ class Hook:
         registry = owner.__dict__.get(REGISTRY_ATTRIBUTE)
         if registry is None:
             registry = owner.__dict__[REGISTRY_ATTRIBUTE] = HookRegistry()
+            copying.install(owner)  # a copy of the owner is the model without memmode
         registry._hooks.append(self)
 
     def _unregister(self, owner: Any) -> None:
@@ -90,6 +94,7 @@ class Hook:
         registry._hooks = [h for h in registry._hooks if h is not self]
         if not registry._hooks:  # a removed mode leaves nothing behind
             del owner.__dict__[REGISTRY_ATTRIBUTE]
+            copying.uninstall(owner)
 
     @property
     def __memmode_wrapper__(self) -> Hook:
@@ -177,6 +182,7 @@ class HookRegistry:
     """
 
     __slots__ = ("_hooks",)
+    __memmode_uncopied__ = True
 
     def __init__(self) -> None:
         self._hooks: list[Hook] = []

@@ -44,6 +44,13 @@ class Report:
     #: what ``load`` did on the way (empty after ``apply``): bytes converted and quantized into staging files,
     #: groups and bytes kept in the checkpoint's pages and written to the storage's files
     loading: dict[str, Any] = field(default_factory=dict)
+    #: reads of a weight outside the forward that owns it that memmode served from a stand-in (an offloaded
+    #: tensor onloaded into the running call or read from its storage, a quantized weight dequantized)
+    reads_served: int = 0
+    #: bytes those reads produced
+    bytes_served: int = 0
+    #: the tensors read that way, each with how many times (the first hundred names)
+    served: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -56,6 +63,7 @@ class Report:
             f"peak {format_bytes(self.peak_device_bytes)} on device, "
             f"{format_bytes(self.bytes_transferred)} moved in {self.transfer_seconds:.3f}s "
             f"({self.onloads} onloads)"
+            + (f", {self.reads_served} reads served outside their forward" if self.reads_served else "")
         )
 
 
@@ -63,8 +71,23 @@ class Report:
 MAX_TRACE_SAMPLES = 500_000
 
 
+#: names a ledger remembers the served reads of
+MAX_SERVED_NAMES = 100
+
+
 class Ledger:
-    __slots__ = ("resident", "peak", "transferred", "seconds", "onloads", "offloads", "trace")
+    __slots__ = (
+        "resident",
+        "peak",
+        "transferred",
+        "seconds",
+        "onloads",
+        "offloads",
+        "trace",
+        "reads_served",
+        "bytes_served",
+        "served_names",
+    )
 
     def __init__(self) -> None:
         self.resident = 0
@@ -75,6 +98,9 @@ class Ledger:
         self.offloads = 0
         #: (seconds, resident bytes) after each change, while tracing (``Handle.start_trace``)
         self.trace: list[tuple[float, int]] | None = None
+        self.reads_served = 0
+        self.bytes_served = 0
+        self.served_names: dict[str, int] = {}
 
     def onloaded(self, nbytes: int, seconds: float) -> None:
         self.resident += nbytes
@@ -93,6 +119,14 @@ class Ledger:
         if self.trace is not None and len(self.trace) < MAX_TRACE_SAMPLES:
             self.trace.append((clock(), self.resident))
 
+    def served(self, nbytes: int, name: str) -> None:
+        """A read of ``name`` outside its forward, served from a stand-in (``nbytes`` produced)."""
+        self.reads_served += 1
+        self.bytes_served += nbytes
+        names = self.served_names
+        if name in names or len(names) < MAX_SERVED_NAMES:
+            names[name] = names.get(name, 0) + 1
+
     def reset_peak(self) -> None:
         """Start a new measurement: peak restarts from what is resident now, counters from zero."""
         self.peak = self.resident
@@ -100,6 +134,9 @@ class Ledger:
         self.seconds = 0.0
         self.onloads = 0
         self.offloads = 0
+        self.reads_served = 0
+        self.bytes_served = 0
+        self.served_names = {}
 
 
 clock = time.perf_counter

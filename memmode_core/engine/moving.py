@@ -125,6 +125,7 @@ class Moving:
             seconds = 0.0
         elif self._zero_copy:
             tensors, seconds = None, 0.0
+            group.wake()
         else:
             began = clock()
             tensors = self._fetch_parts(group, None)
@@ -148,6 +149,7 @@ class Moving:
     def offload(self, group: Group) -> None:
         if self._zero_copy:
             seconds = 0.0
+            group.lull()
         else:
             start = clock()
             replaced = group.offload_at_rest()
@@ -215,6 +217,9 @@ class Moving:
             self._finish_recording(component)
         if self._timings:
             self.settle()
+        if self._learned:
+            for name in [n for n in self._learned if not self._depth[n]]:
+                self.apply_learned(name)
 
     # -- execution order (prefetch) ------------------------------------------------------------------
 

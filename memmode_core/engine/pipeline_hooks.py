@@ -7,7 +7,7 @@ hook object at ``component._hf_hook`` with an ``execution_device`` attribute, an
 for as long as a mode is applied, so pipelines compute on the device that was asked for. If
 diffusers itself removes it (``pipe.remove_all_hooks()``), the memmode placement is removed with it.
 
-Two more guards, on the pipeline and its components (:func:`install_guards`):
+More guards, on the pipeline and its components (:func:`install_guards`):
 
 * diffusers frees every model at the end of a pipeline call: memmode offloads what the call left on
   the device (a ``model_cpu_offload`` placement's last component) when the pipeline's ``__call__``
@@ -19,7 +19,9 @@ Two more guards, on the pipeline and its components (:func:`install_guards`):
 * diffusers' own offloading (``enable_model_cpu_offload``, ``enable_sequential_cpu_offload``,
   ``enable_group_offload``, on the pipeline or a component) would fight memmode over the weights: it is
   refused at that call with :class:`IncompatibleModeError`, before anything changes: one
-  ``memmode.offloading_guard:<method>`` hook (:class:`OffloadingGuard`) per such method.
+  ``memmode.offloading_guard:<method>`` hook (:class:`OffloadingGuard`) per such method;
+* ``save_pretrained`` of quantized layers is refused before anything is written (:class:`SaveGuard`):
+  ``memmode.save_quantized`` writes them.
 
 Both are named hooks (:mod:`~memmode_core.engine.hooks`): ``hooks_of(pipe)`` lists them.
 """
@@ -42,6 +44,9 @@ ATTRIBUTE = "_hf_hook"
 
 
 class ExecutionDeviceHook:
+    #: memmode's, not the model's: left out of copies (``engine.copying``)
+    __memmode_uncopied__ = True
+
     def __init__(self, device: torch.device, on_detach: Callable[[], None]) -> None:
         self.execution_device = device
         self._on_detach = on_detach
@@ -181,6 +186,47 @@ class OffloadingGuard(MethodWrapper):
         return f"refuses diffusers' own offloading while memmode mode {self.mode!r} is applied"
 
 
+class SaveGuard(MethodWrapper):
+    """``memmode.save_guard``: ``save_pretrained`` of a pipeline or component holding quantized layers is refused
+    before anything is written.
+
+    diffusers and transformers would write the layers' state dict: the packed tensors next to each
+    ``weight`` stand-in's dequantized values, a checkpoint that ``from_pretrained`` loads as a full-precision
+    model only with "weights not used" warnings and that ``memmode.load`` cannot read as quantized.
+    ``memmode.save_quantized`` writes memmode's quantized format instead (``memmode.load`` streams it back
+    packed). A pipeline's ``save_pretrained`` is checked for all its components before it writes
+    ``model_index.json``. Components without quantized layers save as usual: a placed model's weights read
+    as their real values."""
+
+    kind = "memmode.save_guard"
+    default_method = "save_pretrained"
+    __slots__ = ("label", "quantized")
+
+    def __init__(self, owner: Any, label: str, quantized: Callable[[], list[str]]) -> None:
+        super().__init__(owner, "save_pretrained")
+        self.label = label
+        #: the names of what holds quantized layers now (the owner, or a pipeline's components)
+        self.quantized = quantized
+
+    def __call__(self, *args, **kwargs):
+        if self.active:
+            held = self.quantized()
+            if held:
+                raise IncompatibleModeError(
+                    f"{self.label}.save_pretrained(): {', '.join(held)} holds layers quantized by memmode, which "
+                    f"save_pretrained would write as packed tensors beside their dequantized weights; nothing was "
+                    f"written. Save it with memmode.save_quantized(target, path) (memmode.load(path, mode) reads "
+                    f"it back quantized), or save the model before applying the quantizer"
+                )
+        return (self.original if self.active else self.passthrough())(*args, **kwargs)
+
+    def where(self) -> str:
+        return self.label
+
+    def describe(self) -> str:
+        return "refuses save_pretrained while it holds quantized layers (memmode.save_quantized writes them)"
+
+
 def _call_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def __call__(self, *args, **kwargs):
@@ -202,10 +248,23 @@ def watches_call_end(cls: type) -> bool:
 
 
 def install_guards(
-    pipeline: Any, components: dict[str, nn.Module], mode: str, on_call_end: Callable[[], None]
+    pipeline: Any,
+    components: dict[str, nn.Module],
+    mode: str,
+    on_call_end: Callable[[], None],
+    quantized: Callable[[nn.Module], bool] | None = None,
 ) -> list[Hook]:
-    """Watch the end of a pipeline's calls and refuse diffusers' offloading (see the module docstring)."""
+    """Watch the end of a pipeline's calls, refuse diffusers' offloading, and refuse ``save_pretrained`` of
+    quantized layers (``quantized(module)`` says whether a module holds any; see the module docstring)."""
     guards: list[Hook] = []
+    if quantized is not None:
+        for name, module in components.items():
+            if callable(getattr(type(module), "save_pretrained", None)):
+                held = functools.partial(_quantized_names, {name: module}, quantized)
+                guards.append(SaveGuard(module, name, held).install())
+        if pipeline is not None and callable(getattr(type(pipeline), "save_pretrained", None)):
+            held = functools.partial(_quantized_names, components, quantized)
+            guards.append(SaveGuard(pipeline, type(pipeline).__name__, held).install())
     owners: list[tuple[Any, str, tuple[str, ...]]] = [
         (module, name, FOREIGN_MODEL_OFFLOADING) for name, module in components.items()
     ]
@@ -218,6 +277,10 @@ def install_guards(
             if callable(getattr(type(owner), method, None)):
                 guards.append(OffloadingGuard(owner, method, label, mode).install())
     return guards
+
+
+def _quantized_names(components: dict[str, nn.Module], quantized: Callable[[nn.Module], bool]) -> list[str]:
+    return [name for name, module in components.items() if quantized(module)]
 
 
 def remove_guards(guards: list[Hook]) -> None:

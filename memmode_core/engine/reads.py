@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 
 from memmode_core.contracts.errors import OffloadedWeightReadError
 from memmode_core.contracts.storage import is_known_placeholder
+from memmode_core.engine.standins import is_stand_in
 
 #: functions that read a tensor's metadata (shape, dtype, device, strides, address) or allocate a
 #: tensor like it, never its values: a placeholder may go through them
@@ -96,7 +97,7 @@ class PlaceholderTrap(TorchFunctionMode):
         kwargs = kwargs or {}
         if getattr(func, "__name__", "") not in METADATA_FUNCTIONS:
             for value in pytree.tree_leaves((args, kwargs)):
-                if isinstance(value, torch.Tensor) and is_known_placeholder(value):
+                if isinstance(value, torch.Tensor) and not is_stand_in(value) and is_known_placeholder(value):
                     raise self._error(func, value)
         return func(*args, **kwargs)
 

@@ -11,7 +11,9 @@ on ``remove``. It is the composition of one part per job, each in its own module
 * :class:`~memmode_core.engine.changes.Changes` — noticing changed weights and rebuilding, edits,
   placeholders;
 * :class:`~memmode_core.engine.forwards.Forwards` — the hooks around forwards and entry methods (named
-  objects, see :mod:`~memmode_core.engine.hooks`).
+  objects, see :mod:`~memmode_core.engine.hooks`);
+* :class:`~memmode_core.engine.serving.Serving` — resting tensors as stand-ins that serve every read of
+  their value (see :mod:`~memmode_core.engine.standins`).
 
 The parts share this object's state (components, groups, storage session, lock); each part's
 ``_init_*`` sets the state it owns.
@@ -28,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from memmode_core.contracts.errors import RestoreError
+from memmode_core.contracts.errors import IncompatibleModeError, RestoreError
 from memmode_core.contracts.layout import GroupSpec, Policy
 from memmode_core.contracts.storage import StorageSession, placeholder
 from memmode_core.engine import watch
@@ -37,9 +39,11 @@ from memmode_core.engine.forwards import Forwards
 from memmode_core.engine.groups import Group, Part, bind_groups
 from memmode_core.engine.ledger import Ledger
 from memmode_core.engine.moving import Moving
+from memmode_core.engine.serving import Serving
+from memmode_core.engine.standins import raw_access
 
 
-class Runtime(Forwards, Changes, Moving):
+class Runtime(Forwards, Changes, Moving, Serving):
     def __init__(
         self,
         components: dict[str, nn.Module],
@@ -54,6 +58,8 @@ class Runtime(Forwards, Changes, Moving):
         relayout: Callable[[str], list[GroupSpec]] | None = None,
         pipeline: object | None = None,
         refuse_edit: Callable[[str, dict[str, nn.Module]], None] | None = None,
+        strict: bool = False,
+        storage: str | None = None,
     ) -> None:
         self.components = components
         #: live groups of the ones ``prepare`` claimed, their slots taken from the model as it is now
@@ -70,6 +76,7 @@ class Runtime(Forwards, Changes, Moving):
         )
         self._init_changes(device, relayout=relayout, refuse_edit=refuse_edit)
         self._init_forwards(pipeline)
+        self._init_serving(strict=strict, storage=storage)
 
     def _index_groups(self) -> None:
         self._groups_of = {name: [g for g in self.groups if g.component == name] for name in self.components}
@@ -97,6 +104,13 @@ class Runtime(Forwards, Changes, Moving):
                 for group in stored:
                     group.parts = [Part(group.key, tuple(s.name for s in group.slots))]
                     group.at_rest = self.session.put(group.key, group.tensors(), group.readable)
+                    unservable = self.unservable(group, group.at_rest)
+                    if unservable is not None:
+                        raise IncompatibleModeError(
+                            f"{self._storage_name} keeps no value of {unservable} at rest, and memmode can "
+                            f"serve reads of a resting weight only for plain parameters and buffers; use a "
+                            f"storage that keeps values at rest (ram, mmap) for this model"
+                        )
                 self.session.flush()
         except BaseException:
             if self.session is not None:
@@ -104,6 +118,7 @@ class Runtime(Forwards, Changes, Moving):
             raise
         for group in stored:
             group.rest(group.at_rest)
+            self.rest_as_stand_ins(group)
         for group in self.groups:
             if group.policy is Policy.RESIDENT:
                 self._onload_resident(group)
@@ -125,6 +140,7 @@ class Runtime(Forwards, Changes, Moving):
         with self.lock:
             self._remove()
 
+    @raw_access
     def _remove(self) -> None:
         watch.unwatch(self)
         self._remove_all_hooks()
@@ -143,6 +159,9 @@ class Runtime(Forwards, Changes, Moving):
             except Exception as exc:  # noqa: BLE001 - every failure is reported, after the other groups
                 failed[group.key] = str(exc) or type(exc).__name__
                 group.assign({s.name: placeholder(s.tensor.data) for s in group.slots})
+                self.rest_lost(group, failed[group.key])
+            else:
+                self.wake_all(group)
             finally:
                 group.at_rest = {}  # the storage's copies (a file mapping, pinned memory) go with the session
                 if group.resident:
@@ -151,6 +170,7 @@ class Runtime(Forwards, Changes, Moving):
                     self.ledger.offloaded(group.nbytes, 0.0)
         for resident in self._resident.values():
             resident.clear()
+        self._removed_runtime = True
         if self.session is not None:
             self.session.close()
         if failed:

@@ -4,8 +4,9 @@ Everything about the files — naming by content, atomic writes, verification, f
 sharing a folder, cleanup — is :mod:`memmode_core.files`. What is particular to ``disk`` is
 how little it keeps: at rest a parameter holds a :func:`~memmode_core.contracts.storage.placeholder` (no
 memory) and only what the engine marks readable keeps its values: the buffers and a component's own
-loose parameters, small tensors that pipelines read outside any forward.
-Memory holds the groups that are on the device at the time, whatever the size of the model.
+loose parameters, small tensors that pipelines read outside any forward. Code that reads a parameter's
+value at rest anyway (``state_dict()``, a parent module) is served from the file by the engine, through
+:meth:`DiskSession.read`. Memory holds the groups that are on the device at the time, whatever the size of the model.
 
 How a group comes back depends on the device:
 
@@ -74,6 +75,14 @@ class DiskSession(GroupFileSession):
         tensors = self.files[key].read()
         tensors.update(self._buffers[key])
         return tensors
+
+    def read(self, key: str, name: str) -> torch.Tensor:
+        """One tensor for a read at rest (``state_dict()``, a parent module): a view of a private mapping of the
+        file, made for this read, so reading a model's weights at rest holds no memory of the process's own."""
+        buffers = self._buffers[key]
+        if name in buffers:
+            return buffers[name]
+        return self.files[key].map()[1][name]
 
     def discard(self, key: str) -> None:
         super().discard(key)

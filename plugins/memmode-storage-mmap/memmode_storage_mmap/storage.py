@@ -27,6 +27,9 @@ from memmode_core.files.store import GroupFileSession, GroupFileStorage, GroupFi
 
 
 class MmapSession(GroupFileSession):
+    #: the weights at rest are views of the files' mappings: a read at rest checks the file first
+    at_rest_can_break = True
+
     def __init__(self, store: GroupFileStore, device: torch.device) -> None:
         super().__init__(store, device)
         #: key -> (the whole mapped file as uint8, typed views of its tensors)
@@ -72,6 +75,9 @@ class MmapSession(GroupFileSession):
             group_file = self.files[key]
             return self.upload(group_file, group_file.mapped_filler(flat), device, stream)
         return {name: streams.to_device(view, device) for name, view in views.items()}
+
+    def read(self, key: str, name: str) -> torch.Tensor:
+        return self._mapped[key][1][name]
 
     def restore(self, key: str) -> Tensors:
         # copies into ordinary memory: after remove() the files (perhaps deleted) are not held open
