@@ -15,6 +15,12 @@ Each brings module shapes the engine has to get right:
 * ``hunyuandit``: two text encoders of different kinds (BERT + T5), long skip connections between transformer
   blocks (a block's output feeds a block further down), a top-level parameter read in the model's own ``forward``
   (``text_embedding_padding``), ``_supports_group_offloading = False``;
+* ``hunyuandit_controlnet``: the same with a ``HunyuanDiT2DControlNetModel``, which declares group offloading
+  supported, so the placements that split a model split it; its time embedding's ``HunyuanDiTAttentionPool`` (the
+  transformer has one too) hands its child layers' weights (``q_proj.weight``, ``k_proj.weight``, ...,
+  ``torch.cat`` of their biases) to ``F.multi_head_attention_forward`` without calling those layers: a parent
+  reading its children's parameters outside their ``forward``. The control image is VAE-encoded with a latent
+  sample the pipeline draws from the global RNG, which the call's inputs seed;
 * ``lumina_next``: Gemma read at an inner layer, a top-level parameter left uninitialized (``pad_token``, seeded
   here) and zero-initialised gates and output (filled);
 * ``cogview3plus`` (T5, size/crop conditioning, CogVideoX's DDIM) and ``cogview4`` (GLM read at its second-last
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 from diffusers import (
     AuraFlowPipeline,
     AuraFlowTransformer2DModel,
@@ -49,7 +56,9 @@ from diffusers import (
     FlowMatchEulerDiscreteScheduler,
     FluxPipeline,
     FluxTransformer2DModel,
+    HunyuanDiT2DControlNetModel,
     HunyuanDiT2DModel,
+    HunyuanDiTControlNetPipeline,
     HunyuanDiTPipeline,
     Lumina2Pipeline,
     Lumina2Transformer2DModel,
@@ -98,6 +107,7 @@ from tiny_components import (
     bert_tokenizer,
     clip,
     cogvideox_scheduler,
+    component_seed,
     factor8_vae,
     gemma_tokenizer,
     glm_tokenizer,
@@ -105,6 +115,7 @@ from tiny_components import (
     lm_encoder,
     model,
     qwen_tokenizer,
+    random_image,
     t5_encoder,
     t5_tokenizer,
 )
@@ -162,6 +173,52 @@ _T5_CALL = {**IMAGE_CALL, **TEXT_LENGTH, **NEGATIVE}
 _32PX = {"height": 32, "width": 32}
 #: The latent channels of Qwen-Image's VAE.
 _Z = 4
+
+#: HunyuanDiT's DiT, its transformer's and its ControlNet's alike but for the depth. The pipelines pad BERT to 77
+#: tokens and T5 to 256; the time embedding pools the T5 states with a ``HunyuanDiTAttentionPool``.
+_HUNYUANDIT_DIT = {
+    "sample_size": 4,
+    "patch_size": 2,
+    "attention_head_dim": 8,
+    "num_attention_heads": 3,
+    "in_channels": 4,
+    "hidden_size": 24,
+    "cross_attention_dim": 32,  # BERT hidden size
+    "cross_attention_dim_t5": 32,  # T5 d_model
+    "pooled_projection_dim": 16,
+    "text_len": BERT_MAX_LENGTH,
+    "text_len_t5": 256,
+}
+#: What the HunyuanDiT pipelines hold besides their denoisers: factor-8 VAE, BERT + T5, DDPM as shipped.
+_HUNYUANDIT_PARTS = {
+    "vae": factor8_vae(),
+    "text_encoder": Text(bert_tokenizer, bert_encoder),
+    "text_encoder_2": T5,
+    "scheduler": partial(
+        DDPMScheduler,
+        beta_schedule="scaled_linear",
+        beta_start=0.00085,
+        beta_end=0.03,
+        clip_sample=False,
+        steps_offset=1,
+        prediction_type="v_prediction",
+    ),
+    **NO_SAFETY_CHECKER,
+}
+_HUNYUANDIT_CALL = {**IMAGE_CALL, **NEGATIVE, **_32PX, "guidance_scale": 5.0, "use_resolution_binning": False}
+
+
+def _hunyuandit_control(seed: int, call: dict) -> dict:
+    """The ControlNet's conditioning image: a fixed random image in [-1, 1] (the VAE's range; a tensor reaches the
+    VAE as it is), derived from the call seed.
+
+    The pipeline samples the image's VAE latents with the *global* RNG (``latent_dist.sample()``, not with the
+    call's generator), so that RNG is seeded from the call seed here, right before the call: else no two calls
+    would give the same output.
+    """
+    torch.manual_seed(component_seed(seed, "control_latents"))
+    return {"control_image": random_image(seed, "control_image", call["height"], call["width"]) * 2 - 1}
+
 
 FAMILIES: dict[str, Family] = {
     "flux": Family(
@@ -407,38 +464,27 @@ FAMILIES: dict[str, Family] = {
         "dit",
         HunyuanDiTPipeline,
         {
-            "vae": factor8_vae(),
-            "text_encoder": Text(bert_tokenizer, bert_encoder),
-            "text_encoder_2": T5,
-            "transformer": model(
-                HunyuanDiT2DModel,
-                {
-                    "sample_size": 4,
-                    "num_layers": 4,  # block 0's output skips to block 3: the smallest depth with a long skip
-                    "patch_size": 2,
-                    "attention_head_dim": 8,
-                    "num_attention_heads": 3,
-                    "in_channels": 4,
-                    "hidden_size": 24,
-                    "cross_attention_dim": 32,  # BERT hidden size
-                    "cross_attention_dim_t5": 32,  # T5 d_model
-                    "pooled_projection_dim": 16,
-                    "text_len": BERT_MAX_LENGTH,  # the pipeline pads BERT to 77 tokens, T5 to 256
-                    "text_len_t5": 256,
-                },
-            ),
-            "scheduler": partial(
-                DDPMScheduler,
-                beta_schedule="scaled_linear",
-                beta_start=0.00085,
-                beta_end=0.03,
-                clip_sample=False,
-                steps_offset=1,
-                prediction_type="v_prediction",
-            ),
-            **NO_SAFETY_CHECKER,
+            **_HUNYUANDIT_PARTS,
+            # block 0's output skips to block 3: the smallest depth with a long skip
+            "transformer": model(HunyuanDiT2DModel, _HUNYUANDIT_DIT, {"num_layers": 4}),
         },
-        {**IMAGE_CALL, **NEGATIVE, **_32PX, "guidance_scale": 5.0, "use_resolution_binning": False},
+        _HUNYUANDIT_CALL,
+    ),
+    # HunyuanDiT with a ControlNet (the layout of Tencent's v1.1 ControlNets): a copy of the first half of the
+    # transformer run on the control image's VAE latents, one residual per long skip. Six transformer blocks: two
+    # long skips, so the ControlNet has two blocks.
+    "hunyuandit_controlnet": Family(
+        "dit",
+        HunyuanDiTControlNetPipeline,
+        {
+            **_HUNYUANDIT_PARTS,
+            "transformer": model(HunyuanDiT2DModel, _HUNYUANDIT_DIT, {"num_layers": 6}),
+            "controlnet": model(
+                HunyuanDiT2DControlNetModel, _HUNYUANDIT_DIT, {"transformer_num_layers": 6}, zeros_filled=True
+            ),
+        },
+        _HUNYUANDIT_CALL,
+        inputs=_hunyuandit_control,
     ),
     # Lumina-Next: Gemma 1 (2B's layout), factor-8 SDXL-style VAE.
     "lumina_next": Family(

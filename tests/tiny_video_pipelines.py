@@ -15,9 +15,13 @@
   that signature makes ``decode`` fail; three frames decoded in chunks of two, so the decoder sees both
   ``num_frames=2`` and ``num_frames=1``) and ``wan21_i2v`` (Wan 2.1 layout: UMT5, a CLIP vision encoder read at its
   second-last hidden state, image cross-attention; its prompt cleaning calls ``ftfy`` even when it is not
-  installed: an identity stands in for it then). Their input image is a fixed random image derived from the call
-  seed: SVD takes it as a tensor (its processor then skips the resize to CLIP's 224 pixels), Wan as a PIL image
-  (the CLIP processor resizes it to the vision encoder's 32 pixels);
+  installed: an identity stands in for it then) and ``framepack`` (HunyuanVideo's text encoders, VAE and DiT with
+  FramePack's history embedder and image projection; a ``SiglipVisionModel`` image encoder with its attention-pooling
+  head, whose ``nn.MultiheadAttention`` reads its child ``out_proj``'s weight and bias in its own ``forward``
+  (``F.multi_head_attention_forward``) without calling ``out_proj``: the head runs in every encoder forward, though
+  the pipeline keeps only ``last_hidden_state``). Their input image is a fixed random image derived from the call
+  seed: SVD takes it as a tensor (its processor then skips the resize to CLIP's 224 pixels), Wan and FramePack as a
+  PIL image (the CLIP / SigLIP processor resizes it to the vision encoder's 32 / 16 pixels);
 * UNets with temporal layers: ``animatediff`` (an SD 1.5 UNet merged with a ``MotionAdapter`` into a
   ``UNetMotionModel``, what the pipeline's ``__init__`` does; done here inside the ``unet`` component, so no idle
   ``motion_adapter`` copy of the motion weights is left in the pipeline) and ``text_to_video_sd`` (ModelScope:
@@ -51,6 +55,8 @@ from diffusers import (
     DDIMScheduler,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
+    HunyuanVideoFramepackPipeline,
+    HunyuanVideoFramepackTransformer3DModel,
     HunyuanVideoPipeline,
     HunyuanVideoTransformer3DModel,
     LattePipeline,
@@ -79,6 +85,9 @@ from transformers import (
     LlamaConfig,
     LlamaModel,
     LlamaTokenizer,
+    SiglipImageProcessor,
+    SiglipVisionConfig,
+    SiglipVisionModel,
     T5Config,
     T5EncoderModel,
 )
@@ -239,10 +248,68 @@ def _image_pil(seed: int, call: dict) -> dict:
     return {"image": PIL.Image.fromarray(np.ascontiguousarray(pixels.permute(1, 2, 0).numpy()))}
 
 
+#: The HunyuanVideo DiT (dual/single-stream blocks, token refiner), HunyuanVideo's and FramePack's.
+_HUNYUANVIDEO_DIT = {
+    "in_channels": 4,
+    "out_channels": 4,
+    "num_attention_heads": 2,
+    "attention_head_dim": 10,
+    "num_layers": 2,
+    "num_single_layers": 2,
+    "num_refiner_layers": 2,
+    "patch_size": 1,
+    "patch_size_t": 1,
+    "guidance_embeds": True,
+    "text_embed_dim": 16,  # Llama hidden size
+    "pooled_projection_dim": 8,  # CLIP hidden size
+    "rope_axes_dim": (2, 4, 4),
+}
+#: What the HunyuanVideo pipelines hold besides their transformer: Llama (three layers: the pipelines read
+#: hidden_states[-3], so the last two never count) + pooled CLIP, the causal 3D VAE, flow matching shifted by 7.
+_HUNYUANVIDEO_PARTS = {
+    "text_encoder": Text(_llama_tokenizer, partial(lm_encoder, LlamaModel, LlamaConfig, layers=3, max_positions=256)),
+    "text_encoder_2": Text(_clip_tokenizer_77, partial(clip_encoder, CLIPTextModel, hidden_size=8)),
+    "vae": _video_vae(
+        AutoencoderKLHunyuanVideo,
+        "HunyuanVideo",
+        {
+            "norm_num_groups": 4,
+            "scaling_factor": 0.476986,
+            "spatial_compression_ratio": 8,
+            "temporal_compression_ratio": 4,
+            "mid_block_add_attention": True,
+        },
+    ),
+    "scheduler": partial(FlowMatchEulerDiscreteScheduler, shift=7.0),
+}
+#: FramePack's SigLIP vision tower: two layers, 16 px images in 4x4 patches.
+_SIGLIP = {
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "image_size": 16,
+    "patch_size": 4,
+}
+
+
+def _siglip_vision_encoder() -> SiglipVisionModel:
+    """SigLIP with its attention-pooling head (``vision_use_head``, on by default): the head's
+    ``nn.MultiheadAttention`` hands ``out_proj.weight`` / ``out_proj.bias`` (and its own ``in_proj_weight``) to
+    ``F.multi_head_attention_forward`` without calling ``out_proj``. It runs in every forward, though the pipeline
+    takes only ``last_hidden_state`` (its ``pooler_output`` is dropped)."""
+    return SiglipVisionModel(SiglipVisionConfig(**_SIGLIP, vision_use_head=True))
+
+
+def _framepack_inputs(seed: int, call: dict) -> dict:
+    return {**_prompt_template(seed, call), **_image_pil(seed, call)}
+
+
 _CALL = {**IMAGE_CALL, **TEXT_LENGTH, **NEGATIVE}
 _VIDEO = {**IMAGE_CALL, **NEGATIVE}
 _SVD_TIME_EMBED_DIM = 8
 _FRAMES = ("frames",)
+_32PX = {"height": 32, "width": 32}
 #: three frames decoded in chunks of two; guidance ramps from 1 to 2.5 over the frames
 _SVD_CALL = {
     "num_inference_steps": 2,
@@ -312,43 +379,7 @@ FAMILIES: dict[str, Family] = {
     "hunyuanvideo": Family(
         "video",
         HunyuanVideoPipeline,
-        {
-            # three layers: the pipeline reads hidden_states[-3], so the last two never count
-            "text_encoder": Text(
-                _llama_tokenizer, partial(lm_encoder, LlamaModel, LlamaConfig, layers=3, max_positions=256)
-            ),
-            "text_encoder_2": Text(_clip_tokenizer_77, partial(clip_encoder, CLIPTextModel, hidden_size=8)),
-            "transformer": model(
-                HunyuanVideoTransformer3DModel,
-                {
-                    "in_channels": 4,
-                    "out_channels": 4,
-                    "num_attention_heads": 2,
-                    "attention_head_dim": 10,
-                    "num_layers": 2,
-                    "num_single_layers": 2,
-                    "num_refiner_layers": 2,
-                    "patch_size": 1,
-                    "patch_size_t": 1,
-                    "guidance_embeds": True,
-                    "text_embed_dim": 16,  # Llama hidden size
-                    "pooled_projection_dim": 8,  # CLIP hidden size
-                    "rope_axes_dim": (2, 4, 4),
-                },
-            ),
-            "vae": _video_vae(
-                AutoencoderKLHunyuanVideo,
-                "HunyuanVideo",
-                {
-                    "norm_num_groups": 4,
-                    "scaling_factor": 0.476986,
-                    "spatial_compression_ratio": 8,
-                    "temporal_compression_ratio": 4,
-                    "mid_block_add_attention": True,
-                },
-            ),
-            "scheduler": partial(FlowMatchEulerDiscreteScheduler, shift=7.0),
-        },
+        {**_HUNYUANVIDEO_PARTS, "transformer": model(HunyuanVideoTransformer3DModel, _HUNYUANVIDEO_DIT)},
         {**IMAGE_CALL, **TEXT_LENGTH, "num_frames": 5, "guidance_scale": 6.0},
         inputs=_prompt_template,
     ),
@@ -574,5 +605,31 @@ FAMILIES: dict[str, Family] = {
         {**_VIDEO, **TEXT_LENGTH, "num_frames": 5, "guidance_scale": 5.0},
         _FRAMES,
         _image_pil,
+    ),
+    # One section of three latent frames (nine frames) after the image's: 1 + 3 latent frames, 13 frames decoded.
+    # Guidance-distilled: no negative prompt at true_cfg_scale 1.
+    "framepack": Family(
+        "video",
+        HunyuanVideoFramepackPipeline,
+        {
+            **_HUNYUANVIDEO_PARTS,
+            "transformer": model(
+                HunyuanVideoFramepackTransformer3DModel,
+                _HUNYUANVIDEO_DIT,
+                {
+                    "patch_size": 2,  # the history embedder's clean latents come in 2x2 patches
+                    "has_image_proj": True,
+                    "image_proj_dim": _SIGLIP["hidden_size"],
+                    "has_clean_x_embedder": True,
+                },
+            ),
+            "image_encoder": Model(_siglip_vision_encoder),
+            "feature_extractor": partial(
+                SiglipImageProcessor, size={"height": _SIGLIP["image_size"], "width": _SIGLIP["image_size"]}
+            ),
+        },
+        {**IMAGE_CALL, **TEXT_LENGTH, **_32PX, "num_frames": 9, "latent_window_size": 3, "guidance_scale": 4.5},
+        _FRAMES,
+        _framepack_inputs,
     ),
 }
