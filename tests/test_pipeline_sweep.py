@@ -1,4 +1,4 @@
-"""Every mode on every tiny real diffusers pipeline of the suite (``tiny_pipelines.ALL_FAMILIES``, 49 families:
+"""Every mode on every tiny real diffusers pipeline of the suite (``tiny_pipelines.ALL_FAMILIES``, 51 families:
 UNet, DiT, video, audio, prior, cascade, pixel-space and 3D pipelines built from diffusers'
 ``get_dummy_components()``): no refusal where a user expects it to run, and no silent wrong number.
 
