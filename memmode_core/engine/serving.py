@@ -35,13 +35,14 @@ from memmode_core.contracts.layout import Policy
 from memmode_core.contracts.storage import is_placeholder
 from memmode_core.engine import standins
 from memmode_core.engine.groups import Group, Slot
+from memmode_core.engine.sources import Reader, Source
 
 logger = logging.getLogger("memmode")
 
 _DISABLE = torch._C.DisableTorchFunctionSubclass
 
 
-class SlotSource(standins.Source):
+class SlotSource(Source):
     """What serves one resting slot of a runtime (held weakly: a model dropped without ``remove()`` is freed)."""
 
     __slots__ = ("_runtime", "group", "slot", "name", "what")
@@ -62,7 +63,7 @@ class SlotSource(standins.Source):
             )
         return runtime
 
-    def usable(self, reader: standins.Reader) -> torch.Tensor | None:
+    def usable(self, reader: Reader) -> torch.Tensor | None:
         tensor = self.slot.tensor
         if type(tensor) not in standins.PLAIN_CLASS:  # awake: onloaded, or given a value of its own
             return tensor
@@ -80,7 +81,7 @@ class SlotSource(standins.Source):
                 return tensor  # its data holds the values (a host copy, a mapping): read where it is
         return None
 
-    def value(self, reader: standins.Reader) -> torch.Tensor:
+    def value(self, reader: Reader) -> torch.Tensor:
         runtime = self._live()
         with runtime.lock:
             return runtime.serve(self, reader)
@@ -111,12 +112,12 @@ class SlotSource(standins.Source):
             if type(tensor) in standins.PLAIN_CLASS:
                 at_rest = self.group.at_rest.get(self.slot.name)
                 if any(runtime._depth.values()):
-                    runtime.onload_for_read(self, standins.Reader("write", None, counted=False))
+                    runtime.onload_for_read(self, Reader("write", None, counted=False))
                 elif at_rest is None or is_placeholder(at_rest):
                     runtime.give_own_memory(self)
         return tensor
 
-    def same(self, other: standins.Source | None) -> bool:
+    def same(self, other: Source | None) -> bool:
         return isinstance(other, SlotSource) and other.slot is self.slot
 
 
@@ -133,7 +134,7 @@ def pytree_swap(target: torch.Tensor, replacement: torch.Tensor, tree):
     return tree_map(swap, tree)
 
 
-class LostSource(standins.Source):
+class LostSource(Source):
     """A tensor whose stored copy was lost (``remove()`` raised :class:`RestoreError` for its group): every read
     is refused, naming it; a whole new value (``p.copy_(x)``, ``p.data = x``, ``load_state_dict``) brings it
     back."""
@@ -148,10 +149,10 @@ class LostSource(standins.Source):
             f"{self.name} has no value: remove() could not restore it ({self._why}); load the weights again"
         )
 
-    def usable(self, reader: standins.Reader) -> torch.Tensor | None:
+    def usable(self, reader: Reader) -> torch.Tensor | None:
         raise self._refuse()
 
-    def value(self, reader: standins.Reader) -> torch.Tensor:
+    def value(self, reader: Reader) -> torch.Tensor:
         raise self._refuse()
 
     def write(self, func, name: str, args: tuple, kwargs: dict, target: torch.Tensor) -> Any:
@@ -233,7 +234,7 @@ class Serving:
 
     # -- reads ----------------------------------------------------------------------------------------------
 
-    def _count(self, source: SlotSource | standins.Source, nbytes: int, reader: standins.Reader) -> None:
+    def _count(self, source: SlotSource | Source, nbytes: int, reader: Reader) -> None:
         if not reader.counted:
             return
         if self.strict_reads:
@@ -254,12 +255,12 @@ class Serving:
                 reader.code(),
             )
 
-    def count_read(self, source: standins.Source, nbytes: int, reader: standins.Reader) -> None:
+    def count_read(self, source: Source, nbytes: int, reader: Reader) -> None:
         """A read served by a stand-in of another kind (a quantized weight, dequantized): counted, or refused."""
         with self.lock:
             self._count(source, nbytes, reader)
 
-    def serve(self, source: SlotSource, reader: standins.Reader) -> torch.Tensor:
+    def serve(self, source: SlotSource, reader: Reader) -> torch.Tensor:
         """The value of a resting slot, read from the storage (on the CPU)."""
         slot, group = source.slot, source.group
         self._count(source, slot_bytes(slot), reader)
@@ -277,7 +278,7 @@ class Serving:
                     return self.session.read(part.key, stored)
         raise KeyError(name)
 
-    def onload_for_read(self, source: SlotSource, reader: standins.Reader) -> None:
+    def onload_for_read(self, source: SlotSource, reader: Reader) -> None:
         """A call reads a resting group's tensor: onload the group into the call, and learn the module that read it."""
         group = source.group
         self._count(source, group.nbytes, reader)

@@ -41,180 +41,25 @@ Every value served outside the forward that owns it is counted in the handle's r
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from memmode_core.contracts.errors import OffloadedWeightWriteError
+from memmode_core.engine.operations import (
+    CONVERSIONS,
+    METADATA,
+    VALUE_PROPERTIES,
+    WHOLE_VIEWS,
+    operation_name,
+    writes,
+)
+from memmode_core.engine.sources import Reader, Source
 
 _DISABLE = torch._C.DisableTorchFunctionSubclass
-#: ``Tensor.data``'s getter and setter, as ``__torch_function__`` receives them
-DATA_GET = torch.Tensor.data.__get__
-DATA_SET = torch.Tensor.data.__set__
-
-#: functions that read a tensor's metadata or allocate a tensor like it, never its values
-METADATA = frozenset(
-    {
-        "size",
-        "dim",
-        "ndimension",
-        "numel",
-        "nelement",
-        "stride",
-        "storage_offset",
-        "data_ptr",
-        "element_size",
-        "is_floating_point",
-        "is_complex",
-        "is_contiguous",
-        "is_signed",
-        "is_pinned",
-        "is_shared",
-        "is_inference",
-        "is_set_to",
-        "untyped_storage",
-        "_typed_storage",
-        "storage",
-        "get_device",
-        "__len__",
-        "__hash__",
-        "zeros_like",
-        "ones_like",
-        "empty_like",
-        "full_like",
-        "rand_like",
-        "randn_like",
-        "new_zeros",
-        "new_ones",
-        "new_empty",
-        "new_full",
-        "new_tensor",
-        "requires_grad_",
-        "retain_grad",
-        "register_hook",
-        "share_memory_",
-        "_has_compatible_shallow_copy_type",
-        "dim_order",
-    }
-)
-#: properties whose getter gives a view of the values, not metadata
-VALUE_PROPERTIES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
-#: functions whose result, with the source's shape and dtype, is the whole source again: a lazy stand-in
-WHOLE_VIEWS = frozenset({"detach", "alias", "view", "view_as", "reshape", "reshape_as", "expand_as"})
-#: conversions that return the tensor itself when nothing changes (``t.to(t.dtype) is t``)
-CONVERSIONS = frozenset({"to", "type", "float", "double", "half", "bfloat16", "cpu", "cuda", "type_as"})
-#: in-place methods that change no values
-HARMLESS_IN_PLACE = frozenset({"requires_grad_", "share_memory_", "retain_grad", "detach_"})
-#: in-place Python operators and item assignment
-WRITING_DUNDERS = frozenset(
-    {
-        "__iadd__",
-        "__isub__",
-        "__imul__",
-        "__itruediv__",
-        "__ifloordiv__",
-        "__imod__",
-        "__ipow__",
-        "__imatmul__",
-        "__iand__",
-        "__ior__",
-        "__ixor__",
-        "__ilshift__",
-        "__irshift__",
-        "__setitem__",
-    }
-)
-
-
-class Source:
-    """Where a stand-in's value comes from: one offloaded slot, or one quantized layer's weight.
-
-    ``name`` is what messages call it (``transformer.blocks.0.attn.out_proj.weight``), ``what`` how it
-    is held (``offloaded to disk``, ``quantized (fp8_e4m3 rows)``). A source is alive while what it
-    stands in for is; ``value`` and ``write`` raise a typed error once it is not (the layer is gone, the
-    placement removed and the stored copy lost).
-    """
-
-    name: str = "a tensor"
-    what: str = "held elsewhere"
-
-    def value(self, reader: Reader) -> torch.Tensor:
-        """The real value, for the read ``reader`` describes (counted, or refused under ``strict``)."""
-        raise NotImplementedError
-
-    def usable(self, reader: Reader) -> torch.Tensor | None:
-        """A tensor to compute with as it is, or None when the value must be served: a resting tensor whose
-        data holds the real values where the reader computes (a host copy read outside any call: nothing
-        is counted), or one onloaded into the call that is running (counted)."""
-        return None
-
-    def replaced(self) -> None:
-        """The resting tensor was given other data from outside (``p.data = x``, ``module.to(dtype)``): it no
-        longer rests, and what it holds now is stored at the component's next call."""
-
-    def make_writable(self) -> torch.Tensor:
-        """The tensor that stands in, made to hold memory that a write may change in place and that the model
-        keeps (for a write memmode carries through: re-quantizing a layer's packed tensors)."""
-        raise NotImplementedError
-
-    def write(self, func, name: str, args: tuple, kwargs: dict, target: torch.Tensor) -> Any:
-        """Apply the in-place write ``func(*args, **kwargs)`` aimed at ``target`` (a stand-in of this source)
-        to what the source stands in for; return what the write returns on a plain tensor."""
-        raise NotImplementedError
-
-    def same(self, other: Source) -> bool:
-        return other is self
-
-
-class Reader:
-    """Who is reading: the torch function, and — found only when needed, by walking the stack — the code
-    that called it (for ``strict`` errors) and the module whose forward is running (the reader a group is
-    learned for)."""
-
-    __slots__ = ("operation", "_frame", "counted")
-
-    def __init__(self, operation: str, frame, *, counted: bool = True) -> None:
-        self.operation = operation
-        self._frame = frame
-        #: False for a read memmode makes on behalf of another (a packed tensor read to dequantize a weight,
-        #: which is what is counted)
-        self.counted = counted
-
-    def code(self) -> str:
-        """``path:line in function`` of the first frame outside torch and memmode, or the operation."""
-        frame = self._frame
-        while frame is not None:
-            filename = frame.f_code.co_filename
-            if not _is_machinery(filename):
-                return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
-            frame = frame.f_back
-        return self.operation
-
-    def module(self, belongs: Callable[[nn.Module], bool]) -> nn.Module | None:
-        """The innermost module whose ``forward`` is running and for which ``belongs`` is true."""
-        frame = self._frame
-        while frame is not None:
-            if frame.f_code.co_name == "forward":
-                owner = frame.f_locals.get("self")
-                if isinstance(owner, nn.Module) and belongs(owner):
-                    return owner
-            frame = frame.f_back
-        return None
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_MEMMODE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
-def _is_machinery(filename: str) -> bool:
-    return filename.startswith((_TORCH_DIR, _MEMMODE_DIR)) or filename.startswith("<")
-
-
 # -- the stand-in classes -------------------------------------------------------------------------------
 
 
@@ -384,18 +229,10 @@ def raw(tensor: torch.Tensor) -> torch.Tensor:
 # -- dispatch ---------------------------------------------------------------------------------------------
 
 
-def _name(func) -> str:
-    name = getattr(func, "__name__", "")
-    if name in ("__get__", "__set__"):
-        prop = getattr(getattr(func, "__self__", None), "__name__", "")
-        return f"{name}:{prop}"
-    return name
-
-
 def dispatch(func, args=(), kwargs=None):
     """What every stand-in's ``__torch_function__`` does (see the module docstring)."""
     kwargs = kwargs or {}
-    name = _name(func)
+    name = operation_name(func)
     if name.startswith("__set__:"):
         return _set(func, name, args)
     if name.startswith("__get__:"):
@@ -416,21 +253,9 @@ def dispatch(func, args=(), kwargs=None):
     elif name in CONVERSIONS and args and is_stand_in(args[0]) and not isinstance(args[0], ServedView):
         if _unchanged_by(func, args[0], args, kwargs):
             return _unconverted(args[0])
-    if _writes(name, args, kwargs):
+    if writes(name, args, kwargs, is_stand_in):
         return _write(func, name, args, kwargs)
     return _read(func, name, args, kwargs)
-
-
-def _writes(name: str, args: tuple, kwargs: dict) -> bool:
-    out = kwargs.get("out")
-    if out is not None:
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        if any(is_stand_in(o) for o in outs):
-            return True
-    in_place = name in WRITING_DUNDERS or (
-        name.endswith("_") and not name.startswith("_") and name not in HARMLESS_IN_PLACE
-    )
-    return in_place and bool(args) and is_stand_in(args[0])
 
 
 def _reader(name: str) -> Reader:

@@ -26,6 +26,7 @@ from torch import nn
 from memmode_core.contracts.errors import QuantizedWeightWriteError
 from memmode_core.contracts.quantizer import Quantizer
 from memmode_core.engine import standins, watch
+from memmode_core.engine.sources import Reader, Source
 from memmode_core.quantization.packed import PackedLayer, is_dtensor, packed_record
 from memmode_core.quantization.sizes import PackedSizes, pack_checked
 
@@ -79,7 +80,7 @@ class WeightStandInMixin:
         if tuple(incoming.shape) != tuple(record.shape):
             return False
         try:
-            current = PackedWeight(self).dequantized(standins.Reader("load_state_dict", None), count=False)
+            current = PackedWeight(self).dequantized(Reader("load_state_dict", None), count=False)
         except Exception:  # noqa: BLE001 - nothing to compare with: not the layer's own weight
             return False
         with torch._C.DisableTorchFunctionSubclass():
@@ -119,7 +120,7 @@ class WeightStandIn(standins.StandIn):
     """
 
 
-class PackedWeight(standins.Source):
+class PackedWeight(Source):
     """The source of a quantized layer's ``weight`` stand-in: the layer (held weakly) and its packed tensors."""
 
     def __init__(self, layer: nn.Module | None) -> None:
@@ -133,7 +134,7 @@ class PackedWeight(standins.Source):
         layer = self._layer()
         return (_path_of(layer) if layer is not None else None) or f"the weight of a {self._format} layer"
 
-    def same(self, other: standins.Source | None) -> bool:
+    def same(self, other: Source | None) -> bool:
         return isinstance(other, PackedWeight) and other._layer() is self._layer() and self._layer() is not None
 
     def refusal(self, name: str, why: str) -> QuantizedWeightWriteError:
@@ -143,13 +144,13 @@ class PackedWeight(standins.Source):
             f"(pipe.load_lora_weights(...), which runs it at weight_dtype on the dequantized weight)."
         )
 
-    def usable(self, reader: standins.Reader) -> torch.Tensor | None:
+    def usable(self, reader: Reader) -> torch.Tensor | None:
         return None
 
-    def value(self, reader: standins.Reader) -> torch.Tensor:
+    def value(self, reader: Reader) -> torch.Tensor:
         return self.dequantized(reader, count=True)
 
-    def dequantized(self, reader: standins.Reader, *, count: bool) -> torch.Tensor:
+    def dequantized(self, reader: Reader, *, count: bool) -> torch.Tensor:
         """The weight unpacked from the packed tensors as they are now, in the compute dtype."""
         layer, record = self._linked(reader.operation)
         tensors = {key: _readable(self, reader.operation, key, getattr(layer, key, None)) for key in record.names}
