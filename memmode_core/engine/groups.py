@@ -94,6 +94,7 @@ class Group:
         "readable",
         "parts",
         "owners",
+        "stand_ins",
     )
 
     def __init__(self, spec: GroupSpec) -> None:
@@ -118,6 +119,8 @@ class Group:
         self.parts: list[Part] = []
         #: the modules whose tensors it holds, with the name each one's slots are called by, in claiming order
         self.owners: list[tuple[nn.Module, str]] = []
+        #: (tensor, its own class, its class at rest) of the slots that rest as stand-ins (``Slot.served``)
+        self.stand_ins: list[tuple[torch.Tensor, type, type]] = []
 
     def fresh(self) -> Group:
         """A group of the same claim (key, component, policy, entries, exits, owners) with no slots and no state."""
@@ -149,25 +152,24 @@ class Group:
 
     def onload(self, tensors: Tensors) -> None:
         """Assign the onloaded tensors, remembering their addresses for :meth:`offload_at_rest`."""
+        for tensor, plain, _ in self.stand_ins:
+            tensor.__class__ = plain
         for slot in self.slots:
             data = tensors[slot.name]
-            if slot.served is not None:
-                slot.tensor.__class__ = slot.plain
             slot.tensor.data = data
             slot.live_ptr = data.data_ptr()
 
     def wake(self) -> None:
         """An onload that swaps no data (the storage's at-rest tensors are the device tensors): the slots that
         rest as stand-ins are plain while the group is onloaded."""
-        for slot in self.slots:
-            if slot.served is not None:
-                slot.tensor.__class__ = slot.plain
+        for tensor, plain, _ in self.stand_ins:
+            tensor.__class__ = plain
 
     def lull(self) -> None:
         """The offload of such a group: its stand-ins rest as stand-ins again."""
-        for slot in self.slots:
-            if slot.served is not None and type(slot.tensor) is slot.plain:
-                slot.tensor.__class__ = slot.served
+        for tensor, plain, served in self.stand_ins:
+            if type(tensor) is plain:
+                tensor.__class__ = served
 
     def offload_at_rest(self) -> list[Slot]:
         """Give every slot its at-rest tensor again, except those whose tensor was replaced while the group
@@ -196,6 +198,7 @@ class Group:
             slot.served = None
             tensor.data = data
             slot.rest_ptr = data.data_ptr()
+        self.stand_ins = []
 
     def __repr__(self) -> str:
         return f"<group {self.key} {self.policy.value} {self.nbytes}B{' resident' if self.resident else ''}>"

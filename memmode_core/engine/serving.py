@@ -201,6 +201,7 @@ class Serving:
                 continue
             plain = standins.PLAIN_CLASS.get(type(slot.tensor), type(slot.tensor))
             slot.plain, slot.served = plain, standins.SERVED_CLASS[plain]
+            group.stand_ins.append((slot.tensor, plain, slot.served))
             name = slot.name if qualify else f"{group.component}.{slot.name}"
             where = "offloaded to " + self._storage_name
             key = id(slot.tensor)
@@ -223,6 +224,7 @@ class Serving:
             standins.forget(slot.tensor)
             self._sources.pop(id(slot.tensor), None)
             slot.served = None
+        group.stand_ins = []
 
     def rest_lost(self, group: Group, why: str) -> None:
         """``group``'s stored copy is lost: its tensors stand in for nothing, and every read says so."""
