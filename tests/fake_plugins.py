@@ -5,14 +5,15 @@
 ``PoisonStorage`` keeps weights elsewhere and leaves a NaN placeholder in each parameter while it
 is offloaded, so a weight used without being onloaded turns the output into NaN. On a CPU-only
 machine, where "onloading" with the ``ram`` storage changes no data, this is what proves that the
-hooks onload every group before it computes.
+hooks onload every group before it computes (reads outside a forward are served from it, as from ``disk``).
+``FailingStorage`` fails half-way through storing, to see a refused ``apply`` change nothing.
 """
 
 from __future__ import annotations
 
 import torch
 
-from memmode_core import Quantizer, Storage, StorageSession, hookimpl
+from memmode_core import Quantizer, Storage, StorageSession, StorageUnavailableError, hookimpl
 from memmode_core.contracts.storage import placeholder
 from memmode_core.engine.streams import active
 
@@ -49,6 +50,21 @@ class PoisonStorage(Storage):
 
     def open(self, *, device, offload_dir, options):
         return self.session()
+
+
+class FailingSession(PoisonSession):
+    """Accepts the reservation, then fails on the third group it is asked to store (disk full, I/O error)."""
+
+    def put(self, key, tensors, readable=frozenset()):
+        if len(self.groups) == 2:
+            raise StorageUnavailableError(f"test storage: no room left for {key}")
+        return super().put(key, tensors, readable)
+
+
+class FailingStorage(PoisonStorage):
+    name = "failing"
+    description = "test storage: fails half-way through storing"
+    session = FailingSession
 
 
 class StoragePlugin:

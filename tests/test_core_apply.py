@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import memmode_core as memmode
-from fake_plugins import Int8Rows, PoisonSession, PoisonStorage, StoragePlugin
+from fake_plugins import FailingStorage, Int8Rows, StoragePlugin
 from helpers import (
     assert_bit_equal,
     assert_refused,
@@ -256,21 +256,6 @@ def test_applying_a_second_mode_replaces_the_first_cleanly(poison_storage):
     assert_same_outputs(two_calls(pipe, "sd3"), full_load_outputs("sd3"))
     second.remove()
     assert hook_count(pipe) == 0
-
-
-class FailingSession(PoisonSession):
-    """Accepts the reservation, then fails on the third group it is asked to store (disk full, I/O error)."""
-
-    def put(self, key, tensors, readable=frozenset()):
-        if len(self.groups) == 2:
-            raise StorageUnavailableError(f"test storage: no room left for {key}")
-        return super().put(key, tensors, readable)
-
-
-class FailingStorage(PoisonStorage):
-    name = "failing"
-    description = "test storage: fails half-way through storing"
-    session = FailingSession
 
 
 @pytest.mark.usefixtures("poison_storage", "private_tmp")

@@ -15,7 +15,7 @@ import torch
 from diffusers import FluxImg2ImgPipeline, FluxPipeline
 
 import memmode_core as memmode
-from fake_plugins import PoisonSession, PoisonStorage, StoragePlugin
+from fake_plugins import FailingStorage, StoragePlugin
 from helpers import assert_bit_equal, hook_count, snapshot, tensors_of
 from memmode_core.contracts.errors import (
     IncompatibleModeError,
@@ -220,21 +220,6 @@ def test_a_refused_apply_on_the_new_pipeline_changes_nothing(mode):
     assert old.active and handle_of(pipe) is old and handle_of(new) is None
     assert snapshot(pipe) == state
     assert_full_load(calls(new), FluxPipeline)
-
-
-class FailingSession(PoisonSession):
-    """Accepts the reservation, then fails on the third group it is asked to store (disk full, I/O error)."""
-
-    def put(self, key, tensors, readable=frozenset()):
-        if len(self.groups) == 2:
-            raise StorageUnavailableError(f"test storage: no room left for {key}")
-        return super().put(key, tensors, readable)
-
-
-class FailingStorage(PoisonStorage):
-    name = "failing"
-    description = "test storage: fails half-way through storing"
-    session = FailingSession
 
 
 @pytest.mark.parametrize("storage", STORAGES)

@@ -213,7 +213,7 @@ def test_an_attention_pool_runs_at_leaf_level_under_every_storage(placement, sto
     served = dict(handle.report().served)
     rest = outputs(model, Pooled, calls=2)
     assert torch.equal(first[0], expected[0]) and torch.equal(rest[1], expected[1])
-    if storage in ("poison", "disk"):  # a placeholder at rest; ram and mmap rest as the values themselves
+    if storage != "ram":  # a placeholder, or a mapped view checked first; ram on a CPU rests as the values themselves
         assert {f"module.pool.{n}_proj" for n in "qkvc"} <= {name.rsplit(".", 1)[0] for name in served}
     assert handle.report().served == served, "learned: later calls serve nothing"
     assert handle.report().resident_device_bytes == 0

@@ -8,12 +8,6 @@ placeholder.
 
 from __future__ import annotations
 
-import torch
-
-#: ``Tensor.data``'s getter and setter, as ``__torch_function__`` receives them
-DATA_GET = torch.Tensor.data.__get__
-DATA_SET = torch.Tensor.data.__set__
-
 #: functions that read a tensor's metadata or allocate a tensor like it, never its values
 METADATA = frozenset(
     {

@@ -35,50 +35,22 @@ from torch.utils import _pytree as pytree
 
 from memmode_core.contracts.errors import OffloadedWeightReadError
 from memmode_core.contracts.storage import is_known_placeholder
+from memmode_core.engine.operations import METADATA
 from memmode_core.engine.standins import is_stand_in
 
-#: functions that read a tensor's metadata (shape, dtype, device, strides, address) or allocate a
-#: tensor like it, never its values: a placeholder may go through them
-METADATA_FUNCTIONS = frozenset(
-    {
-        "__get__",
-        "__set__",
-        "size",
-        "dim",
-        "ndimension",
-        "numel",
-        "nelement",
-        "stride",
-        "storage_offset",
-        "data_ptr",
-        "element_size",
-        "is_floating_point",
-        "is_complex",
-        "is_contiguous",
-        "untyped_storage",
-        "get_device",
-        "__len__",
-        "is_signed",
-        "is_nonzero_metadata",
-        "zeros_like",
-        "ones_like",
-        "empty_like",
-        "full_like",
-        "new_zeros",
-        "new_ones",
-        "new_empty",
-        "new_full",
-        "new_tensor",
-        "requires_grad_",
-        "detach",
-        "is_set_to",
-        "__hash__",
-        "__repr__",
-        "__format__",
-        "__reduce_ex__",
-        "__deepcopy__",
-    }
-)
+#: functions that read a tensor's metadata (shape, dtype, device, strides, address) or allocate a tensor like it,
+#: never its values: a placeholder may go through them (the stand-ins' table, and what the trap also lets a raw
+#: placeholder do: its property getters and setters, a detached alias, its repr, pickling and copying)
+METADATA_FUNCTIONS = METADATA | {
+    "__get__",
+    "__set__",
+    "detach",
+    "is_nonzero_metadata",
+    "__repr__",
+    "__format__",
+    "__reduce_ex__",
+    "__deepcopy__",
+}
 
 
 class PlaceholderTrap(TorchFunctionMode):

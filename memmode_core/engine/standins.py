@@ -63,7 +63,24 @@ _DISABLE = torch._C.DisableTorchFunctionSubclass
 # -- the stand-in classes -------------------------------------------------------------------------------
 
 
-class StandIn(torch.Tensor):
+class _Serves:
+    """What every stand-in class shares: every torch function goes through :func:`dispatch`, and pickles and
+    copies hold the value as a plain tensor. No slots of its own, so a parameter's class can be swapped."""
+
+    __slots__ = ()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return dispatch(func, args, kwargs)
+
+    def __reduce_ex__(self, protocol):
+        return _plain_reduction(self, protocol)
+
+    def __deepcopy__(self, memo):
+        return _plain_copy(self, memo)
+
+
+class StandIn(_Serves, torch.Tensor):
     """A lazy stand-in for a whole value (``p.detach()`` of a resting parameter, a quantized layer's
     ``weight``): the raw tensor it wraps holds no real values (a placeholder, one NaN broadcast); its
     metadata is the value's, and ``_memmode_source`` serves it. A view of part of it is a read (a part of
@@ -71,58 +88,26 @@ class StandIn(torch.Tensor):
 
     _memmode_source: Source | None = None
 
-    __torch_function__ = classmethod(lambda cls, func, types, args=(), kwargs=None: dispatch(func, args, kwargs))
 
-    def __reduce_ex__(self, protocol):
-        return _plain_reduction(self, protocol)
-
-    def __deepcopy__(self, memo):
-        return _plain_copy(self, memo)
-
-
-class ServedView(torch.Tensor):
+class ServedView(_Serves, torch.Tensor):
     """A view of a value served for one read (a copy read from a storage, a dequantized weight): its values
     are real and read as any tensor's, but a write into it would change a temporary copy and be lost, so
     writes are refused (:class:`~memmode_core.contracts.errors.OffloadedWeightWriteError`)."""
 
     _memmode_source: Source | None = None
 
-    __torch_function__ = classmethod(lambda cls, func, types, args=(), kwargs=None: dispatch(func, args, kwargs))
 
-    def __reduce_ex__(self, protocol):
-        return _plain_reduction(self, protocol)
-
-    def __deepcopy__(self, memo):
-        return _plain_copy(self, memo)
-
-
-class ServedParameter(nn.Parameter):
+class ServedParameter(_Serves, nn.Parameter):
     """The class of an offloaded parameter while it rests (see the module docstring); never constructed
     directly: ``type(p)(data)`` (accelerate's and diffusers' way to rebuild a parameter) gives a plain one."""
 
     def __new__(cls, data=None, requires_grad=True):
         return nn.Parameter(data, requires_grad)
 
-    __torch_function__ = classmethod(lambda cls, func, types, args=(), kwargs=None: dispatch(func, args, kwargs))
 
-    def __reduce_ex__(self, protocol):
-        return _plain_reduction(self, protocol)
-
-    def __deepcopy__(self, memo):
-        return _plain_copy(self, memo)
-
-
-class ServedBuffer(torch.Tensor):
+class ServedBuffer(_Serves, torch.Tensor):
     """The class of an offloaded buffer while it rests on the host of an accelerator (see
     :class:`ServedParameter`)."""
-
-    __torch_function__ = classmethod(lambda cls, func, types, args=(), kwargs=None: dispatch(func, args, kwargs))
-
-    def __reduce_ex__(self, protocol):
-        return _plain_reduction(self, protocol)
-
-    def __deepcopy__(self, memo):
-        return _plain_copy(self, memo)
 
 
 #: the class a resting tensor takes, by its own class; tensors of other classes are never swapped
@@ -458,11 +443,7 @@ def _describe(target: torch.Tensor) -> str:
     return f"{source.name} ({source.what})" if source is not None else "a stand-in"
 
 
-def _refusal(name: str, target: torch.Tensor, why: str, *, read: bool = False) -> Exception:
-    if read:
-        from memmode_core.contracts.errors import StandInReadError
-
-        return StandInReadError(f"{name}: cannot read {_describe(target)}: {why}")
+def _refusal(name: str, target: torch.Tensor, why: str) -> Exception:
     source = source_of(target)
     refuse = getattr(source, "refusal", None)
     if refuse is not None:
