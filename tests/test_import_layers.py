@@ -1,17 +1,8 @@
 """memmode_core's modules depend on each other in one direction: no import cycle (not even through
 ``TYPE_CHECKING`` imports), and no import from a lower layer to a higher one.
 
-The layers, bottom to top, one folder each (documented in ``memmode_core/__init__.py``):
-
-0. ``contracts/`` — interfaces and vocabulary: errors, typed options, hookspecs, devices, costs, the
-   placement, quantizer, resolver and storage contracts, targets, the group vocabulary (``layout``), packing;
-1. mechanics — ``engine/`` (groups, runtime = moving + changes + forwards, hooks, inputs, watch, ledger,
-   staging, streams, pipeline hooks), ``files/`` (group files) and ``quantization/`` (the packed-layer mechanics);
-2. ``discovery/`` — plugins, grammar, the first-party table (it checks registrations against the contracts);
-3. ``planning/`` — the prepared plan, the layout as core adjusts it, the planner, storage costs;
-4. ``builtin/`` — the built-in plugins (``auto`` uses the planner);
-5. the top-level modules: applying, the handle, loading, the VideoX-Fun drop-in, the CLI and its demo
-   pipeline, the testing tools, the package itself.
+The layers, bottom to top, one folder each, are those of ``tests/layers.py`` (documented in
+``memmode_core/__init__.py``).
 
 Every import counts — at module level or inside a function, and ``from memmode_core import X`` (an edge to
 the package itself, which imports every layer) — except those under ``if TYPE_CHECKING:``, which never run
@@ -23,16 +14,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "memmode_core"
+from layers import LAYERS, layer_of
 
-LAYERS = [
-    ("contracts", ["contracts"]),
-    ("mechanics", ["engine", "files", "quantization"]),
-    ("discovery", ["discovery"]),
-    ("planner", ["planning"]),
-    ("builtin", ["builtin"]),
-    ("top", ["applying", "handle", "compat", "loading", "cli", "demo", "testing", "__init__", "__main__"]),
-]
+PACKAGE = Path(__file__).resolve().parent.parent / "memmode_core"
 
 
 def module_names() -> dict[str, Path]:
@@ -41,16 +25,6 @@ def module_names() -> dict[str, Path]:
         parts = path.relative_to(PACKAGE).with_suffix("").parts
         found[".".join(parts[:-1]) if parts[-1] == "__init__" and len(parts) > 1 else ".".join(parts)] = path
     return found
-
-
-def layer_of(module: str) -> int:
-    best, rank = -1, None
-    for index, (_, prefixes) in enumerate(LAYERS):
-        for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
-                best, rank = len(prefix), index
-    assert rank is not None, f"memmode_core.{module} is in no layer: add it to LAYERS"
-    return rank
 
 
 def _runtime_imports(tree: ast.AST, type_checking: bool = False):

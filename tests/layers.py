@@ -1,0 +1,50 @@
+"""memmode_core's layers, bottom to top, one folder each (documented in ``memmode_core/__init__.py``).
+
+``tests/test_import_layers.py`` checks that imports only point down these layers; ``benchmarks/call_path.py``
+counts the calls that go up them at run time.
+
+0. ``contracts/`` — interfaces and vocabulary: errors, typed options, hookspecs, devices, costs, the
+   placement, quantizer, resolver and storage contracts, targets, the group vocabulary (``layout``), packing;
+1. mechanics — ``engine/`` (groups, runtime = moving + changes + forwards, hooks, inputs, watch, ledger,
+   staging, streams, pipeline hooks), ``files/`` (group files) and ``quantization/`` (the packed-layer mechanics);
+2. ``discovery/`` — plugins, grammar, the first-party table (it checks registrations against the contracts);
+3. ``planning/`` — the request, the prepared plan, the planner, storage costs;
+4. ``builtin/`` — the built-in plugins (``auto`` uses the planner);
+5. the top-level modules: applying and preparing, the handle, loading, the VideoX-Fun drop-in, the CLI and its
+   demo pipeline, the plugin kit, the testing tools, the package itself.
+
+Plugin distributions (``memmode_qfloat8``...) import ``memmode_core``: for calls they count above every layer.
+"""
+
+from __future__ import annotations
+
+LAYERS = [
+    ("contracts", ["contracts"]),
+    ("mechanics", ["engine", "files", "quantization"]),
+    ("discovery", ["discovery"]),
+    ("planner", ["planning"]),
+    ("builtin", ["builtin"]),
+    ("top", ["applying", "handle", "compat", "loading", "cli", "demo", "testing", "__init__", "__main__"]),
+]
+#: where a plugin distribution's modules count: above every layer of memmode_core
+PLUGIN_LAYER = len(LAYERS)
+
+
+def layer_of(module: str) -> int:
+    """The layer of ``memmode_core.<module>`` (``module`` relative: ``"engine.moving"``, ``"__init__"``)."""
+    best, rank = -1, None
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, rank = len(prefix), index
+    assert rank is not None, f"memmode_core.{module} is in no layer: add it to LAYERS in tests/layers.py"
+    return rank
+
+
+def layer_of_module(name: str) -> int:
+    """The layer of a module by its full name: ``memmode_core.engine.moving``, ``memmode_core``, or a plugin's."""
+    if name == "memmode_core":
+        return layer_of("__init__")
+    if name.startswith("memmode_core."):
+        return layer_of(name[len("memmode_core.") :])
+    return PLUGIN_LAYER
