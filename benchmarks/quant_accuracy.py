@@ -25,7 +25,7 @@ library is missing or cannot run on this machine is listed with the reason inste
 
 Targets (issue 5): qfloat8 at least quanto's SQNR with at most 0.55x the bf16 bytes; qfloat4 at least
 18 dB with at most 0.30x. The bytes of memmode's formats at the full Wan 2.1 14B size are predicted
-too (``plan_quantization`` on a meta-device model: nothing is allocated).
+too (``select_layers`` on a meta-device model: nothing is allocated).
 
 ``--ablation`` prints the table behind memmode's default exclusions: the error each group of layers
 adds to the output when it alone is quantized, and its share of the bytes.
@@ -285,14 +285,12 @@ def layer_group(path: str, blocks: list[str]) -> str:
 def ablation(reference_model: nn.Module, inputs: list[dict], reference: list[torch.Tensor]) -> list[dict]:
     """Quantize one group of layers at a time; report its share of the bytes and the noise it adds."""
     from memmode_core.discovery.plugins import current
-    from memmode_core.quantization import plan_quantization, quantize_component
+    from memmode_core.quantization import quantize_component, select_layers
     from memmode_core.quantization.selection import _block_paths
 
     total = state_bytes(reference_model)
     blocks = _block_paths(reference_model)
-    plan = plan_quantization(
-        current().get("quantizer", "qfloat8").obj, reference_model, options={"default_exclude": ()}
-    )
+    plan = select_layers(current().get("quantizer", "qfloat8").obj, reference_model, options={"default_exclude": ()})
     groups: dict[str, list[str]] = {}
     for layer in plan.to_pack:
         groups.setdefault(layer_group(layer.path, blocks), []).append(layer.path)
@@ -323,7 +321,7 @@ def predicted_at_full_size() -> dict[str, float]:
     from diffusers import WanTransformer3DModel
 
     from memmode_core.discovery.plugins import current
-    from memmode_core.quantization import plan_quantization
+    from memmode_core.quantization import select_layers
 
     with torch.device("meta"):
         model = WanTransformer3DModel(**released_wan_config(heads=40, layers=40, ffn_dim=13824))
@@ -333,8 +331,7 @@ def predicted_at_full_size() -> dict[str, float]:
             tensor.data = tensor.data.to(torch.bfloat16)
     bf16 = state_bytes(model)
     return {
-        q: plan_quantization(current().get("quantizer", q).obj, model).total_bytes() / bf16
-        for q in ("qfloat8", "qfloat4")
+        q: select_layers(current().get("quantizer", q).obj, model).total_bytes() / bf16 for q in ("qfloat8", "qfloat4")
     }
 
 

@@ -42,7 +42,7 @@ The modules are layered, one folder per layer, and imports only point down, even
 
 from __future__ import annotations
 
-from memmode_core.applying import apply, convert, remove
+from memmode_core.applying import apply, convert, prepare, remove
 from memmode_core.contracts.costs import StorageCost
 from memmode_core.contracts.errors import (
     CheckpointError,
@@ -78,14 +78,17 @@ from memmode_core.engine.reads import placeholder_trap
 from memmode_core.handle import Handle
 from memmode_core.loading.load import load
 from memmode_core.loading.save import save_quantized
-from memmode_core.planning.planner import NoModeFitsError, PlanEntry, plan
-from memmode_core.planning.prepare import prepare
-from memmode_core.planning.prepared import Prepared
+from memmode_core.planning.choosing import NoModeFitsError
+from memmode_core.planning.planner import plan
+from memmode_core.planning.prepared import Prepared, PreparedGroup, QuantizationOutline
+from memmode_core.planning.pricing import PlanEntry
 
 __all__ = [
     "apply",
     "prepare",
     "Prepared",
+    "PreparedGroup",
+    "QuantizationOutline",
     "remove",
     "convert",
     "load",

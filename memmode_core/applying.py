@@ -1,11 +1,14 @@
-"""``apply`` and ``remove``: executing a prepared plan on its target, and taking it off again.
+"""``prepare``, ``apply`` and ``remove``: a mode planned for a target, executed on it, and taken off again.
 
-``apply(target, mode, **kw)`` is ``execute(prepare(target, mode, **kw))``: everything is resolved,
-checked, laid out and sized by :func:`~memmode_core.planning.prepare.prepare` while the target is
-untouched, then :func:`execute` acts in the order of the contract — make room in the storage, take
-the old mode off, quantize, place. Applying a mode to a target that already has one replaces the
-placement cleanly: the old one is removed (weights back in ordinary memory) only after the new one
-has been fully validated, and if the new one fails after that, the old one is put back.
+``prepare(target, mode, **kw)`` builds the request once (:class:`~memmode_core.planning.request.Request`) and
+prepares it while the target is untouched: a concrete mode is laid out, claimed, selected and sized by the
+planning layer (:func:`~memmode_core.planning.prepared.prepare_target`); a mode whose placement slot names a
+resolver (``auto``) is handed to that resolver (:meth:`Resolver.resolve`), which returns the candidate it
+chose, prepared. ``apply(target, mode, **kw)`` is ``execute(prepare(target, mode, **kw))``: :func:`execute`
+acts in the order of the contract — make room in the storage, take the old mode off, quantize, place.
+Applying a mode to a target that already has one replaces the placement cleanly: the old one is removed
+(weights back in ordinary memory) only after the new one has been fully validated, and if the new one fails
+after that, the old one is put back.
 
 "The old one" is every handle now placing the target or any of its components: its own, and that of
 another pipeline sharing the components (``NewPipeline.from_pipe(placed)``). Applying a mode to the
@@ -29,13 +32,43 @@ from memmode_core.contracts.errors import IncompatibleModeError
 from memmode_core.contracts.targets import Target
 from memmode_core.discovery.grammar import lookup
 from memmode_core.discovery.plugins import current
+from memmode_core.engine.laying_out import Relayout
 from memmode_core.engine.ledger import Ledger
 from memmode_core.engine.runtime import Runtime
 from memmode_core.handle import HANDLE_ATTRIBUTE, Handle, handle_of
-from memmode_core.planning.prepare import prepare
-from memmode_core.planning.prepared import Prepared
+from memmode_core.planning.prepared import Prepared, prepare_again, prepare_target
+from memmode_core.planning.request import Request
 
 logger = logging.getLogger("memmode")
+
+
+def prepare(
+    target: Any,
+    mode: str,
+    *,
+    device: Any = None,
+    weight_dtype: torch.dtype | None = None,
+    storage: str | None = None,
+    offload_dir: Any = None,
+    components: Iterable[str] | None = None,
+    exclude: Iterable[str] | None = None,
+    unplaced: Iterable[str] | None = None,
+    strict: bool = False,
+    **options: Any,
+) -> Prepared:
+    """Resolve, check, lay out, claim, select and size ``mode`` for ``target`` (a diffusers pipeline or an
+    ``nn.Module``) without touching it; arguments are those of :func:`apply`, which executes the result:
+    ``memmode.apply(memmode.prepare(pipe, mode))`` is ``memmode.apply(pipe, mode)``."""
+    request = Request.from_call(locals())
+    return prepare_request(target, request)
+
+
+def prepare_request(target: Any, request: Request) -> Prepared:
+    """:func:`prepare` for a request built already (``load`` builds it before the model exists)."""
+    Target.of(target)  # what cannot be a target is refused first
+    if request.resolver is not None:
+        return request.resolver.resolve(target, request)
+    return prepare_target(target, request)
 
 
 def apply(
@@ -48,7 +81,7 @@ def apply(
     offload_dir: str | None = None,
     components: Iterable[str] | None = None,
     exclude: Iterable[str] | None = None,
-    exclude_components: Iterable[str] | None = None,
+    unplaced: Iterable[str] | None = None,
     strict: bool = False,
     **options: Any,
 ) -> Handle:
@@ -56,8 +89,10 @@ def apply(
 
     ``apply(prepared)`` executes a plan made by :func:`memmode_core.prepare` (inspected first, say).
 
-    ``exclude_components`` names pipeline components the placement leaves exactly where they are
-    (diffusers' ``exclude_modules``): no hooks, nothing stored, nothing moved.
+    ``components`` and ``exclude`` choose what a quantizer touches: which components (default: the
+    denoisers), and fragments of layer names it keeps at full precision. ``unplaced`` names pipeline
+    components the placement leaves exactly where they are (diffusers' ``exclude_modules``): no hooks,
+    nothing stored, nothing moved.
 
     ``strict=True``: refuse (``IncompatibleModeError``) rather than adjust the placement's layout where
     the model or the pipeline declares it must be (a component with ``_supports_group_offloading =
@@ -66,27 +101,15 @@ def apply(
     """
     if isinstance(target, Prepared) and mode is None:
         return execute(target)
-    prepared = prepare(
-        target,
-        mode,
-        device=device,
-        weight_dtype=weight_dtype,
-        storage=storage,
-        offload_dir=offload_dir,
-        components=components,
-        exclude=exclude,
-        exclude_components=exclude_components,
-        strict=strict,
-        **options,
-    )
-    return execute(prepared)
+    request = Request.from_call(locals())
+    return execute(prepare_request(target, request))
 
 
 def execute(prepared: Prepared) -> Handle:
     """Act on a prepared plan: make room in the storage, take the old mode off, quantize, place."""
-    placing = _placing(prepared.whole)
+    placing = _placing(prepared._whole)
     _refuse_stale_quantization(prepared)
-    session = prepared.open_session()
+    session = open_session(prepared)
     try:  # room for what will be stored, before quantizing: a refusal leaves the target untouched
         if session is not None:
             session.reserve(prepared.stored_sizes)
@@ -108,7 +131,7 @@ def execute(prepared: Prepared) -> Handle:
         raise
     if quantized:
         logger.info(
-            "memmode: %s quantized %s with %s", prepared.target.label, ", ".join(quantized), prepared.quantizer.name
+            "memmode: %s quantized %s with %s", prepared._target.label, ", ".join(quantized), prepared.quantizer
         )
     handle = Handle(prepared, runtime, ledger, quantized)
     handle._attach()
@@ -116,21 +139,31 @@ def execute(prepared: Prepared) -> Handle:
     return handle
 
 
+def open_session(prepared: Prepared):
+    """A storage session for executing ``prepared`` (None when the placement offloads nothing)."""
+    request = prepared._request
+    if request.storage is None:
+        return None
+    return request.storage.obj.open(
+        device=request.device, offload_dir=request.offload_dir, options=request.storage_options
+    )
+
+
 def _quantize(prepared: Prepared) -> dict[str, Any]:
-    """Quantize each component as planned; a component quantized already (``load`` packs while streaming)
+    """Quantize each component as selected; a component quantized already (``load`` packs while streaming)
     only gets its dequantizing forward."""
-    quantizer = prepared.quantizer
-    if quantizer is None:
+    request = prepared._request
+    if request.quantizer is None:
         return {}
-    request = prepared.request
+    quantizer = request.quantizer.obj
     done: dict[str, Any] = {}
-    targets = prepared.whole.components
-    for name, plan in prepared.quantization.items():
+    targets = prepared._whole.components
+    for name, selection in prepared._selections.items():
         module = targets[name]
-        if name in prepared.packed_ahead:
-            packed_now, bytes_before = prepared.packed_ahead[name]
+        if name in prepared._packed_ahead:
+            packed_now, bytes_before = prepared._packed_ahead[name]
             quantization.install_forwards(module, quantizer, request.weight_dtype)
-            done[name] = quantization.summarize(quantizer, plan, packed_now, bytes_before)
+            done[name] = quantization.summarize(quantizer, selection, packed_now, bytes_before)
         else:
             done[name] = quantization.quantize(
                 quantizer,
@@ -139,7 +172,7 @@ def _quantize(prepared: Prepared) -> dict[str, Any]:
                 exclude=request.exclude,
                 options=request.quantizer_options,
                 name=name,
-                plan=plan,
+                selection=selection,
             )
     return done
 
@@ -147,10 +180,10 @@ def _quantize(prepared: Prepared) -> dict[str, Any]:
 def _refuse_stale_quantization(prepared: Prepared) -> None:
     """A plan says which layers to pack; one of them packed since (the plan executed already, or the model
     quantized another way) would be packed twice. Refused before anything changes: prepare again."""
-    for name, plan in prepared.quantization.items():
-        if name in prepared.packed_ahead or not plan.packs_anything:
+    for name, selection in prepared._selections.items():
+        if name in prepared._packed_ahead or not selection.packs_anything:
             continue
-        done = [layer.path for layer in plan.to_pack if quantization.packed_record(layer.module) is not None]
+        done = [layer.path for layer in selection.to_pack if quantization.packed_record(layer.module) is not None]
         if done:
             raise IncompatibleModeError(
                 f"this plan of {prepared.mode} was prepared before {name}.{done[0]} was quantized (it was executed "
@@ -160,22 +193,29 @@ def _refuse_stale_quantization(prepared: Prepared) -> None:
 
 def install(prepared: Prepared, session, reserved: dict[str, int] | None = None) -> tuple[Runtime, Ledger]:
     """Install the engine for ``prepared``'s placement on its (quantized) target."""
-    target = prepared.target
+    target, request, residency = prepared._target, prepared._request, prepared._residency
     ledger = Ledger()
     runtime = Runtime(
         target.components,
-        prepared.groups,
-        device=prepared.device,
+        prepared._groups,
+        device=request.device,
         session=session,
         ledger=ledger,
-        prefetch=prepared.prefetch,
-        lookahead=prepared.residency.lookahead if prepared.residency is not None else None,
-        offload_after_call=prepared.offload_after_call,
-        relayout=prepared.relayout,
+        prefetch=prepared._prefetch,
+        lookahead=residency.lookahead if residency is not None else None,
+        offload_after_call=prepared._offload_after_call,
+        relayout=Relayout(
+            request.placement.obj,
+            target,
+            request.placement_options,
+            request.device,
+            strict=request.strict,
+            kept=residency.kept if residency is not None else frozenset(),
+        ),
         pipeline=target.obj if target.is_pipeline else None,
-        refuse_edit=_refuse_fusing_packed,
-        strict=prepared.request.strict,
-        storage=prepared.request.storage.name if prepared.request.storage is not None else None,
+        refuse_edit=quantization.refuse_fusing_packed,
+        strict=request.strict,
+        storage=request.storage_name,
     )
     runtime.install(reserved)
     return runtime, ledger
@@ -187,8 +227,8 @@ def _revive(previous: Handle, failure: BaseException, quantized: dict) -> None:
     if not previous._removed:
         return
     try:
-        prepared = previous.prepared.refreshed()  # the weights may have changed since it was prepared
-        session = prepared.open_session()
+        prepared = prepare_again(previous.prepared)  # the weights may have changed since it was prepared
+        session = open_session(prepared)
         try:
             runtime, ledger = install(prepared, session)
         except BaseException:
@@ -213,28 +253,6 @@ def _revive(previous: Handle, failure: BaseException, quantized: dict) -> None:
             ", ".join(quantized),
             previous.mode,
         )
-
-
-#: edits that add a delta into the existing weights
-FUSING_METHODS = ("fuse_lora", "fuse_qkv_projections")
-
-
-def _refuse_fusing_packed(method: str, components: dict[str, nn.Module]) -> None:
-    """Fusing into a quantized weight would add to packed codes. memmode refuses rather than
-    dequantize-add-requantize: the unfused adapter runs at ``weight_dtype`` on top of the dequantized
-    base, exactly, at the cost of its two small matmuls (docs/quantizers.md has the measurements)."""
-    if method not in FUSING_METHODS:
-        return
-    for name, component in components.items():
-        for path, module in component.named_modules():
-            base = getattr(module, "base_layer", None) if method == "fuse_lora" else module
-            if isinstance(base, nn.Module) and quantization.packed_record(base) is not None:
-                what = "LoRA adapters" if method == "fuse_lora" else "projections"
-                raise IncompatibleModeError(
-                    f"{method}: {name}.{path} is quantized, and fusing {what} into packed weights would corrupt them. "
-                    f"Keep the adapter unfused (it runs at weight_dtype on the dequantized weight), or fuse before "
-                    f"applying the quantizer."
-                )
 
 
 def _placing(whole: Target) -> list[Handle]:
@@ -268,8 +286,8 @@ def _name_in(handle: Handle, module: nn.Module) -> str:
 
 def _log_moves(prepared: Prepared, placing: list[Handle]) -> None:
     """Say which placements moved here from another target, and what they placed that is placed no more."""
-    obj = prepared.whole.obj
-    placed = {id(m) for m in prepared.target.components.values()}
+    obj = prepared._whole.obj
+    placed = {id(m) for m in prepared._target.components.values()}
     for old in placing:
         if old.target is obj:
             continue

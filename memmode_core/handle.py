@@ -28,7 +28,6 @@ class Handle:
     __memmode_uncopied__ = True
 
     def __init__(self, prepared: Prepared, runtime: Runtime, ledger: Ledger, quantized: dict[str, Any]) -> None:
-        request = prepared.request
         #: the plan this handle executed: what a refused re-apply puts back, and rebuilds lay out again
         self.prepared = prepared
         self.mode = prepared.mode
@@ -36,15 +35,15 @@ class Handle:
         self.requested_mode = prepared.requested_mode
         #: the planner's entry ``auto`` chose, else None
         self.choice = prepared.choice
-        self.placement = request.placement.name
-        self.quantizer = request.quantizer.name if request.quantizer else None
-        self.storage = request.storage.name if request.storage else None
+        self.placement = prepared.placement
+        self.quantizer = prepared.quantizer
+        self.storage = prepared.storage
         self.device = prepared.device
         #: component name -> the quantizer's summary of what it did there
         self.quantized = quantized
         #: component name -> what core placed differently from the placement's layout, and why
         #: (``_supports_group_offloading = False``, ``_exclude_from_cpu_offload``; see ``lay_out``)
-        self.notes = dict(prepared.layout.notes)
+        self.notes = prepared.notes
         #: what ``load`` did on the way (see :attr:`Report.loading`); empty after ``apply``
         self.loading: dict[str, Any] = {}
         self._runtime = runtime
@@ -54,11 +53,11 @@ class Handle:
 
     @property
     def target(self) -> Any:
-        return self.prepared.target.obj
+        return self.prepared._target.obj
 
     @property
     def _components(self) -> dict:
-        return self.prepared.target.components
+        return self.prepared._target.components
 
     @property
     def active(self) -> bool:
@@ -123,7 +122,7 @@ class Handle:
 
     def _attach(self) -> None:
         """Mark the target and its placed components as placed by this handle."""
-        is_pipeline = self.prepared.target.is_pipeline
+        is_pipeline = self.prepared._target.is_pipeline
         if is_pipeline:
             pipeline_hooks.install(self._components, self.device, self.remove)
         self._guards = pipeline_hooks.install_guards(

@@ -51,7 +51,7 @@ Not ported, because memmode differs by design:
 - The warning logged when a group-offloaded model or pipeline is moved with ``.to(accelerator)``:
   memmode logs nothing there (it notices the moved tensors at the next call); no equivalent to test.
 - ``exclude_modules`` moving the excluded component to the onload device: memmode's
-  ``exclude_components`` leaves it exactly where the user put it (docs/placements.md); the port moves
+  ``unplaced`` leaves it exactly where the user put it (docs/placements.md); the port moves
   it itself and checks it is left alone.
 - The error for disk offload without an offload folder (``test_disk_offload_without_safetensors``):
   memmode's file storages default to a private temporary folder and always write safetensors; the
@@ -733,7 +733,7 @@ def test_component_level_group_offload_inside_a_pipeline(device, storage, option
 
 @pytest.mark.parametrize("device, storage", places(cpu=["poison"], accelerator=["pinned"]))
 def test_pipeline_level_group_offloading_sanity_checks(device, storage, tmp_path):
-    """``exclude_components`` (diffusers' ``exclude_modules``): the excluded component (the first
+    """``unplaced`` (diffusers' ``exclude_modules``): the excluded component (the first
     module name in sorted order, as upstream picks it) gets no wrapper and keeps its real weights where
     the user put it; every other component rests offloaded between calls (its groups hold no device copy, and
     under a placeholder storage its weights are placeholders); the output equals full load."""
@@ -742,7 +742,7 @@ def test_pipeline_level_group_offloading_sanity_checks(device, storage, tmp_path
     modules = module_components(pipe)
     excluded = sorted(modules)[0]
     modules[excluded].to(device)
-    handle = place(pipe, "model_group_offload", device, storage, tmp_path, exclude_components=[excluded], **LEAF)
+    handle = place(pipe, "model_group_offload", device, storage, tmp_path, unplaced=[excluded], **LEAF)
     expected = pipeline_reference(family, device)
     for call in range(2):
         assert_bit_equal(run(pipe, family, call), expected[call], f"call {call + 1}")

@@ -200,10 +200,10 @@ def test_models_that_do_not_support_group_offloading_move_whole(model, storage):
 
 
 def test_a_pipeline_with_such_a_component_streams_the_rest_around_it():
-    """The other components stream as asked; strict=True refuses, and exclude_components leaves it out."""
+    """The other components stream as asked; strict=True refuses, and unplaced leaves it out."""
     pipe = make_pipeline("flux")
     pipe.vae._supports_group_offloading = False  # as Stable Audio's Oobleck VAE declares
-    with pytest.raises(IncompatibleModeError, match="exclude_components=\\['vae'\\]"):
+    with pytest.raises(IncompatibleModeError, match="unplaced=\\['vae'\\]"):
         memmode.apply(pipe, "model_group_offload", device="cpu", strict=True)
     expected = run(make_pipeline("flux"), "flux", 0)
     handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage="poison")
@@ -211,6 +211,6 @@ def test_a_pipeline_with_such_a_component_streams_the_rest_around_it():
     assert len([g for g in handle._runtime.groups if g.component == "transformer"]) > 1, "the rest still streams"
     assert_bit_equal(run(pipe, "flux", 0), expected)
     handle.remove()
-    handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage="poison", exclude_components=["vae"])
+    handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage="poison", unplaced=["vae"])
     assert_bit_equal(run(pipe, "flux", 0), expected)
     handle.remove()

@@ -112,9 +112,7 @@ def test_excluded_components_are_left_where_they_are(storage):
     expected = run(make_pipeline("flux"), "flux", 0)
     pipe = make_pipeline("flux")
     vae_before = snapshot(pipe)
-    handle = memmode.apply(
-        pipe, "model_group_offload", device="cpu", storage=storage, exclude_components=["vae", "text_encoder"]
-    )
+    handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage=storage, unplaced=["vae", "text_encoder"])
     assert {g.component for g in handle._runtime.groups} == {"transformer", "text_encoder_2"}
     after = snapshot(pipe)
     for key, value in vae_before.items():
@@ -127,22 +125,22 @@ def test_excluded_components_are_left_where_they_are(storage):
 def test_excluded_components_with_a_quantizer_and_with_auto(qint8):
     pipe = make_pipeline("flux")
     with pytest.raises(InvalidOptionError, match="no denoiser"):  # left out: not a default target either
-        memmode.apply(pipe, "model_cpu_offload_and_qint8", device="cpu", exclude_components=["transformer"])
+        memmode.apply(pipe, "model_cpu_offload_and_qint8", device="cpu", unplaced=["transformer"])
     handle = memmode.apply(
         pipe,
         "model_cpu_offload_and_qint8",
         device="cpu",
-        exclude_components=["transformer"],
+        unplaced=["transformer"],
         components=["transformer"],
     )
     assert set(handle.quantized) == {"transformer"}  # named explicitly: quantized, but not placed
     assert "transformer" not in {g.component for g in handle._runtime.groups}
     handle.remove()
     pipe = make_pipeline("flux")
-    handle = memmode.apply(pipe, "auto", device="cpu", exclude_components=["vae"])
+    handle = memmode.apply(pipe, "auto", device="cpu", unplaced=["vae"])
     assert "vae" not in {g.component for g in handle._runtime.groups}
     handle.remove()
-    assert all(e.peak_device_bytes > 0 for e in memmode.plan(pipe, device="cpu", exclude_components=["vae"]))
+    assert all(e.peak_device_bytes > 0 for e in memmode.plan(pipe, device="cpu", unplaced=["vae"]))
 
 
 @pytest.mark.parametrize(
@@ -153,19 +151,46 @@ def test_excluded_components_with_a_quantizer_and_with_auto(qint8):
         ([3], "string"),
     ],
 )
-def test_exclude_components_refusals_are_typed_and_touch_nothing(names, match):
+def test_unplaced_refusals_are_typed_and_touch_nothing(names, match):
     pipe = make_pipeline("flux")
     before = snapshot(pipe)
     with pytest.raises(InvalidOptionError, match=match):
-        memmode.apply(pipe, "model_group_offload", device="cpu", exclude_components=names)
+        memmode.apply(pipe, "model_group_offload", device="cpu", unplaced=names)
     assert snapshot(pipe) == before
 
 
-def test_exclude_components_on_a_bare_module_is_refused():
+def test_unplaced_on_a_bare_module_is_refused():
     target = make_tied("nested_tied")
     with pytest.raises(InvalidOptionError, match="bare module"):
-        memmode.apply(target, "model_group_offload", device="cpu", exclude_components=["module"])
+        memmode.apply(target, "model_group_offload", device="cpu", unplaced=["module"])
     assert hook_count(target) == 0
+
+
+@pytest.mark.parametrize("spelling", ["exclude_components", "exclude_modules"])
+@pytest.mark.parametrize("entry", ["apply", "prepare", "plan"])
+def test_the_old_and_the_diffusers_spelling_of_unplaced_are_refused_naming_it(entry, spelling):
+    """``exclude_components=`` (memmode's earlier spelling) and ``exclude_modules=`` (diffusers') would otherwise
+    be an unknown plugin option: each is refused, before anything is touched, with the spelling to use."""
+    pipe = make_pipeline("flux")
+    before = snapshot(pipe)
+    call = {"apply": memmode.apply, "prepare": memmode.prepare, "plan": memmode.plan}[entry]
+    args = (pipe,) if entry == "plan" else (pipe, "model_group_offload")
+    with pytest.raises(InvalidOptionError, match=r"write unplaced=\['vae'\]"):
+        call(*args, device="cpu", **{spelling: ["vae"]})
+    assert snapshot(pipe) == before
+
+
+def test_exclude_is_the_quantizers_and_naming_a_component_with_it_is_refused(qint8):
+    """``exclude=`` takes layer-name fragments the quantizer keeps at full precision; a diffusers user who means
+    "leave the VAE alone" and writes ``exclude=["vae"]`` would quantize exactly as without it. Refused, saying
+    what each argument does."""
+    pipe = make_pipeline("flux")
+    before = snapshot(pipe)
+    with pytest.raises(InvalidOptionError, match=r"names the component 'vae'.*unplaced=\['vae'\]"):
+        memmode.apply(pipe, "model_cpu_offload_and_qint8", device="cpu", exclude=["vae"])
+    with pytest.raises(InvalidOptionError, match="has no quantizer.*unplaced="):
+        memmode.apply(pipe, "model_cpu_offload", device="cpu", exclude=["vae"])
+    assert snapshot(pipe) == before
 
 
 # -- execution order and prefetch, exercised on the CPU through the runtime -----------------------------

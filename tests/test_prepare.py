@@ -29,7 +29,7 @@ STEPS = {
     "lay_out": "laying the target out",
     "claim_groups": "claiming the groups' tensors",
     "group_bytes": "sizing the groups",
-    "plan_layers": "planning a component's quantization",
+    "decide_layers": "deciding which layers of a component are packed",
 }
 
 
@@ -58,8 +58,8 @@ def test_apply_does_each_expensive_step_once(family, mode, options):
     pipe = make_pipeline(family)
     handle, calls = counted(memmode.apply, pipe, mode, device="cpu", **options)
     quantized = len(handle.quantized)
-    expected = {name: 1 for name in STEPS if name != "plan_layers"}
-    expected["plan_layers"] = quantized
+    expected = {name: 1 for name in STEPS if name != "decide_layers"}
+    expected["decide_layers"] = quantized
     assert quantized == (2 if family == "wan22" else 1) if "_and_" in mode else quantized == 0
     assert {name: calls[name] for name in STEPS} == expected
     handle.remove()
@@ -73,7 +73,7 @@ def test_groups_claimed_before_quantizing_bind_to_what_claiming_now_finds(family
     pipe = make_pipeline(family)
     prepared = memmode.prepare(pipe, mode, device="cpu")
     handle = memmode.apply(prepared)
-    again = claim_groups(prepared.target.components, prepared.layout.specs)
+    again = claim_groups(prepared._target.components, prepared._layout.specs)
 
     def shape(groups):
         return [
@@ -167,10 +167,10 @@ def test_the_planner_prices_prepared_plans():
     pipe = make_pipeline("ltx")
     entries = memmode.plan(pipe, device="cpu", quantizer="qfloat8")
     assert entries and all(isinstance(e.prepared, memmode.Prepared) for e in entries)
-    assert all(e.prepared.mode == e.mode and e.prepared.storage.name == e.storage for e in entries if e.storage)
+    assert all(e.prepared.mode == e.mode and e.prepared.storage == e.storage for e in entries if e.storage)
     assert "prepared" not in entries[0].as_dict()
-    plans = {id(e.prepared.quantization["transformer"]) for e in entries}
-    assert len(plans) == 1, "one quantization plan, shared by every candidate"
+    selections = {id(e.prepared._selections["transformer"]) for e in entries}
+    assert len(selections) == 1, "one layer selection, shared by every candidate"
 
 
 # -- typed options ------------------------------------------------------------------------------------------
@@ -178,7 +178,7 @@ def test_the_planner_prices_prepared_plans():
 
 def test_options_are_a_frozen_dataclass_built_once():
     prepared = memmode.prepare(make_pipeline("flux"), "model_group_offload", device="cpu", num_blocks_per_group=2)
-    options = prepared.request.placement_options
+    options = prepared.options["placement"]
     assert isinstance(options, GroupOffloadOptions) and dataclasses.is_dataclass(options)
     assert options.num_blocks_per_group == 2 and options["num_blocks_per_group"] == 2
     assert dict(options) == {

@@ -15,9 +15,9 @@ from memmode_core import IncompatibleModeError, InvalidOptionError, QuantizedWei
 from memmode_core.quantization import (
     QuantizedLinear,
     packed_record,
-    plan_quantization,
     quantize_component,
     quantized_direct_bytes,
+    select_layers,
 )
 from memmode_qfloat4 import QFloat4
 from memmode_qfloat8 import QFloat8, convert
@@ -253,7 +253,7 @@ def test_predicted_sizes_equal_the_quantized_sizes(family, quantizer):
     pipe = make_pipeline(family, dtype=torch.bfloat16)
     q = QUANTIZERS[quantizer]()
     transformer = pipe.transformer
-    plan = plan_quantization(q, transformer)
+    plan = select_layers(q, transformer)
     predicted = {name: plan.direct_bytes(m) for name, m in transformer.named_modules()}
     predicted_total = plan.total_bytes()
     last = plan.to_pack[-1]

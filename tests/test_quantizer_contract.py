@@ -80,7 +80,7 @@ def test_a_plan_made_once_is_followed_not_made_again(monkeypatch):
     quantizer = Int8Rows()
     plan = quantization.check_component(quantizer, "transformer", pipe.transformer)
     made = []
-    monkeypatch.setattr(quantization.quantizing, "plan_quantization", lambda *a, **k: made.append(a))
+    monkeypatch.setattr(quantization.quantizing, "select_layers", lambda *a, **k: made.append(a))
     summary = quantization.quantize_component(quantizer, pipe.transformer, weight_dtype=None, plan=plan)
     assert made == [] and summary.packed_layers == len(plan.to_pack)
     assert summary == quantization.summarize(quantizer, plan, summary.packed_layers, summary.bytes_before)

@@ -46,7 +46,7 @@ def test_the_budget_holds_and_the_planner_predicts_the_moves(offload_type, stora
     handle = memmode.apply(
         model, "model_group_offload", device="cpu", storage=storage, offload_type=offload_type, vram_budget=budget
     )
-    residency = handle.prepared.residency
+    residency = handle.prepared._residency
     assert residency is not None and residency.kept
     assert any(g.policy is Policy.STREAM for g in handle._runtime.groups), "a budget below the model streams"
     for seed, want in enumerate(expected):
@@ -160,7 +160,7 @@ def test_prefetch_looks_ahead_within_the_budget(share, storage, strict_streams):
     handle = memmode.apply(
         model, "model_group_offload", device=ACCELERATOR, storage=storage, use_stream=True, vram_budget=budget
     )
-    residency = handle.prepared.residency
+    residency = handle.prepared._residency
     assert residency.lookahead and all(depth >= 1 for depth in residency.lookahead.values())
     for seed, want in enumerate(expected):
         assert_bit_equal(forward(model, seed), want)
@@ -179,7 +179,7 @@ def test_under_a_quantizer_the_budget_counts_packed_bytes():
     model = deep_wan_transformer()
     budget = int(nbytes(model.parameters()) * 0.2)
     handle = memmode.apply(model, "model_group_offload_and_qfloat8", device="cpu", storage="ram", vram_budget=budget)
-    assert handle.prepared.residency.kept
+    assert handle.prepared._residency.kept
     for seed, want in enumerate(expected):
         assert_bit_equal(forward(model, seed), want)
     assert handle.report().peak_device_bytes <= budget

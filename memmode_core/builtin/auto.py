@@ -1,30 +1,67 @@
 """``auto``: the resolver that picks the fastest placement x storage whose predicted memory fits.
 
-It lays nothing out: ``prepare`` has the planner prepare and price every candidate for the target
-(with the mode's quantizer, ``auto_and_<quantizer>``), and :meth:`Auto.choose` takes the entry the
-planner marks as the fastest that fits the budgets. Alone it never changes numerics: every placement
-is lossless.
+It lays nothing out. :meth:`PricingResolver.resolve` — the resolution behind the ``Resolver`` contract — has
+the planner prepare and price every candidate for the target (with the mode's quantizer,
+``auto_and_<quantizer>``) for the call the resolver's budgets describe, and executes the entry
+:meth:`Auto.choose` takes: the one the planner marks as the fastest that fits the budgets. The candidate is
+returned as it was prepared and priced, so executing it lays out, claims and selects nothing again. Alone it
+never changes numerics: every placement is lossless.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from memmode_core.contracts.options import Options, byte_size, option, positive_int
+from memmode_core.contracts.options import Options, byte_size, declared_options, option, positive_int
 from memmode_core.contracts.resolver import Budgets, Resolver
-from memmode_core.planning.planner import (
-    DEFAULT_STEPS,
+from memmode_core.contracts.targets import Target
+from memmode_core.planning.budgets import (
     DEFAULT_VRAM_SHARE,
     SHAPED_VRAM_SHARE,
-    PlanEntry,
-    call_shapes,
-    choose,
     default_ram_budget,
     default_vram_budget,
 )
+from memmode_core.planning.calls import DEFAULT_STEPS, CallTrace, call_sequence, call_shapes, default_calls
+from memmode_core.planning.candidates import priced_candidates
+from memmode_core.planning.choosing import choose, judge
+from memmode_core.planning.prepared import Prepared
+from memmode_core.planning.pricing import PlanEntry
+from memmode_core.planning.request import Request
+
+logger = logging.getLogger("memmode")
+
+
+class PricingResolver(Resolver):
+    """A resolver that chooses among the planner's priced candidates: subclasses write :meth:`budgets` (what
+    to price for) and :meth:`choose` (which entry to take)."""
+
+    def resolve(self, target: Any, request: Request) -> Prepared:
+        budgets = self.budgets(request.placement_options, request.device)
+        own = {o.name for o in declared_options(self.options)}
+        base = dataclasses.replace(request, given={k: v for k, v in request.given.items() if k not in own})
+        placed = Target.of(target).without(request.unplaced)
+        sequence = call_sequence(placed, default_calls(placed, budgets.steps))
+        call = CallTrace.of(target, sequence, request.device, budgets.shapes)
+        entries = priced_candidates(target, base, sequence, call, budgets.vram)
+        judge(entries, budgets.vram, budgets.ram)
+        entry = self.choose(entries, budgets)
+        chosen = entry.prepared
+        chosen.requested_mode = str(request.mode)
+        chosen.choice = entry
+        logger.info(
+            "memmode: %s chose %s with storage %s (peak %d bytes on the device)",
+            request.mode,
+            entry.label(),
+            entry.storage,
+            entry.peak_device_bytes,
+        )
+        return chosen
 
 
 @dataclass(frozen=True)
@@ -50,7 +87,7 @@ class AutoOptions(Options):
         return call_shapes(self.height, self.width, self.num_frames, self.batch)
 
 
-class Auto(Resolver):
+class Auto(PricingResolver):
     name = "auto"
     description = "the fastest placement x storage whose predicted memory fits vram_budget / ram_budget"
     options = AutoOptions

@@ -19,7 +19,7 @@ import sys
 import memmode_core as memmode
 from memmode_core.contracts.units import format_bytes
 from memmode_core.discovery.first_party import DEFAULT_RUN_MODE
-from memmode_core.planning.planner import call_shapes
+from memmode_core.planning.calls import call_shapes
 
 #: exit status when the reader of stdout went away (128 + SIGPIPE, what a shell reports for ``cmd | head``)
 BROKEN_PIPE_STATUS = 141

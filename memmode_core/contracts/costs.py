@@ -7,7 +7,7 @@ nothing is copied, the stored copy is what the device computes with) plus a fixe
 onload. The planner multiplies these by the bytes and onloads of each layout.
 
 A storage may declare its cost, or answer None and be **measured** by the planner
-(:mod:`memmode_core.planning.costs`), which also prices a declared copy from host memory to an
+(:mod:`memmode_core.planning.measuring`), which also prices a declared copy from host memory to an
 accelerator at the bandwidth it measures there. This module only holds the vocabulary.
 """
 

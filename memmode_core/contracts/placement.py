@@ -4,7 +4,7 @@ A placement does not move anything itself. It cuts the target into groups (``lay
 for each one when it must be on the device (:class:`~memmode_core.contracts.layout.Policy`); the
 engine does the moving, the hooks and the ledger, and the planner predicts costs from the same
 layout (core adjusts a layout where the model or the pipeline declares it must:
-:mod:`memmode_core.planning.layout`).
+:mod:`memmode_core.engine.laying_out`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """The resolver contract: a name in a mode's placement slot that chooses a concrete mode (``auto``).
 
-A resolver lays nothing out. ``prepare`` asks it for the budgets to price the candidates with
-(:meth:`Resolver.budgets`), has the planner prepare and price every installed placement x storage
-(with the mode's quantizer, if any) for the target, and asks the resolver to pick one entry
-(:meth:`Resolver.choose`); what ``apply`` executes is that candidate's prepared plan, so
-``handle.mode`` names what was chosen and ``handle.requested_mode`` the resolver.
+A resolver lays nothing out. ``prepare`` hands it the request and the target (:meth:`Resolver.resolve`), and
+it returns the prepared plan of the concrete mode it chose; what ``apply`` executes is that plan, so
+``handle.mode`` names what was chosen and ``handle.requested_mode`` the resolver. The built-in ``auto`` is a
+:class:`~memmode_core.builtin.auto.PricingResolver` (``memmode_core.plugin.PricingResolver``): it has the
+planner prepare and price every installed placement x storage (with the mode's quantizer, if any) for the
+budgets it derives from its options (:meth:`Resolver.budgets`), and picks one priced entry
+(:meth:`Resolver.choose`). A resolver that prefers another trade-off subclasses it and writes ``choose``.
 
 Resolvers register through the placement hook (they are spelt where a placement is), so
 ``memmode list`` shows them among the placements.
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 
+from memmode_core.contracts.errors import IncompatibleModeError
 from memmode_core.contracts.options import Option, Options
 
 
@@ -34,7 +37,9 @@ class Budgets:
 
 
 class Resolver:
-    """Base class of a resolver. Subclasses set ``name`` and ``description`` and implement both methods."""
+    """Base class of a resolver. Subclasses set ``name`` and ``description`` and implement :meth:`resolve`, or
+    subclass ``memmode_core.plugin.PricingResolver``, which implements it with :meth:`budgets` and
+    :meth:`choose`."""
 
     name: str = ""
     description: str = ""
@@ -46,6 +51,16 @@ class Resolver:
     def unavailable_reason(self) -> str | None:
         """Why this resolver cannot run in this environment, or None when it can."""
         return None
+
+    def resolve(self, target: Any, request: Any) -> Any:
+        """The prepared plan (``Prepared``) of the concrete mode chosen for ``target``; ``request`` is the
+        resolved request (``memmode_core.plugin.Request``: its ``placement_options`` are this resolver's
+        options). Called by ``prepare`` before anything is touched."""
+        raise IncompatibleModeError(
+            f"resolver {self.name!r} ({type(self).__name__}) implements no resolve(): subclass "
+            f"memmode_core.plugin.PricingResolver to choose among the planner's priced candidates with budgets() "
+            f"and choose(), or implement resolve()"
+        )
 
     def budgets(self, options: Options, device: torch.device) -> Budgets:
         """The budgets the candidates are judged by, from this resolver's options and the device."""

@@ -124,7 +124,7 @@ class Storage:
 
         The planner and ``auto`` price this storage with it. Declare it when you know it (a storage
         that compresses holds fewer bytes and fetches at its decompression speed); the default, None,
-        has the planner measure the storage once per process (:func:`memmode_core.planning.costs.probe`).
+        has the planner measure the storage once per process (:func:`memmode_core.planning.measuring.probe`).
         """
         return None
 

@@ -75,17 +75,17 @@ class Target:
             return self
         if not self.is_pipeline:
             raise InvalidOptionError(
-                f"exclude_components={names!r}: a bare module is one component; there is nothing to leave out"
+                f"unplaced={names!r}: a bare module is one component; there is nothing to leave out"
             )
         unknown = [n for n in names if n not in self.components]
         if unknown:
             raise InvalidOptionError(
-                f"exclude_components={names!r}: {self.label} has no module component named "
+                f"unplaced={names!r}: {self.label} has no module component named "
                 f"{', '.join(map(repr, unknown))}; it has {', '.join(self.components)}"
             )
         kept = {n: m for n, m in self.components.items() if n not in names}
         if not kept:
-            raise InvalidOptionError(f"exclude_components={names!r} leaves no component of {self.label} to place")
+            raise InvalidOptionError(f"unplaced={names!r} leaves no component of {self.label} to place")
         return Target(self.obj, self.is_pipeline, kept)
 
     def denoisers(self) -> dict[str, nn.Module]:

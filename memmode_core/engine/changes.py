@@ -25,11 +25,12 @@ import torch
 from torch import nn
 
 from memmode_core.contracts.errors import OffloadedWeightReadError
-from memmode_core.contracts.layout import GroupSpec, Policy
+from memmode_core.contracts.layout import Policy
 from memmode_core.contracts.storage import Tensors, is_placeholder
 from memmode_core.engine import standins, watch
 from memmode_core.engine.groups import Group, Part, Slot, claim_groups, module_path
 from memmode_core.engine.hooks import not_traced
+from memmode_core.engine.laying_out import Relayout
 from memmode_core.engine.pipeline_hooks import refuse_foreign_offloading
 from memmode_core.engine.reads import PlaceholderTrap
 from memmode_core.engine.standins import raw_access
@@ -43,7 +44,7 @@ class Changes:
         self,
         device: torch.device,
         *,
-        relayout: Callable[[str], list[GroupSpec]] | None,
+        relayout: Relayout | None,
         refuse_edit: Callable[[str, dict[str, nn.Module]], None] | None,
     ) -> None:
         self._relayout = relayout

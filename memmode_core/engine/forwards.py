@@ -325,7 +325,7 @@ class Forwards:
             f"{where} ({type(module).__name__}) computed with a tensor that is not on {self.device}: the model reads "
             f"a weight outside the forward of the module that owns it, and memmode had that weight offloaded "
             f"(groups offloaded at that moment: {shown or 'none'}). Move this component whole (model_cpu_offload) "
-            f"or leave it out with exclude_components=[{component!r}]. Original error: {error}"
+            f"or leave it out with unplaced=[{component!r}]. Original error: {error}"
         )
 
 

@@ -81,7 +81,7 @@ class PlaceholderTrap(TorchFunctionMode):
             f"{operation}{where} computed with the offloaded placeholder of {name}: that weight was read "
             f"outside every entry point memmode onloads it for (the forward, or another method, of the "
             f"component that owns it), so the computation would have used NaN instead of the weight. "
-            f"Keep this component whole (model_cpu_offload), leave it out with exclude_components=[...], "
+            f"Keep this component whole (model_cpu_offload), leave it out with unplaced=[...], "
             f"or use a storage that keeps real values at rest (ram, pinned, mmap)"
         )
 

@@ -31,12 +31,13 @@ import torch
 from torch import nn
 
 from memmode_core.contracts.errors import IncompatibleModeError, RestoreError
-from memmode_core.contracts.layout import GroupSpec, Policy
+from memmode_core.contracts.layout import Policy
 from memmode_core.contracts.storage import StorageSession, placeholder
 from memmode_core.engine import watch
 from memmode_core.engine.changes import Changes
 from memmode_core.engine.forwards import Forwards
 from memmode_core.engine.groups import Group, Part, bind_groups
+from memmode_core.engine.laying_out import Relayout
 from memmode_core.engine.ledger import Ledger
 from memmode_core.engine.moving import Moving
 from memmode_core.engine.serving import Serving
@@ -55,7 +56,7 @@ class Runtime(Forwards, Changes, Moving, Serving):
         prefetch: bool = False,
         lookahead: Mapping[str, int] | None = None,
         offload_after_call: bool = True,
-        relayout: Callable[[str], list[GroupSpec]] | None = None,
+        relayout: Relayout | None = None,
         pipeline: object | None = None,
         refuse_edit: Callable[[str, dict[str, nn.Module]], None] | None = None,
         strict: bool = False,

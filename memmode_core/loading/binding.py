@@ -43,7 +43,7 @@ class Slot:
 
 
 @dataclass
-class BindPlan:
+class Binding:
     slots: list[Slot]
     #: slot index -> checkpoint key it is read from
     source: dict[int, str]
@@ -86,7 +86,7 @@ def slots_of(module: nn.Module) -> list[Slot]:
     return list(found.values())
 
 
-def plan_binding(skeleton: Skeleton, checkpoint: Checkpoint, *, where: str) -> BindPlan:
+def binding_for(skeleton: Skeleton, checkpoint: Checkpoint, *, where: str) -> Binding:
     """What to read for each tensor of the skeleton; refuses a checkpoint that does not fit it."""
     slots = slots_of(skeleton.module)
     source, convert, missing, wrong = {}, {}, [], []
@@ -114,31 +114,31 @@ def plan_binding(skeleton: Skeleton, checkpoint: Checkpoint, *, where: str) -> B
             f"{f'; and {more} more' if more > 0 else ''}"
         )
     unexpected = sorted(set(checkpoint.keys()) - wanted)
-    return BindPlan(slots, source, convert, unexpected)
+    return Binding(slots, source, convert, unexpected)
 
 
-def bind(skeleton: Skeleton, checkpoint: Checkpoint, plan: BindPlan, *, staging_dir=None) -> None:
+def bind(skeleton: Skeleton, checkpoint: Checkpoint, binding: Binding, *, staging_dir=None) -> None:
     """Bind every tensor: views of the checkpoint, or of a streamed file for the converted ones."""
     values: dict[int, torch.Tensor] = {}
-    if plan.convert:
-        specs = plan.conversion_specs()
-        _say_what_is_converted(skeleton, checkpoint, plan, file_size(specs), staging_dir)
+    if binding.convert:
+        specs = binding.conversion_specs()
+        _say_what_is_converted(skeleton, checkpoint, binding, file_size(specs), staging_dir)
 
         def pieces():
-            for i, dtype in plan.convert.items():
-                yield {str(i): checkpoint.view(plan.source[i]).to(dtype)}
+            for i, dtype in binding.convert.items():
+                yield {str(i): checkpoint.view(binding.source[i]).to(dtype)}
 
         streamed = write_pieces(specs, pieces(), folder=staging_dir)
-        plan.streamed.extend(streamed.flats)
+        binding.streamed.extend(streamed.flats)
         values.update({int(name): tensor for name, tensor in streamed.items()})
-    for index, key in plan.source.items():
-        plan.slots[index].assign(values[index] if index in values else checkpoint.view(key))
-    if plan.unexpected:
+    for index, key in binding.source.items():
+        binding.slots[index].assign(values[index] if index in values else checkpoint.view(key))
+    if binding.unexpected:
         logger.warning(
             "memmode: %d tensors of the checkpoint are not used by %s (e.g. %s)",
-            len(plan.unexpected),
+            len(binding.unexpected),
             type(skeleton.module).__name__,
-            plan.unexpected[0],
+            binding.unexpected[0],
         )
 
 
@@ -147,16 +147,18 @@ def bind(skeleton: Skeleton, checkpoint: Checkpoint, plan: BindPlan, *, staging_
 LARGE_CONVERSION = 1 << 30
 
 
-def _say_what_is_converted(skeleton: Skeleton, checkpoint: Checkpoint, plan: BindPlan, size: int, staging_dir) -> None:
+def _say_what_is_converted(
+    skeleton: Skeleton, checkpoint: Checkpoint, binding: Binding, size: int, staging_dir
+) -> None:
     pairs: dict[tuple[torch.dtype, torch.dtype], int] = {}
-    for i, dtype in plan.convert.items():
-        record = checkpoint.record(plan.source[i])
+    for i, dtype in binding.convert.items():
+        record = checkpoint.record(binding.source[i])
         pairs[(record.dtype, dtype)] = pairs.get((record.dtype, dtype), 0) + 1
     how = ", ".join(f"{n} from {a} to {b}".replace("torch.", "") for (a, b), n in pairs.items())
     (logger.warning if size >= LARGE_CONVERSION else logger.info)(
         "memmode: %s: converting %d tensors (%s): writes %s (%d bytes) to a staging file in %s",
         type(skeleton.module).__name__,
-        len(plan.convert),
+        len(binding.convert),
         how,
         format_bytes(size),
         size,

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from memmode_core.applying import execute
+from memmode_core.applying import execute, prepare_request
 from memmode_core.contracts.errors import CheckpointError, IncompatibleModeError, InvalidOptionError
 from memmode_core.contracts.targets import MODULE_COMPONENT
 from memmode_core.contracts.units import format_bytes
@@ -36,7 +36,7 @@ from memmode_core.files.borrowed import lending, source_of_mapping
 from memmode_core.files.checkpoint import Checkpoint
 from memmode_core.files.streamed import check_room, staging_folder
 from memmode_core.handle import Handle
-from memmode_core.loading.binding import BindPlan, bind, plan_binding
+from memmode_core.loading.binding import Binding, bind, binding_for
 from memmode_core.loading.skeleton import (
     Skeleton,
     build,
@@ -45,8 +45,7 @@ from memmode_core.loading.skeleton import (
     model_class,
     pipeline_index,
 )
-from memmode_core.planning.prepare import prepare_request
-from memmode_core.planning.prepared import make_request
+from memmode_core.planning.request import Request
 from memmode_core.quantization import component_bytes, install_forward, overrides, saved
 
 logger = logging.getLogger("memmode")
@@ -60,7 +59,7 @@ class ComponentLoad:
     folder: Path
     skeleton: Skeleton
     checkpoint: Checkpoint
-    plan: BindPlan | None = None
+    binding: Binding | None = None
     #: the format it was saved in by ``save_quantized``, and the quantizer that reads it
     saved_format: str | None = None
     reader: Any = None
@@ -84,7 +83,8 @@ def load(
     offload_dir: str | None = None,
     components: Iterable[str] | None = None,
     exclude: Iterable[str] | None = None,
-    exclude_components: Iterable[str] | None = None,
+    unplaced: Iterable[str] | None = None,
+    strict: bool = False,
     variant: str | None = None,
     staging_dir: str | os.PathLike | None = None,
     in_place: bool | None = None,
@@ -107,42 +107,30 @@ def load(
     another order for a weight at another alignment), ``False`` never (the storage's files are independent
     of the checkpoint, e.g. one on a slow or removable disk).
     """
-    if not isinstance(mode, str):
-        raise TypeError(f"mode must be a string such as 'model_cpu_offload_and_qfloat8', not {type(mode).__name__}")
+    request = Request.from_call(locals())
     if in_place not in (None, True, False):
         raise InvalidOptionError(f"in_place={in_place!r} must be None (where no bit can change), True or False")
     _check_torch_dtype(torch_dtype)
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such folder (load() takes a folder saved with save_pretrained)")
-    request = make_request(
-        mode,
-        device=device,
-        weight_dtype=weight_dtype,
-        storage=storage,
-        offload_dir=offload_dir,
-        components=components,
-        exclude=exclude,
-        exclude_components=exclude_components,
-        options=options,
-    )
     plugins = current()
     quantizer = request.quantizer.obj if request.quantizer is not None else None
     staging = staging_dir if staging_dir is not None else offload_dir
 
     # -- check everything: configs, headers, formats -------------------------------------------------
     index = pipeline_index(folder) if (folder / "model_index.json").is_file() else None
-    loads = _plan_components(folder, index, torch_dtype, variant, plugins, quantizer)
+    loads = _component_loads(folder, index, torch_dtype, variant, plugins, quantizer)
 
     # -- room for the conversions, checked before anything is written ------------------------------------
-    converted = [item for item in loads if item.plan is not None and item.plan.convert]
-    converting = sum(item.plan.staging_bytes for item in converted)
+    converted = [item for item in loads if item.binding is not None and item.binding.convert]
+    converting = sum(item.binding.staging_bytes for item in converted)
     if staging is not None:
         os.makedirs(staging, exist_ok=True)  # the storage would create offload_dir anyway
     check_room(
         staging,
         converting,
-        f"converting {sum(len(item.plan.convert) for item in converted)} tensors of "
+        f"converting {sum(len(item.binding.convert) for item in converted)} tensors of "
         f"{', '.join(item.name for item in converted)} to the dtype they load in (torch_dtype={torch_dtype!r}; "
         f"'auto' keeps each checkpoint's own)",
     )
@@ -158,16 +146,16 @@ def load(
             )
             item.skeleton.module = item.cls.from_pretrained(item.folder, variant=variant, **kwargs).eval()
             continue
-        bind(item.skeleton, item.checkpoint, item.plan, staging_dir=staging)
-        mappings.extend(item.plan.streamed)
+        bind(item.skeleton, item.checkpoint, item.binding, staging_dir=staging)
+        mappings.extend(item.binding.streamed)
     target = _assemble(folder, index, loads, torch_dtype, variant)
     if index is None:
         _say_how_to_hand_it_to_its_pipeline(folder)
 
-    # -- the plan apply executes: laid out, claimed and planned once ----------------------------------------
+    # -- the plan apply executes: laid out, claimed and selected once ----------------------------------------
     prepared = prepare_request(target, request)
     for item in loads:  # saved quantized, and no quantizer of the mode will install their forward: do it here
-        if item.reader is not None and item.name not in prepared.quantization:
+        if item.reader is not None and item.name not in prepared._selections:
             for layer in item.saved_layers:
                 install_forward(
                     item.skeleton.module.get_submodule(layer.path),
@@ -175,7 +163,7 @@ def load(
                     weight_dtype or layer.compute_dtype or layer.dtype,
                 )
 
-    # -- quantize while streaming, as the plan says --------------------------------------------------------
+    # -- quantize while streaming, as the selection says -----------------------------------------------------
     packed_bytes = 0
     if quantizer is not None and overrides(quantizer, "quantize"):
         logger.info(
@@ -183,14 +171,16 @@ def load(
         )
     elif quantizer is not None and quantizer.packs:  # a forward-only quantizer has nothing to pack
         packing = {
-            name: saved.stream_pack_bytes(plan) for name, plan in prepared.quantization.items() if plan.packs_anything
+            name: saved.stream_pack_bytes(selection)
+            for name, selection in prepared._selections.items()
+            if selection.packs_anything
         }
         check_room(staging, sum(packing.values()), f"quantizing {', '.join(packing)} with {quantizer.name}")
-        for name, plan in prepared.quantization.items():
-            if plan.packs_anything:
-                before = component_bytes(plan.component)
-                packed = saved.stream_pack(plan, staging_dir=staging, mappings=mappings, device=prepared.device)
-                prepared.packed_ahead[name] = (packed, before)
+        for name, selection in prepared._selections.items():
+            if selection.packs_anything:
+                before = component_bytes(selection.component)
+                packed = saved.stream_pack(selection, staging_dir=staging, mappings=mappings, device=prepared.device)
+                prepared._packed_ahead[name] = (packed, before)
                 packed_bytes += packing[name]
 
     # the checkpoint's mappings and the streamed files are lent to file storages, which store the groups
@@ -215,7 +205,7 @@ def load(
     finally:
         for item in loads:
             item.checkpoint.release()
-    handle.loading = _summary(handle, converting, sum(len(i.plan.convert) for i in converted), packed_bytes, staging)
+    handle.loading = _summary(handle, converting, sum(len(i.binding.convert) for i in converted), packed_bytes, staging)
     _say_what_was_done(folder, handle)
     return handle
 
@@ -257,7 +247,7 @@ def _say_what_was_done(folder: Path, handle: Handle) -> None:
     logger.info("memmode: loaded %s into %s: %s%s", folder, handle.mode, staged, groups)
 
 
-def _plan_components(folder: Path, index: dict | None, torch_dtype, variant, plugins, quantizer) -> list[ComponentLoad]:
+def _component_loads(folder: Path, index: dict | None, torch_dtype, variant, plugins, quantizer) -> list[ComponentLoad]:
     if index is None:
         cls = _single_model_class(folder)
         entries = [(MODULE_COMPONENT, folder, cls)]
@@ -293,7 +283,7 @@ def _plan_components(folder: Path, index: dict | None, torch_dtype, variant, plu
             )
             item.library_loaded = True
         else:
-            item.plan = plan_binding(skeleton, checkpoint, where=str(sub))
+            item.binding = binding_for(skeleton, checkpoint, where=str(sub))
         loads.append(item)
     return loads
 
@@ -442,13 +432,13 @@ def skeleton(path: str | os.PathLike, *, torch_dtype: torch.dtype | str | None =
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such folder")
     index = pipeline_index(folder) if (folder / "model_index.json").is_file() else None
-    loads = _plan_components(folder, index, torch_dtype, variant, current(), None)
+    loads = _component_loads(folder, index, torch_dtype, variant, current(), None)
     for item in loads:
-        if item.plan is None:
+        if item.binding is None:
             continue
-        for i, key in item.plan.source.items():
-            slot = item.plan.slots[i]
+        for i, key in item.binding.source.items():
+            slot = item.binding.slots[i]
             record = item.checkpoint.record(key)
-            dtype = item.plan.convert.get(i, record.dtype)
+            dtype = item.binding.convert.get(i, record.dtype)
             slot.assign(torch.empty(slot.current.shape, dtype=dtype, device="meta"))
     return _assemble(folder, index, loads, torch_dtype, variant)

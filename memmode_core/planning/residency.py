@@ -39,6 +39,7 @@ from memmode_core.contracts.errors import InvalidOptionError
 from memmode_core.contracts.layout import GroupSpec, Policy
 from memmode_core.contracts.units import format_bytes
 from memmode_core.engine.groups import Group
+from memmode_core.engine.laying_out import keep_while_running
 
 
 class BudgetTooSmallError(InvalidOptionError):
@@ -56,11 +57,8 @@ class Residency:
     peaks: Mapping[str, int] = field(default_factory=dict)
 
     def apply(self, items: Iterable[Group | GroupSpec]) -> None:
-        """Make the kept groups (or, for a rebuild, the specs laid out again) stay while their component runs."""
-        for item in items:
-            if item.key in self.kept and item.policy is Policy.STREAM:
-                item.policy = Policy.EXCLUSIVE
-                item.exits = []
+        """Make the kept groups stay while their component runs."""
+        keep_while_running(items, self.kept)
 
     def describe(self) -> str:
         depth = sorted(set(self.lookahead.values()))

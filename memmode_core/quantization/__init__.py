@@ -5,7 +5,8 @@ The ``Quantizer`` contract (``pack``, ``unpack``, ``skip_reason``) is in
 one job each (lowest first; each imports only those before it):
 
 - ``packed``: a packed layer's state — the packed tensors in place of ``weight`` and the record that says how
-  to read them (``PackedLayer``, ``packed_record``, ``is_quantized``, ``attach_packed``);
+  to read them (``PackedLayer``, ``packed_record``, ``is_quantized``, ``attach_packed``), and the refusal to
+  fuse an adapter into packed weights (``refuse_fusing_packed``);
 - ``sizes``: sizes of tensors and of packed tensors, learned from ``pack`` on meta tensors, and the check that
   a real ``pack`` keeps to them (``PackedSizes``, ``pack_checked``, ``component_bytes``);
 - ``standin``: what ``layer.weight`` reads as on a quantized layer, and in-place writes into it carried
@@ -13,7 +14,7 @@ one job each (lowest first; each imports only those before it):
 - ``forward``: the class a packed layer takes to run, whose forward unpacks at call time
   (``QuantizedLinear``, ``install_forward``);
 - ``selection``: which layers are packed, which are kept at full precision and why, and the sizes that leads
-  to (``plan_quantization``, ``QuantizationPlan``);
+  to (``select_layers``, ``LayerSelection``);
 - ``quantizing``: the checks, packing a component, converting ahead, the summary, and the entry points
   ``check`` and ``quantize`` that run a quantizer's override or these mechanics;
 - ``saved``: packed layers in files (a quantized checkpoint's metadata, quantizing while streaming).
@@ -23,7 +24,14 @@ Callers import from this package. Beside the engine, above the contracts; neithe
 
 from memmode_core.contracts.quantizer import DEFAULT_EXCLUDE, OUTSIDE_BLOCKS, PAYLOAD
 from memmode_core.quantization.forward import QuantizedLinear, install_forward, quantized_class
-from memmode_core.quantization.packed import COMPUTE_DTYPES, PackedLayer, attach_packed, is_quantized, packed_record
+from memmode_core.quantization.packed import (
+    COMPUTE_DTYPES,
+    PackedLayer,
+    attach_packed,
+    is_quantized,
+    packed_record,
+    refuse_fusing_packed,
+)
 from memmode_core.quantization.quantizing import (
     SIZES_ONLY,
     QuantizationSummary,
@@ -39,11 +47,11 @@ from memmode_core.quantization.quantizing import (
     summarize,
 )
 from memmode_core.quantization.selection import (
-    LayerPlan,
-    QuantizationPlan,
-    plan_layers,
-    plan_quantization,
+    LayerDecision,
+    LayerSelection,
+    decide_layers,
     quantized_direct_bytes,
+    select_layers,
 )
 from memmode_core.quantization.sizes import PackedSizes, component_bytes, pack_checked, tensor_bytes
 from memmode_core.quantization.standin import WeightStandIn
@@ -64,10 +72,10 @@ __all__ = [
     "QuantizationSummary",
     "SIZES_ONLY",
     # which layers
-    "plan_quantization",
-    "plan_layers",
-    "QuantizationPlan",
-    "LayerPlan",
+    "select_layers",
+    "decide_layers",
+    "LayerSelection",
+    "LayerDecision",
     "quantized_direct_bytes",
     # sizes
     "PackedSizes",
@@ -79,6 +87,7 @@ __all__ = [
     "packed_record",
     "is_quantized",
     "attach_packed",
+    "refuse_fusing_packed",
     "QuantizedLinear",
     "quantized_class",
     "install_forward",

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from memmode_core.contracts.errors import IncompatibleModeError
 from memmode_core.contracts.quantizer import PAYLOAD, Quantizer
 
 #: attribute of a packed ``nn.Linear`` holding its :class:`PackedLayer` record
@@ -107,3 +108,26 @@ def data_class(t: torch.Tensor) -> type:
 def is_dtensor(t: torch.Tensor) -> bool:
     """Whether ``t`` is sharded (``torch.distributed``'s DTensor, recognised without importing it)."""
     return data_class(t).__name__ == "DTensor"
+
+
+#: edits that add a delta into the existing weights
+FUSING_METHODS = ("fuse_lora", "fuse_qkv_projections")
+
+
+def refuse_fusing_packed(method: str, components: dict[str, nn.Module]) -> None:
+    """Fusing into a quantized weight would add to packed codes. memmode refuses rather than
+    dequantize-add-requantize: the unfused adapter runs at ``weight_dtype`` on top of the dequantized
+    base, exactly, at the cost of its two small matmuls (docs/quantizers.md has the measurements).
+    The engine calls this before it runs one of :data:`FUSING_METHODS` on a placed component."""
+    if method not in FUSING_METHODS:
+        return
+    for name, component in components.items():
+        for path, module in component.named_modules():
+            base = getattr(module, "base_layer", None) if method == "fuse_lora" else module
+            if isinstance(base, nn.Module) and packed_record(base) is not None:
+                what = "LoRA adapters" if method == "fuse_lora" else "projections"
+                raise IncompatibleModeError(
+                    f"{method}: {name}.{path} is quantized, and fusing {what} into packed weights would corrupt them. "
+                    f"Keep the adapter unfused (it runs at weight_dtype on the dequantized weight), or fuse before "
+                    f"applying the quantizer."
+                )

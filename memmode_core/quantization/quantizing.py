@@ -1,9 +1,9 @@
-"""Quantizing a component: refuse what cannot be quantized, pack what the plan says, install the forward,
+"""Quantizing a component: refuse what cannot be quantized, pack what the selection says, install the forward,
 and say what was done.
 
 ``apply`` validates everything before it touches anything, so the refusals (:func:`check_component`) run on
-the plan alone and run again, on the same plan, right before packing (:func:`quantize_component`): a caller
-that planned once — ``load`` packs while streaming, the planner sizes — passes its plan instead of having it
+the selection alone and run again, on the same selection, right before packing (:func:`quantize_component`): a caller
+that decided once — ``load`` packs while streaming, the planner sizes — passes its selection instead of having it
 made a second time. :func:`summarize` is what ``handle.report().quantization`` shows, whoever packed.
 
 :func:`check` and :func:`quantize` are what callers call: they run a quantizer's own ``check`` /
@@ -31,10 +31,10 @@ from memmode_core.contracts.targets import is_fsdp1
 from memmode_core.files.streamed import give_back_freed_memory
 from memmode_core.quantization.forward import install_forward
 from memmode_core.quantization.packed import COMPUTE_DTYPES, attach_packed, data_class, is_dtensor, packed_record
-from memmode_core.quantization.selection import QuantizationPlan, plan_quantization
+from memmode_core.quantization.selection import LayerSelection, select_layers
 from memmode_core.quantization.sizes import component_bytes, pack_checked
 
-#: set while planning from a checkpoint's headers (``memmode plan --model``): weights on the meta device
+#: set while sizing from a checkpoint's headers (``memmode plan --model``): weights on the meta device
 #: have the shapes and dtypes a check needs, and none of the values it does not
 SIZES_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("memmode_sizes_only", default=False)
 
@@ -84,16 +84,18 @@ class QuantizationSummary:
         )
 
 
-def summarize(quantizer: Quantizer, plan: QuantizationPlan, packed_now: int, bytes_before: int) -> QuantizationSummary:
-    """What following ``plan`` did to its component: ``packed_now`` layers packed by this call (0 when the
+def summarize(
+    quantizer: Quantizer, selection: LayerSelection, packed_now: int, bytes_before: int
+) -> QuantizationSummary:
+    """What following ``selection`` did to its component: ``packed_now`` layers packed by this call (0 when the
     component was packed already), ``bytes_before`` the component's bytes before it; the rest is read from
-    the plan and from the component as it is now."""
-    full_precision = {p.path: p.reason for p in plan.kept}
-    if not plan.packs_anything:
-        for p in plan.to_pack:
+    the selection and from the component as it is now."""
+    full_precision = {p.path: p.reason for p in selection.kept}
+    if not selection.packs_anything:
+        for p in selection.to_pack:
             full_precision[p.path] = "left at full precision when the component was first converted or quantized"
     dtypes = set()
-    for module in plan.component.modules():
+    for module in selection.component.modules():
         record = packed_record(module)
         if record is not None and record.compute_dtype is not None:
             dtypes.add(str(record.compute_dtype).replace("torch.", ""))
@@ -102,10 +104,10 @@ def summarize(quantizer: Quantizer, plan: QuantizationPlan, packed_now: int, byt
         format=quantizer.format_name,
         compute_dtype=", ".join(sorted(dtypes)),
         packed_layers=packed_now,
-        already_packed_layers=0 if plan.packs_anything else len(plan.packed),
+        already_packed_layers=0 if selection.packs_anything else len(selection.packed),
         full_precision=dict(sorted(full_precision.items())),
         bytes_before=bytes_before,
-        bytes_after=component_bytes(plan.component),
+        bytes_after=component_bytes(selection.component),
     )
 
 
@@ -127,11 +129,11 @@ def check_component(
     *,
     exclude: Iterable[str] = (),
     options: Mapping[str, object] | None = None,
-    plan: QuantizationPlan | None = None,
-) -> QuantizationPlan:
-    """Refuse with ``IncompatibleModeError`` what cannot be quantized; return the plan otherwise.
+    selection: LayerSelection | None = None,
+) -> LayerSelection:
+    """Refuse with ``IncompatibleModeError`` what cannot be quantized; return the selection otherwise.
 
-    ``plan``: one :func:`plan_quantization` made already for this quantizer and component (then ``exclude``
+    ``selection``: one :func:`select_layers` made already for this quantizer and component (then ``exclude``
     and ``options`` are not read again); checked, and returned, instead of a new one.
     """
     fmt = quantizer.format_name
@@ -141,18 +143,18 @@ def check_component(
             f"whose flat parameters cannot hold packed weights. Convert it, then shard it with FSDP2 "
             f"(torch.distributed.fsdp.fully_shard)."
         )
-    if plan is None:
-        plan = plan_quantization(quantizer, component, exclude=exclude, options=options)
-    elif plan.quantizer is not quantizer or plan.component is not component:
-        raise ValueError(f"the plan given for {name!r} was made for another quantizer or component")
-    others = sorted({p.format for p in plan.packed} - {fmt})
+    if selection is None:
+        selection = select_layers(quantizer, component, exclude=exclude, options=options)
+    elif selection.quantizer is not quantizer or selection.component is not component:
+        raise ValueError(f"the selection given for {name!r} was made for another quantizer or component")
+    others = sorted({p.format for p in selection.packed} - {fmt})
     if others:
         raise IncompatibleModeError(
             f"{name!r} is already quantized with {', '.join(others)}; memmode does not re-quantize a quantized "
             f"model (and remove() does not undo quantization). Load the model again to use {quantizer.name}."
         )
-    if not plan.packs_anything:  # converted ahead, or quantized by an earlier apply
-        return plan
+    if not selection.packs_anything:  # converted ahead, or quantized by an earlier apply
+        return selection
     if not quantizer.packs:
         raise IncompatibleModeError(
             f"{quantizer.name} only installs the dequantizing forward on layers converted to {fmt} beforehand, and "
@@ -160,7 +162,9 @@ def check_component(
             f"(memmode_core.convert({fmt!r}, model)), or use {fmt} on an unsharded model."
         )
     wrapped = [
-        p for p in plan.to_pack if data_class(p.module.weight) is not torch.Tensor and not is_dtensor(p.module.weight)
+        p
+        for p in selection.to_pack
+        if data_class(p.module.weight) is not torch.Tensor and not is_dtensor(p.module.weight)
     ]
     if wrapped:
         raise IncompatibleModeError(
@@ -168,7 +172,7 @@ def check_component(
             f"{data_class(wrapped[0].module.weight).__name__}, not a plain tensor (another library quantized or "
             f"wrapped it)"
         )
-    sharded = [p.path for p in plan.to_pack if is_dtensor(p.module.weight)]
+    sharded = [p.path for p in selection.to_pack if is_dtensor(p.module.weight)]
     if sharded:
         raise IncompatibleModeError(
             f"cannot quantize {name!r} with {quantizer.name}: its weights are already sharded (DTensor, e.g. "
@@ -176,17 +180,19 @@ def check_component(
             f"memmode_core.convert({fmt!r}, model) on every rank while the weights are whole, then "
             f"fully_shard, then apply the mode."
         )
-    meta = [p.path for p in plan.to_pack if p.module.weight.is_meta]
+    meta = [p.path for p in selection.to_pack if p.module.weight.is_meta]
     if meta and not SIZES_ONLY.get():
         raise IncompatibleModeError(f"cannot quantize {name!r}: {meta[0]}.weight is on the meta device (not loaded)")
-    if not plan.to_pack:
-        if not plan.layers:
+    if not selection.to_pack:
+        if not selection.layers:
             why = "it has no nn.Linear layer"
         else:
-            listed = "; ".join(f"{p.path}: {p.reason}" for p in plan.kept[:3])
-            why = f"every nn.Linear layer stays at full precision ({listed}{'; ...' if len(plan.kept) > 3 else ''})"
+            listed = "; ".join(f"{p.path}: {p.reason}" for p in selection.kept[:3])
+            why = (
+                f"every nn.Linear layer stays at full precision ({listed}{'; ...' if len(selection.kept) > 3 else ''})"
+            )
         raise IncompatibleModeError(f"{quantizer.name} has nothing to quantize in {name!r}: {why}")
-    return plan
+    return selection
 
 
 def check_components(
@@ -206,22 +212,22 @@ def check_components(
 # -- acting ---------------------------------------------------------------------------------------------
 
 
-def _pack_all(plan: QuantizationPlan) -> int:
-    """Pack every layer the plan says; returns how many. A weight shared by several layers (tied)
+def _pack_all(selection: LayerSelection) -> int:
+    """Pack every layer the selection says; returns how many. A weight shared by several layers (tied)
     is packed once and the packed tensors are shared the same way."""
-    quantizer = plan.quantizer
+    quantizer = selection.quantizer
     shared: dict[int, tuple[torch.Tensor, nn.Parameter, dict[str, torch.Tensor]]] = {}
-    for layer in plan.to_pack:
+    for layer in selection.to_pack:
         module = layer.module
         weight = module.weight
         known = shared.get(id(weight))
         if known is None:
-            packed = pack_checked(quantizer, plan.sizes, weight)
+            packed = pack_checked(quantizer, selection.sizes, weight)
             payload = nn.Parameter(packed.pop(PAYLOAD), requires_grad=False)
             known = shared[id(weight)] = (weight, payload, packed)
         _, payload, buffers = known
         attach_packed(module, quantizer.format_name, weight.shape, weight.dtype, payload, buffers, layer.path)
-    return len(plan.to_pack)
+    return len(selection.to_pack)
 
 
 def convert(
@@ -250,10 +256,10 @@ def convert(
             f"memmode_core.convert({quantizer!r}, module)"
         )
     options = {"default_exclude": tuple(default_exclude)}
-    plan = check_component(quantizer, type(module).__name__, module, exclude=tuple(exclude), options=options)
+    selection = check_component(quantizer, type(module).__name__, module, exclude=tuple(exclude), options=options)
     before = component_bytes(module)
-    packed_now = _pack_all(plan) if plan.packs_anything else 0
-    return summarize(quantizer, plan, packed_now, before)
+    packed_now = _pack_all(selection) if selection.packs_anything else 0
+    return summarize(quantizer, selection, packed_now, before)
 
 
 def quantize_component(
@@ -264,9 +270,9 @@ def quantize_component(
     exclude: Iterable[str] = (),
     options: Mapping[str, object] | None = None,
     name: str = "module",
-    plan: QuantizationPlan | None = None,
+    selection: LayerSelection | None = None,
 ) -> QuantizationSummary:
-    """Pack what :func:`plan_quantization` says (or ``plan``, made already) and install the forward on every
+    """Pack what :func:`select_layers` says (or ``selection``, made already) and install the forward on every
     packed layer. What :func:`check_component` refuses is refused here too, before anything changes.
 
     On a component that holds layers of this format already — converted ahead, or quantized by an
@@ -275,11 +281,11 @@ def quantize_component(
     Otherwise each layer computes in ``weight_dtype``, or in its own dtype before packing.
     """
     check_weight_dtype(weight_dtype)
-    plan = check_component(quantizer, name, component, exclude=exclude, options=options, plan=plan)
+    selection = check_component(quantizer, name, component, exclude=exclude, options=options, selection=selection)
     before = component_bytes(component)
-    packed_now = _pack_all(plan) if plan.packs_anything else 0
+    packed_now = _pack_all(selection) if selection.packs_anything else 0
     install_forwards(component, quantizer, weight_dtype)
-    return summarize(quantizer, plan, packed_now, before)
+    return summarize(quantizer, selection, packed_now, before)
 
 
 def install_forwards(component: nn.Module, quantizer: Quantizer, weight_dtype: torch.dtype | None) -> None:
@@ -324,17 +330,23 @@ def quantize(
     exclude: Iterable[str] = (),
     options: Mapping[str, object] | None = None,
     name: str = "module",
-    plan: QuantizationPlan | None = None,
+    selection: LayerSelection | None = None,
 ) -> QuantizationSummary | Any:
     """Quantize ``component`` (called ``name`` in messages) in place and return the summary: the
     quantizer's own ``quantize`` if it overrides the contract's (it receives neither ``name`` nor
-    ``plan``), else :func:`quantize_component`."""
+    ``selection``), else :func:`quantize_component`."""
     options = {} if options is None else options
     try:
         if overrides(quantizer, "quantize"):
             return quantizer.quantize(component, weight_dtype=weight_dtype, exclude=tuple(exclude), options=options)
         return quantize_component(
-            quantizer, component, weight_dtype=weight_dtype, exclude=exclude, options=options, name=name, plan=plan
+            quantizer,
+            component,
+            weight_dtype=weight_dtype,
+            exclude=exclude,
+            options=options,
+            name=name,
+            selection=selection,
         )
     finally:
         # the full-precision weights and the packing temporaries are freed by now, but glibc keeps freed heap

@@ -26,7 +26,7 @@ from memmode_core.contracts.quantizer import PAYLOAD, Quantizer
 from memmode_core.engine.streams import active
 from memmode_core.files.streamed import file_size, write_pieces
 from memmode_core.quantization.packed import attach_packed, packed_record
-from memmode_core.quantization.selection import QuantizationPlan
+from memmode_core.quantization.selection import LayerSelection
 from memmode_core.quantization.sizes import PackedSizes, pack_checked
 
 FORMAT_KEY = "memmode.format"
@@ -132,48 +132,48 @@ def prepare_packed(module: nn.Module, quantizer: Quantizer, layers: list[SavedLa
         attach_packed(sub, quantizer.format_name, torch.Size(layer.shape), layer.dtype, payload, buffers, layer.path)
 
 
-def _pack_specs(plan: QuantizationPlan) -> tuple[dict[int, str], dict[str, torch.Tensor]]:
+def _pack_specs(selection: LayerSelection) -> tuple[dict[int, str], dict[str, torch.Tensor]]:
     """The first path of each packed weight (tied ones are packed once), and the streamed file's layout."""
     firsts: dict[int, str] = {}
     specs: dict[str, torch.Tensor] = {}
-    for layer in plan.to_pack:
+    for layer in selection.to_pack:
         weight = layer.module.weight
         if id(weight) in firsts:
             continue
         firsts[id(weight)] = layer.path
-        for name, (shape, dtype) in plan.sizes.specs(weight.shape, weight.dtype).items():
+        for name, (shape, dtype) in selection.sizes.specs(weight.shape, weight.dtype).items():
             specs[f"{layer.path}.{name}"] = torch.empty(shape, dtype=dtype, device="meta")
     return firsts, specs
 
 
-def stream_pack_bytes(plan: QuantizationPlan) -> int:
-    """Bytes :func:`stream_pack` writes to the staging folder for ``plan`` (known before packing a layer)."""
-    return file_size(_pack_specs(plan)[1])
+def stream_pack_bytes(selection: LayerSelection) -> int:
+    """Bytes :func:`stream_pack` writes to the staging folder for ``selection`` (known before packing a layer)."""
+    return file_size(_pack_specs(selection)[1])
 
 
 def stream_pack(
-    plan: QuantizationPlan, *, staging_dir=None, mappings: list | None = None, device: torch.device | None = None
+    selection: LayerSelection, *, staging_dir=None, mappings: list | None = None, device: torch.device | None = None
 ) -> int:
-    """Pack what ``plan`` says one layer at a time into a streamed file and make the layers hold views
+    """Pack what ``selection`` says one layer at a time into a streamed file and make the layers hold views
     of it. Returns the number of layers packed. Tied weights are packed once and stay shared. The file's
     mapping is appended to ``mappings`` when given.
 
     With an accelerator ``device`` each weight is packed there — uploaded, packed, its packed bytes brought
     back — instead of on the CPU's few cores (a 14B model packs at ~42 M parameters/s on two CPU cores): only
     one layer's weight and packed tensors are on the device at a time."""
-    quantizer = plan.quantizer
-    firsts, specs = _pack_specs(plan)
+    quantizer = selection.quantizer
+    firsts, specs = _pack_specs(selection)
     streams = active()
     on_device = device is not None and streams.has_streams(device)
 
     def packed_here(weight: torch.Tensor) -> dict[str, torch.Tensor]:
         if not on_device:
-            return pack_checked(quantizer, plan.sizes, weight)
-        packed = pack_checked(quantizer, plan.sizes, streams.to_device(weight.detach(), device))
+            return pack_checked(quantizer, selection.sizes, weight)
+        packed = pack_checked(quantizer, selection.sizes, streams.to_device(weight.detach(), device))
         return {name: streams.to_host(tensor) for name, tensor in packed.items()}
 
     def pieces() -> Iterator[dict[str, torch.Tensor]]:
-        for layer in plan.to_pack:
+        for layer in selection.to_pack:
             if firsts[id(layer.module.weight)] == layer.path:
                 packed = packed_here(layer.module.weight)
                 yield {f"{layer.path}.{name}": tensor for name, tensor in packed.items()}
@@ -184,13 +184,13 @@ def stream_pack(
     if mappings is not None:
         mappings.extend(mapped.flats)
     shared: dict[int, tuple[nn.Parameter, dict[str, torch.Tensor]]] = {}
-    for layer in plan.to_pack:
+    for layer in selection.to_pack:
         weight = layer.module.weight
         if id(weight) not in shared:
             first = firsts[id(weight)]
-            names = plan.sizes.specs(weight.shape, weight.dtype)
+            names = selection.sizes.specs(weight.shape, weight.dtype)
             payload = nn.Parameter(mapped[f"{first}.{PAYLOAD}"], requires_grad=False)
             shared[id(weight)] = (payload, {n: mapped[f"{first}.{n}"] for n in names if n != PAYLOAD}, weight)
         payload, buffers, _ = shared[id(weight)]
         attach_packed(layer.module, quantizer.format_name, weight.shape, weight.dtype, payload, buffers, layer.path)
-    return len(plan.to_pack)
+    return len(selection.to_pack)

@@ -2,7 +2,7 @@
 
 Decided once, from module classes, names and shapes, without touching any weight — so that the checks, the
 planner's size predictions, the storages' reservations and the real quantization all follow the same
-decisions (:class:`QuantizationPlan`), and the report can say why each kept layer was kept.
+decisions (:class:`LayerSelection`), and the report can say why each kept layer was kept.
 
 Every ``nn.Linear`` of a component whose class does not override ``forward`` is a candidate, minus, in this
 order: the modules the model itself declares precision-sensitive (``_keep_in_fp32_modules``, honoured as
@@ -31,7 +31,7 @@ from memmode_core.quantization.sizes import PackedSizes, direct_bytes, direct_te
 
 
 @dataclass
-class LayerPlan:
+class LayerDecision:
     """The decision for one ``nn.Linear``."""
 
     path: str
@@ -88,26 +88,26 @@ def _unpackable_reason(module: nn.Module) -> str | None:
     return None
 
 
-def plan_layers(
+def decide_layers(
     quantizer: Quantizer,
     component: nn.Module,
     *,
     exclude: Iterable[str] = (),
     default_exclude: Iterable[str] = DEFAULT_EXCLUDE,
-) -> list[LayerPlan]:
+) -> list[LayerDecision]:
     """The decision for each ``nn.Linear`` of ``component``, in the order of the module docstring."""
     exclude = tuple(exclude)
     default_exclude = tuple(default_exclude)
     keep_fp32 = tuple(getattr(component, "_keep_in_fp32_modules", None) or ())
     fragments = tuple(f for f in default_exclude if f != OUTSIDE_BLOCKS)
     blocks = _block_paths(component) if OUTSIDE_BLOCKS in default_exclude else []
-    plans: list[LayerPlan] = []
+    decisions: list[LayerDecision] = []
     for path, module in component.named_modules():
         if not isinstance(module, nn.Linear):
             continue
         record = packed_record(module)
         if record is not None:
-            plans.append(LayerPlan(path, module, "packed", format=record.format))
+            decisions.append(LayerDecision(path, module, "packed", format=record.format))
             continue
         segments = path.split(".")
         reason = _unpackable_reason(module)
@@ -121,33 +121,33 @@ def plan_layers(
             reason = f"exclude={name!r}"
         if reason is None:
             reason = quantizer.skip_reason(module.weight.shape)
-        plans.append(LayerPlan(path, module, "keep" if reason else "pack", reason))
-    return plans
+        decisions.append(LayerDecision(path, module, "keep" if reason else "pack", reason))
+    return decisions
 
 
 @dataclass
-class QuantizationPlan:
+class LayerSelection:
     """Every decision quantizing one component makes, computed from shapes without touching it."""
 
     quantizer: Quantizer
     component: nn.Module
-    layers: list[LayerPlan]
+    layers: list[LayerDecision]
     sizes: PackedSizes
-    _by_module: dict[int, LayerPlan] = field(default_factory=dict, repr=False)
+    _by_module: dict[int, LayerDecision] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self._by_module = {id(p.module): p for p in self.layers}
 
     @property
-    def to_pack(self) -> list[LayerPlan]:
+    def to_pack(self) -> list[LayerDecision]:
         return [p for p in self.layers if p.action == "pack"]
 
     @property
-    def packed(self) -> list[LayerPlan]:
+    def packed(self) -> list[LayerDecision]:
         return [p for p in self.layers if p.action == "packed"]
 
     @property
-    def kept(self) -> list[LayerPlan]:
+    def kept(self) -> list[LayerDecision]:
         return [p for p in self.layers if p.action == "keep"]
 
     @property
@@ -157,9 +157,14 @@ class QuantizationPlan:
 
     def direct_bytes(self, module: nn.Module) -> int:
         """Bytes of ``module``'s own parameters and buffers once the component is quantized."""
-        plan = self._by_module.get(id(module))
-        if plan is None or plan.action != "pack" or not self.packs_anything or packed_record(module) is not None:
-            return direct_bytes(module)  # not to be packed, or packed since the plan was made
+        decision = self._by_module.get(id(module))
+        if (
+            decision is None
+            or decision.action != "pack"
+            or not self.packs_anything
+            or packed_record(module) is not None
+        ):
+            return direct_bytes(module)  # not to be packed, or packed since the selection was made
         rest = tensor_bytes(t for name, t in direct_tensors(module) if name != "weight")
         return rest + self.sizes.nbytes(module.weight.shape, module.weight.dtype)
 
@@ -169,18 +174,18 @@ class QuantizationPlan:
         return sum(self.direct_bytes(m) for m in self.component.modules())
 
 
-def plan_quantization(
+def select_layers(
     quantizer: Quantizer,
     component: nn.Module,
     *,
     exclude: Iterable[str] = (),
     options: Mapping[str, object] | None = None,
-) -> QuantizationPlan:
+) -> LayerSelection:
     """Which layers of ``component`` quantizing packs, which it keeps and why, and the sizes that
-    leads to. :func:`memmode_core.quantization.quantize_component` follows exactly this plan."""
+    leads to. :func:`memmode_core.quantization.quantize_component` follows exactly this selection."""
     default_exclude = tuple((options or {}).get("default_exclude", DEFAULT_EXCLUDE))
-    layers = plan_layers(quantizer, component, exclude=exclude, default_exclude=default_exclude)
-    return QuantizationPlan(quantizer, component, layers, PackedSizes(quantizer))
+    layers = decide_layers(quantizer, component, exclude=exclude, default_exclude=default_exclude)
+    return LayerSelection(quantizer, component, layers, PackedSizes(quantizer))
 
 
 def quantized_direct_bytes(
@@ -195,9 +200,9 @@ def quantized_direct_bytes(
 
     ``component`` is the quantizer's target that contains ``module`` (default: ``module`` itself):
     exclusions are decided in its context, as ``apply`` decides them. To size many modules of one
-    component, call :func:`plan_quantization` once and ask its ``direct_bytes``.
+    component, call :func:`select_layers` once and ask its ``direct_bytes``.
     """
-    plan = plan_quantization(
+    selection = select_layers(
         quantizer, component if component is not None else module, exclude=exclude, options=options
     )
-    return plan.direct_bytes(module)
+    return selection.direct_bytes(module)

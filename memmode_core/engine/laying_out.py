@@ -1,13 +1,18 @@
-"""A placement's layout for a target, as core adjusts it: the same for ``apply``, rebuilds and the planner.
+"""A placement's layout for a target, as core adjusts it: the same for ``apply``, the planner and the engine.
 
 A placement describes its groups (:meth:`Placement.layout`); core checks that the layout covers the
 model (a plugin bug is caught at ``apply``) and honours what diffusers models and pipelines declare
 about themselves, whatever the placement (see :func:`lay_out`).
+
+It sits in the engine because the engine lays a component out again when its weights change (an adapter
+injected, a parameter replaced: :class:`Relayout`), with the very rules ``prepare`` used; the planning layer
+calls down to it, and the engine never has to call up to planning for it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +36,35 @@ class Layout:
 
     specs: list[GroupSpec]
     notes: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Relayout:
+    """How the engine lays one component out again after its weights changed: the same placement, target,
+    options and device as ``prepare`` used, and the groups a ``vram_budget`` keeps while their component
+    runs (their keys are stable, so the same groups stay)."""
+
+    placement: Placement
+    target: Target
+    options: Options
+    device: torch.device
+    strict: bool = False
+    kept: frozenset[str] = frozenset()
+
+    def __call__(self, component: str) -> list[GroupSpec]:
+        layout = lay_out(self.placement, self.target, self.options, self.device, strict=self.strict)
+        specs = [spec for spec in layout.specs if spec.component == component]
+        keep_while_running(specs, self.kept)
+        return specs
+
+
+def keep_while_running(items: Iterable, kept: frozenset[str]) -> None:
+    """Make the streamed groups (or specs) whose keys are in ``kept`` stay on the device while their component
+    runs (``Policy.EXCLUSIVE``): what a ``vram_budget`` decided (:mod:`memmode_core.planning.residency`)."""
+    for item in items:
+        if item.key in kept and item.policy is Policy.STREAM:
+            item.policy = Policy.EXCLUSIVE
+            item.exits = []
 
 
 def lay_out(
@@ -125,7 +159,7 @@ def refuse_declared_exclusions(target: Target, specs: list[GroupSpec], placement
         raise IncompatibleModeError(
             f"{placement} would offload {name!r}, which {target.label}._exclude_from_cpu_offload keeps on the device "
             f"(the pipeline reads it outside its forward). Without strict=True memmode keeps it there; or leave it "
-            f"where it is with exclude_components=[{name!r}]"
+            f"where it is with unplaced=[{name!r}]"
         )
 
 
@@ -164,5 +198,5 @@ def refuse_unsupported_splits(target: Target, specs: list[GroupSpec], placement:
             f"{placement} cannot split component {name!r} ({type(module).__name__}) into groups: the model declares "
             f"_supports_group_offloading = False, because it reads weights of its submodules outside their "
             f"forward. Without strict=True memmode moves it whole; or use model_cpu_offload, or leave it where it "
-            f"is with exclude_components=[{name!r}]"
+            f"is with unplaced=[{name!r}]"
         )
