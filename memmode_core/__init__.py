@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from memmode_core.applying import apply, convert, prepare, remove
 from memmode_core.contracts.costs import StorageCost
+from memmode_core.contracts.deprecation import MemmodeDeprecationWarning
 from memmode_core.contracts.errors import (
     CheckpointError,
     DuplicatePluginError,
@@ -140,5 +141,6 @@ __all__ = [
     "StandInReadError",
     "RestoreError",
     "QuantizedWeightWriteError",
+    "MemmodeDeprecationWarning",
     "__version__",
 ]

@@ -10,8 +10,8 @@ counts the calls that go up them at run time.
 2. ``discovery/`` — plugins, grammar, the first-party table (it checks registrations against the contracts);
 3. ``planning/`` — the request, the prepared plan, the planner, storage costs;
 4. ``builtin/`` — the built-in plugins (``auto`` uses the planner);
-5. the top-level modules: applying and preparing, the handle, loading, the VideoX-Fun drop-in, the CLI and its
-   demo pipeline, the plugin kit, the testing tools, the package itself.
+5. the top-level modules: applying (``prepare``, ``apply``), the handle, loading, the VideoX-Fun drop-in, the CLI
+   and its demo pipeline, the plugin kit, the testing tools, the package itself.
 
 Plugin distributions (``memmode_qfloat8``...) import ``memmode_core``: for calls they count above every layer.
 """
@@ -24,7 +24,12 @@ LAYERS = [
     ("discovery", ["discovery"]),
     ("planner", ["planning"]),
     ("builtin", ["builtin"]),
-    ("top", ["applying", "handle", "compat", "loading", "cli", "demo", "testing", "__init__", "__main__"]),
+    # with ``storage`` and ``costs``: deprecated aliases at paths an earlier plugin guide taught
+    (
+        "top",
+        ["applying", "handle", "compat", "loading", "cli", "demo", "plugin", "testing", "storage", "costs"]
+        + ["__init__", "__main__"],
+    ),
 ]
 #: where a plugin distribution's modules count: above every layer of memmode_core
 PLUGIN_LAYER = len(LAYERS)

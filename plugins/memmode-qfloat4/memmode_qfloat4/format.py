@@ -23,7 +23,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from memmode_core import Quantizer
+from memmode_core.plugin import Quantizer
 
 #: input elements per block scale
 BLOCK = 16

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import memmode_core
+from memmode_core.plugin import hookimpl
 
 from .format import QFloat4
 
 
-@memmode_core.hookimpl
+@hookimpl
 def memmode_register_quantizers(register):
     register(QFloat4())

@@ -19,19 +19,19 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from memmode_core import quantization
-from memmode_core.contracts.quantizer import DEFAULT_EXCLUDE
+from memmode_core.plugin import DEFAULT_EXCLUDE, QuantizationSummary
+from memmode_core.plugin import convert as convert_ahead
 
 from .format import QFloat8
 
 
 def convert(
     module: nn.Module, *, exclude: Iterable[str] = (), default_exclude: Iterable[str] = DEFAULT_EXCLUDE
-) -> quantization.QuantizationSummary:
+) -> QuantizationSummary:
     """Pack ``module``'s ``nn.Linear`` weights to qfloat8 in place, without installing the forward.
 
     ``exclude`` and ``default_exclude`` mean what they mean to ``apply``. Call it on whole weights
     (before ``fully_shard``); a module that is already sharded, or quantized in another format, is
     refused with ``IncompatibleModeError``; converting twice does nothing the second time.
     """
-    return quantization.convert(QFloat8(), module, exclude=exclude, default_exclude=default_exclude)
+    return convert_ahead(QFloat8(), module, exclude=exclude, default_exclude=default_exclude)

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from memmode_core import Quantizer
+from memmode_core.plugin import Quantizer
 
 #: the largest finite E4M3 (``float8_e4m3fn``) value
 E4M3_MAX = 448.0

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import memmode_core
+from memmode_core.plugin import hookimpl
 
 from .format import QFloat8, QFloat8Preconverted
 
 
-@memmode_core.hookimpl
+@hookimpl
 def memmode_register_quantizers(register):
     register(QFloat8())
     register(QFloat8Preconverted())

@@ -26,10 +26,17 @@ from __future__ import annotations
 
 import torch
 
-from memmode_core.contracts.costs import StorageCost, copying_cost
-from memmode_core.contracts.storage import Tensors, host_copy, placeholder
-from memmode_core.engine.streams import active
-from memmode_core.files.store import GroupFileSession, GroupFileStorage, GroupFileStore
+from memmode_core.plugin import (
+    GroupFileSession,
+    GroupFileStorage,
+    GroupFileStore,
+    StorageCost,
+    Tensors,
+    active_streams,
+    copying_cost,
+    host_copy,
+    placeholder,
+)
 
 
 class DiskSession(GroupFileSession):
@@ -37,7 +44,7 @@ class DiskSession(GroupFileSession):
         super().__init__(store, device)
         #: key -> the group's buffers, kept readable at rest
         self._buffers: dict[str, Tensors] = {}
-        streams = active()
+        streams = active_streams()
         #: onloads to the session's device compute from a mapping of the file (asked once: it is asked per onload)
         self._maps = not streams.has_streams(device) and streams.is_host(device)
 
@@ -53,7 +60,7 @@ class DiskSession(GroupFileSession):
             tensors = group_file.onload_views()
             tensors.update(buffers)  # the values the module holds now, which are the ones it computes with
             return tensors
-        streams = active()
+        streams = active_streams()
         if streams.has_streams(device):
             with group_file.filler() as fill:
                 tensors = self.upload(group_file, fill, device, stream)

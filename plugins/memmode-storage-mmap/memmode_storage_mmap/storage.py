@@ -20,10 +20,15 @@ import os
 
 import torch
 
-from memmode_core.contracts.costs import StorageCost, copying_cost
-from memmode_core.contracts.storage import Tensors
-from memmode_core.engine.streams import active
-from memmode_core.files.store import GroupFileSession, GroupFileStorage, GroupFileStore
+from memmode_core.plugin import (
+    GroupFileSession,
+    GroupFileStorage,
+    GroupFileStore,
+    StorageCost,
+    Tensors,
+    active_streams,
+    copying_cost,
+)
 
 
 class MmapSession(GroupFileSession):
@@ -64,11 +69,11 @@ class MmapSession(GroupFileSession):
             self._unflushed.clear()
 
     def zero_copy(self, device: torch.device) -> bool:
-        return active().is_host(device)
+        return active_streams().is_host(device)
 
     def fetch(self, key: str, device: torch.device, stream: torch.Stream | None = None) -> Tensors:
         flat, views = self._mapped[key]
-        streams = active()
+        streams = active_streams()
         if streams.is_host(device):
             return dict(views)
         if streams.has_streams(device):

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import memmode_core
+from memmode_core.plugin import hookimpl
 
 from .storage import PinnedStorage
 
 
-@memmode_core.hookimpl
+@hookimpl
 def memmode_register_storages(register):
     register(PinnedStorage())

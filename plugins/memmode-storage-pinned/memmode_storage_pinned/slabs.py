@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memmode_core.engine.streams import active
+from memmode_core.plugin import active_streams
 
 #: groups are packed into slabs of about this size (fewer, larger registrations are cheaper, and a
 #: slab freed by close() is a large contiguous release)
@@ -95,7 +95,7 @@ class Slab:
 
     def register(self) -> None:
         if not self.exact:
-            self.tensor = active().pinned_empty(self.nbytes)
+            self.tensor = active_streams().pinned_empty(self.nbytes)
         else:  # CUDA only, by nature: cudaHostRegister
             _check(
                 torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, PORTABLE),

@@ -18,13 +18,21 @@ from dataclasses import dataclass
 
 import torch
 
-from memmode_core.contracts import packing
-from memmode_core.contracts.costs import StorageCost, copying_cost
-from memmode_core.contracts.devices import resolve_device
-from memmode_core.contracts.errors import StorageUnavailableError
-from memmode_core.contracts.options import Options, byte_size, option
-from memmode_core.contracts.storage import Storage, StorageSession, Tensors, host_copy
-from memmode_core.engine.streams import active
+from memmode_core.plugin import (
+    Options,
+    Storage,
+    StorageCost,
+    StorageSession,
+    StorageUnavailableError,
+    Tensors,
+    active_streams,
+    byte_size,
+    copying_cost,
+    host_copy,
+    option,
+    packing,
+    resolve_device,
+)
 
 from .slabs import SLAB_BYTES, Slab, Spot, plan
 
@@ -35,7 +43,7 @@ class _Pins:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.streams = active()
+        self.streams = active_streams()
         #: a forked child inherits this object but not the device context the slabs are registered with
         self.pid = os.getpid()
         self.slabs: list[Slab] = []
@@ -174,7 +182,7 @@ class PinnedStorage(Storage):
         return copying_cost("pinned", device, pinned=1.0)  # copies run at page-locked bandwidth
 
     def unavailable_reason(self, device: torch.device | None = None) -> str | None:
-        streams = active()
+        streams = active_streams()
         default = resolve_device(None)
         if streams.can_pin(device if device is not None else default):
             return None
