@@ -9,35 +9,38 @@ where offloaded weights wait.
 
 Placements, quantizers and storages are plugins (entry-point group ``memmode``); see ``memmode list``.
 
-``apply`` is ``prepare`` then execute: :func:`prepare` resolves the mode's names, builds each plugin's
-typed options, lays the target out, claims the groups, plans the quantization and sizes what will be
-stored — once, into an inspectable :class:`Prepared` — and executing it quantizes and installs the
-engine. The planner prices such plans, ``load`` streams into one, ``auto`` (a resolver) executes the
-candidate it chose.
+``apply`` is ``prepare`` then execute: :func:`prepare` builds the request once (the mode's names resolved,
+every argument checked, each plugin's typed options built), lays the target out, claims the groups, selects
+the layers to quantize and sizes what will be stored — into an inspectable :class:`Prepared` — and executing it
+quantizes and installs the engine. The planner prices such plans, ``load`` streams into one, ``auto`` (a
+resolver) executes the candidate it chose. Plugins import what they need from one module, the plugin kit
+:mod:`memmode_core.plugin`.
 
 The modules are layered, one folder per layer, and imports only point down, even through
-``TYPE_CHECKING`` imports and ``from memmode_core import X`` (``tests/test_import_layers.py`` checks it):
+``TYPE_CHECKING`` imports and ``from memmode_core import X`` (``tests/test_import_layers.py`` checks it, with
+the table of ``tests/layers.py``):
 
 0. ``contracts/``: what plugins implement and every layer shares — errors, typed options, hookspecs,
    devices, costs, the ``Placement``, ``Quantizer``, ``Resolver`` and ``Storage`` contracts, targets, the
-   group vocabulary (``layout``: ``GroupSpec``, ``Policy``), packing;
-1. mechanics: ``engine/`` (``groups``: the group model and claiming; ``runtime``, the composition of
-   ``moving``, ``changes``, ``forwards`` and ``serving``; ``standins``: every read of a resting or quantized
-   weight gets its value (``sources``, ``operations``); ``copying``: copies of placed objects; ``hooks``:
-   named hooks and their registry; ``pipeline_hooks``, ``reads``, ``watch``, ``inputs``, ``ledger``,
-   ``staging``, ``streams``: the one door to the accelerator),
+   group vocabulary (``layout``: ``GroupSpec``, ``Policy``), packing, deprecated aliases;
+1. mechanics: ``engine/`` (``groups``: the group model and claiming; ``laying_out``: a placement's layout as
+   core adjusts it, and the engine's rebuilds; ``runtime``, the composition of ``moving``, ``changes``,
+   ``forwards`` and ``serving``; ``standins``: every read of a resting or quantized weight gets its value;
+   ``copying``: copies of placed objects; ``hooks``: named hooks and their registry; ``pipeline_hooks``,
+   ``reads``, ``watch``, ``inputs``, ``ledger``, ``staging``, ``streams``: the one door to the accelerator),
    ``files/`` (group files, checkpoints) and ``quantization/`` (``packed``, ``sizes``, ``standin``,
    ``forward``, ``selection``, ``quantizing``, ``saved``: everything a quantizer does besides packing one
    weight);
 2. ``discovery/``: plugins, grammar, the one table of first-party names (built-in plugins are loaded by
    module name, like entry points);
-3. ``planning/``: ``prepared`` (the request and the prepared plan), ``layout`` (a placement's layout as core
-   adjusts it), ``prepare`` (the public entry, resolvers included), ``planner`` (pricing), ``costs`` (what
-   a storage costs, measured where it is not declared);
+3. ``planning/``: ``request`` (what was asked, resolved once), ``prepared`` (the plan of a concrete mode),
+   and the planner: ``calls`` (the call priced for), ``replay``, ``pricing``, ``candidates``, ``budgets``,
+   ``choosing``, ``planner`` (``plan``), ``measuring`` (what a storage costs, measured where it is not
+   declared), ``residency``, ``timing``, ``trace``;
 4. ``builtin/``: the built-in plugins (the placements, the ``auto`` resolver, the ``ram`` storage);
-5. top level: ``applying`` (apply, execute, remove, convert), ``handle`` (the ``Handle``), ``loading/``,
-   ``compat`` (the VideoX-Fun drop-in), ``cli/``, ``demo``, ``testing/`` (the strict model of asynchronous
-   copies).
+5. top level: ``applying`` (``prepare``, ``apply``, execute, remove, convert), ``handle`` (the ``Handle``),
+   ``plugin`` (the plugin kit), ``loading/``, ``compat`` (the VideoX-Fun drop-in), ``cli/``, ``demo``,
+   ``testing/`` (the strict model of asynchronous copies), and ``storage``/``costs``: deprecated aliases.
 """
 
 from __future__ import annotations

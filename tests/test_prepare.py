@@ -200,3 +200,40 @@ def test_a_tuple_of_options_becomes_a_dataclass():
     assert isinstance(built, cls) and built.zram_level == 3 and built["zram_path"] is None
     with pytest.raises(memmode.InvalidOptionError, match="unexpected option level"):
         resolve_options([("storage zram", declared)], {"level": 3})
+
+
+def test_apply_prepare_and_load_take_the_request_arguments_alike():
+    """Each public entry lists the shared keywords once, in its signature, and builds its request from them by
+    name (``Request.from_call``): the names, kinds and defaults must be those ``Request.build`` takes."""
+    import inspect
+
+    from memmode_core.planning.request import REQUEST_ARGUMENTS, Request
+
+    build = inspect.signature(Request.build).parameters
+    for entry in (memmode.apply, memmode.prepare, memmode.load):
+        parameters = inspect.signature(entry).parameters
+        for name in REQUEST_ARGUMENTS:
+            assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY, (entry.__name__, name)
+            assert parameters[name].default == build[name].default, (entry.__name__, name)
+        assert "options" in parameters and parameters["options"].kind is inspect.Parameter.VAR_KEYWORD
+
+
+def test_a_prepared_plan_reads_as_plain_descriptions():
+    """What a user reads of a plan is plain data: group descriptions, what quantizing will do, sizes, names and
+    options; the engine objects it carries to apply are private."""
+    pipe = make_pipeline("wan22")
+    prepared = memmode.prepare(pipe, "model_group_offload_and_qfloat8", device="cpu", unplaced=["vae"])
+    assert all(isinstance(g, memmode.PreparedGroup) for g in prepared.groups)
+    assert {g.component for g in prepared.groups} == set(prepared.components)
+    assert prepared.unplaced == ("vae",) and "vae" not in prepared.components
+    assert sum(g.nbytes for g in prepared.groups if g.stored) == sum(prepared.stored_sizes.values())
+    outline = prepared.quantization["transformer"]
+    assert isinstance(outline, memmode.QuantizationOutline) and len(outline.to_pack) == 20
+    assert outline.bytes_after < outline.bytes_before
+    assert prepared.placement == "model_group_offload" and prepared.quantizer == "qfloat8"
+    assert prepared.storage == "ram" and prepared.options["storage"] is not None
+    public = {name for name in vars(prepared) if not name.startswith("_")}
+    assert public <= {"requested_mode", "choice", "groups", "quantization"}, public
+    handle = memmode.apply(prepared)
+    assert handle.report().quantization["transformer"]["packed_layers"] == len(outline.to_pack)
+    handle.remove()
