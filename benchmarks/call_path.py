@@ -50,7 +50,9 @@ def _is_plugin_module(name: str) -> bool:
 
 
 def _carries_request(value, mode: str, kinds: tuple[type, ...]) -> bool:
-    return (isinstance(value, str) and value == mode) or isinstance(value, kinds)
+    """The mode string itself (the very object the user passed: a plugin's name equal to it is not it), or an
+    object made from it."""
+    return value is mode or isinstance(value, kinds)
 
 
 def _arguments(frame):
@@ -80,6 +82,7 @@ def trace_apply(pipe, mode: str, **kwargs):
     request_kinds = _request_kinds()
     bases = _contract_bases()
     path_stack: list[tuple[object, str]] = []  # (frame, module) of the path's calls now running
+    entered: set[tuple[int, str]] = set()  # (id of the calling frame on the path, module entered)
     stops: list[tuple[str, str]] = []  # (module, function)
     ups: collections.Counter = collections.Counter()
     through_plugins: collections.Counter = collections.Counter()
@@ -110,11 +113,17 @@ def trace_apply(pipe, mode: str, **kwargs):
         arguments = _arguments(frame)
         if frame.f_code.co_argcount and frame.f_code.co_varnames[0] == "self":
             arguments = arguments[1:]  # a method of the request itself is not a stop: it is where the request is
+        if "__create_fn__" in function:  # a dataclass's generated __init__: the request being made, not a stop
+            return
         if any(_carries_request(v, mode, request_kinds) for v in arguments):
-            if not path_stack or path_stack[-1][1] != callee:
+            parent = path_stack[-1] if path_stack else (None, None)
+            # a loop in one frame calling into one module again (a resolver's candidates) enters it once
+            if parent[1] != callee and (id(parent[0]), callee) not in entered:
+                entered.add((id(parent[0]), callee))
                 stops.append((callee, function))
             path_stack.append((frame, callee))
 
+    mode = "".join(mode)  # a string object of the caller's own, as a user's is (a literal may be interned)
     sys.setprofile(profile)
     try:
         handle = memmode.apply(pipe, mode, **kwargs)
@@ -128,7 +137,7 @@ def _request_kinds() -> tuple[type, ...]:
     import memmode_core as memmode
 
     kinds = [memmode.Mode, memmode.Prepared]
-    for where in ("memmode_core.planning.request", "memmode_core.planning.prepared"):
+    for where in ("memmode_core.planning.request", "memmode_core.planning.prepared"):  # today's home, then the old
         try:
             module = importlib.import_module(where)
         except ImportError:
@@ -137,6 +146,12 @@ def _request_kinds() -> tuple[type, ...]:
             kinds.append(module.Request)
             break
     return tuple(kinds)
+
+
+def type_of(module: str, function: str) -> str:
+    """``Auto.choose`` for a method, the module for anything else: what kind of plugin code was called."""
+    owner = function.split(".")[0]
+    return f"{owner}.{function.split('.')[-1]}" if "." in function else module.removeprefix("memmode_core.")
 
 
 def main() -> None:
@@ -169,6 +184,11 @@ def main() -> None:
                 f"  up: {short(caller)} [{layer_of_module(caller)}] -> {short(callee)}.{function} "
                 f"[{layer_of_module(callee)}] x{count}"
             )
+        by_layer: collections.Counter = collections.Counter()
+        for (caller, callee, function), count in plugin_calls.items():
+            by_layer[(short(caller).split(".")[0], f"{type_of(callee, function)}")] += count
+        for (layer, kind), count in sorted(by_layer.items()):
+            print(f"  plugin calls from {layer}: {kind} x{count}")
         if args.verbose:
             for (caller, callee, function), count in sorted(plugin_calls.items()):
                 print(f"  plugin: {short(caller)} -> {short(callee)}.{function} x{count}")

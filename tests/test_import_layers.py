@@ -184,3 +184,18 @@ def test_only_the_stream_layer_speaks_to_the_accelerator():
             found[relative] = lines
     assert not found, f"torch.cuda outside the stream layer: {found}"
     assert all(_uses_torch_cuda(ast.parse((root / p).read_text())) for p in CUDA_ONLY), "stale CUDA_ONLY entry"
+
+
+#: the most lines a module of memmode_core or of a plugin may have: past it, a module has grown more jobs than
+#: its name can say (the five that passed 500 lines each mixed five to seven); split it by job
+MODULE_LINES = 450
+
+
+def test_no_module_is_longer_than_one_job_needs():
+    root = PACKAGE.parent
+    long = {
+        path.relative_to(root).as_posix(): lines
+        for path in [*PACKAGE.rglob("*.py"), *(root / "plugins").glob("*/*/*.py")]
+        if (lines := len(path.read_text().splitlines())) > MODULE_LINES
+    }
+    assert not long, f"modules over {MODULE_LINES} lines (split them by job): {long}"

@@ -204,17 +204,16 @@ def test_a_tuple_of_options_becomes_a_dataclass():
 
 def test_apply_prepare_and_load_take_the_request_arguments_alike():
     """Each public entry lists the shared keywords once, in its signature, and builds its request from them by
-    name (``Request.from_call``): the names, kinds and defaults must be those ``Request.build`` takes."""
+    name (``Request.from_call``): the names, kinds and defaults must be those of ``REQUEST_ARGUMENTS``."""
     import inspect
 
-    from memmode_core.planning.request import REQUEST_ARGUMENTS, Request
+    from memmode_core.planning.request import REQUEST_ARGUMENTS
 
-    build = inspect.signature(Request.build).parameters
     for entry in (memmode.apply, memmode.prepare, memmode.load):
         parameters = inspect.signature(entry).parameters
-        for name in REQUEST_ARGUMENTS:
+        for name, default in REQUEST_ARGUMENTS.items():
             assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY, (entry.__name__, name)
-            assert parameters[name].default == build[name].default, (entry.__name__, name)
+            assert parameters[name].default == default, (entry.__name__, name)
         assert "options" in parameters and parameters["options"].kind is inspect.Parameter.VAR_KEYWORD
 
 

@@ -12,7 +12,7 @@ import memmode_core as memmode
 from helpers import ACCELERATOR, HAS_CUDA, assert_bit_equal, assert_same_outputs, nbytes, on_accelerator, requires_cuda
 from memmode_core import InvalidOptionError, StorageUnavailableError
 from memmode_core.engine import streams
-from memmode_storage_pinned.slabs import GROUP_ALIGNMENT, PAGE, Spot, plan, round_up
+from memmode_storage_pinned.slabs import GROUP_ALIGNMENT, PAGE, Spot, assign_spots, round_up
 from memmode_storage_pinned.storage import PinnedStorage
 from tiny_pipelines import full_load_outputs, make_pipeline, two_calls
 
@@ -27,7 +27,7 @@ MiB = 1 << 20
 
 def test_groups_are_packed_back_to_back_into_exactly_sized_slabs():
     sizes = {"a": 3 * MiB + 1, "b": 5 * MiB, "c": 100, "d": 0}
-    spots, slabs = plan(sizes, limit=None, slab_bytes=64 * MiB)
+    spots, slabs = assign_spots(sizes, limit=None, slab_bytes=64 * MiB)
     assert spots == {
         "a": Spot(0, 0),
         "b": Spot(0, round_up(3 * MiB + 1, GROUP_ALIGNMENT)),
@@ -39,19 +39,19 @@ def test_groups_are_packed_back_to_back_into_exactly_sized_slabs():
 
 
 def test_a_group_larger_than_a_slab_gets_a_slab_of_its_own_size():
-    spots, slabs = plan({"small": MiB, "huge": 300 * MiB, "next": MiB}, limit=None, slab_bytes=256 * MiB)
+    spots, slabs = assign_spots({"small": MiB, "huge": 300 * MiB, "next": MiB}, limit=None, slab_bytes=256 * MiB)
     assert spots == {"small": Spot(0, 0), "huge": Spot(1, 0), "next": Spot(2, 0)}
     assert slabs == [MiB, 300 * MiB, MiB]
 
 
 def test_the_limit_bounds_what_is_pinned_and_the_rest_stays_pageable():
     sizes = {"a": 40 * MiB, "b": 40 * MiB, "c": 40 * MiB, "d": 10 * MiB}
-    spots, slabs = plan(sizes, limit=90 * MiB, slab_bytes=64 * MiB)
+    spots, slabs = assign_spots(sizes, limit=90 * MiB, slab_bytes=64 * MiB)
     assert sum(slabs) <= 90 * MiB
     assert spots["a"] is not None and spots["b"] is not None
     assert spots["c"] is None, "beyond the limit: pageable"
     assert spots["d"] is not None, "a later, smaller group still fits under the limit"
-    assert plan(sizes, limit=0)[1] == []
+    assert assign_spots(sizes, limit=0)[1] == []
 
 
 def test_pinned_limit_is_a_size_option():

@@ -26,18 +26,18 @@ from memmode_core.discovery.grammar import Mode, resolve
 from memmode_core.discovery.plugins import Registration, current
 from memmode_core.planning.trace import ComponentTrace
 
-#: the keyword arguments ``apply``, ``prepare`` and ``load`` share (with the same defaults: a test checks it);
-#: :meth:`Request.from_call` takes them from a call by these names
-REQUEST_ARGUMENTS = (
-    "device",
-    "weight_dtype",
-    "storage",
-    "offload_dir",
-    "components",
-    "exclude",
-    "unplaced",
-    "strict",
-)
+#: the keyword arguments ``apply``, ``prepare`` and ``load`` share, with their defaults (each entry's signature
+#: lists them so, a test checks it): :meth:`Request.from_call` takes them from a call by these names
+REQUEST_ARGUMENTS: Mapping[str, Any] = {
+    "device": None,
+    "weight_dtype": None,
+    "storage": None,
+    "offload_dir": None,
+    "components": None,
+    "exclude": None,
+    "unplaced": None,
+    "strict": False,
+}
 
 #: spellings of another library, or of an earlier memmode, for an argument memmode spells otherwise: refused
 #: with the right one, since taken as a plugin option they would only be "unexpected"
@@ -97,44 +97,24 @@ class Request:
 
     @classmethod
     def from_call(cls, arguments: Mapping[str, Any]) -> Request:
-        """The request of a call of a public entry: ``arguments`` is its ``locals()`` taken first thing — its
-        ``mode``, the keywords of :data:`REQUEST_ARGUMENTS` and its ``**options``."""
-        shared = {name: arguments[name] for name in REQUEST_ARGUMENTS}
-        return cls.build(arguments["mode"], **shared, options=arguments.get("options"))
-
-    @classmethod
-    def build(
-        cls,
-        mode: str,
-        *,
-        device: Any = None,
-        weight_dtype: torch.dtype | None = None,
-        storage: str | None = None,
-        offload_dir: Any = None,
-        components: Iterable[str] | None = None,
-        exclude: Iterable[str] | None = None,
-        unplaced: Iterable[str] | None = None,
-        strict: bool = False,
-        options: Mapping[str, Any] | None = None,
-    ) -> Request:
-        """Resolve and check everything about a request that does not depend on the target (see the module
-        docstring); every mistake is a typed error here."""
+        """The request of a call of a public entry, resolved and checked without looking at the target (see the
+        module docstring): ``arguments`` is the entry's ``locals()`` taken first thing — its ``mode``, the
+        keywords of :data:`REQUEST_ARGUMENTS` and its ``**options``. Every mistake is a typed error here."""
+        mode = arguments["mode"]
+        asked = {name: arguments.get(name, default) for name, default in REQUEST_ARGUMENTS.items()}
         if not isinstance(mode, str):
             raise TypeError(f"mode must be a string such as 'model_cpu_offload_and_qfloat8', not {type(mode).__name__}")
-        if not isinstance(strict, bool):
-            raise TypeError(f"strict must be True or False, not {type(strict).__name__}")
-        given = dict(options or {})
+        if not isinstance(asked["strict"], bool):
+            raise TypeError(f"strict must be True or False, not {type(asked['strict']).__name__}")
+        given = dict(arguments.get("options") or {})
         refuse_renamed(given)
-        dev = resolve_device(device)
-        if weight_dtype is not None and not (isinstance(weight_dtype, torch.dtype) and weight_dtype.is_floating_point):
-            raise InvalidOptionError(
-                f"weight_dtype={weight_dtype!r} must be a floating torch.dtype such as torch.bfloat16"
-            )
+        device = resolve_device(asked["device"])
+        storage, offload_dir = asked["storage"], asked["offload_dir"]
         if storage is not None and not isinstance(storage, str):
             raise TypeError(f"storage must be a storage name such as 'ram', not {type(storage).__name__}")
         if offload_dir is not None and not isinstance(offload_dir, (str, bytes, os.PathLike)):
             raise TypeError("offload_dir must be a path")
-        resolved = resolve(mode, storage=storage, device=dev, plugins=current(), storage_given=storage is not None)
+        resolved = resolve(mode, storage=storage, device=device, plugins=current(), storage_given=storage is not None)
         placement_options, storage_options, quantizer_options = typed_options(
             resolved.placement, resolved.storage, resolved.quantizer, given
         )
@@ -143,18 +123,15 @@ class Request:
             placement=resolved.placement,
             quantizer=resolved.quantizer,
             storage=resolved.storage,
-            device=dev,
-            weight_dtype=weight_dtype,
+            device=device,
             offload_dir=offload_dir,
-            components=names_of(components, "components"),
-            exclude=names_of(exclude, "exclude") or (),
-            unplaced=names_of(unplaced, "unplaced") or (),
-            strict=strict,
+            strict=asked["strict"],
             placement_options=placement_options,
             storage_options=storage_options,
             quantizer_options=quantizer_options,
             storage_given=storage,
             given=given,
+            **what_is_touched(asked["weight_dtype"], asked["components"], asked["exclude"], asked["unplaced"]),
         )
         request._check_arguments_apply()
         return request
@@ -185,29 +162,21 @@ class Request:
         quantizer: Registration | None,
         *,
         device: torch.device,
-        weight_dtype: torch.dtype | None = None,
-        components: Iterable[str] | None = None,
-        exclude: Iterable[str] | None = None,
-        unplaced: Iterable[str] | None = None,
         storage: str | None = None,
         given: Mapping[str, Any] | None = None,
-        traces: Mapping[str, ComponentTrace] | None = None,
+        **touched: Any,
     ) -> Request:
-        """The request every candidate of the planner is made from: no placement yet, ``quantizer`` and the
-        arguments of ``plan``."""
+        """The request every candidate of the planner is made from: no placement yet, ``quantizer``, and
+        ``touched`` (``weight_dtype``, ``components``, ``exclude``, ``unplaced``) as ``plan`` was given them."""
         return cls(
             mode=Mode(CANDIDATES, quantizer.name if quantizer is not None else None),
             placement=None,
             quantizer=quantizer,
             storage=None,
             device=device,
-            weight_dtype=weight_dtype,
-            components=names_of(components, "components"),
-            exclude=names_of(exclude, "exclude") or (),
-            unplaced=names_of(unplaced, "unplaced") or (),
             storage_given=storage,
             given=dict(given or {}),
-            traces=traces,
+            **what_is_touched(**touched),
         )
 
     def candidate(self, placement: Registration, storage: Registration | None, variant: Mapping[str, Any]) -> Request:
@@ -248,6 +217,25 @@ def typed_options(
         given = {k: v for k, v in given.items() if k in declared}
     typed = iter(resolve_options(owners, given))
     return tuple(next(typed) if reg is not None else None for _, reg in plugins)
+
+
+def what_is_touched(
+    weight_dtype: torch.dtype | None = None,
+    components: Iterable[str] | None = None,
+    exclude: Iterable[str] | None = None,
+    unplaced: Iterable[str] | None = None,
+) -> dict[str, Any]:
+    """The request's fields that say what the mode touches and how, checked: the dtype quantized weights
+    compute in, the components the quantizer takes and the layer-name fragments it keeps, the components the
+    placement leaves alone."""
+    if weight_dtype is not None and not (isinstance(weight_dtype, torch.dtype) and weight_dtype.is_floating_point):
+        raise InvalidOptionError(f"weight_dtype={weight_dtype!r} must be a floating torch.dtype such as torch.bfloat16")
+    return {
+        "weight_dtype": weight_dtype,
+        "components": names_of(components, "components"),
+        "exclude": names_of(exclude, "exclude") or (),
+        "unplaced": names_of(unplaced, "unplaced") or (),
+    }
 
 
 def refuse_renamed(given: Mapping[str, Any]) -> None:

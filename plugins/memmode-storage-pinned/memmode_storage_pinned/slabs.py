@@ -50,7 +50,7 @@ class Spot:
     offset: int
 
 
-def plan(
+def assign_spots(
     sizes: Mapping[str, int], *, limit: int | None, slab_bytes: int = SLAB_BYTES
 ) -> tuple[dict[str, Spot | None], list[int]]:
     """Assign each group a :class:`Spot`, or None to stay pageable because ``limit`` would be passed.

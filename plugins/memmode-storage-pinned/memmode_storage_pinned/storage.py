@@ -34,7 +34,7 @@ from memmode_core.plugin import (
     resolve_device,
 )
 
-from .slabs import SLAB_BYTES, Slab, Spot, plan
+from .slabs import SLAB_BYTES, Slab, Spot, assign_spots
 
 
 class _Pins:
@@ -83,7 +83,7 @@ class PinnedSession(StorageSession):
         pins = self._pins
         already = sum(slab.nbytes for slab in pins.slabs)
         limit = None if self.limit is None else max(0, self.limit - already)
-        spots, slab_sizes = plan(sizes, limit=limit, slab_bytes=SLAB_BYTES)
+        spots, slab_sizes = assign_spots(sizes, limit=limit, slab_bytes=SLAB_BYTES)
         added: list[Slab] = []
         try:
             for nbytes in slab_sizes:
