@@ -23,9 +23,9 @@ The modules are layered, one folder per layer, and imports only point down, even
    group vocabulary (``layout``: ``GroupSpec``, ``Policy``), packing;
 1. mechanics: ``engine/`` (``groups``: the group model and claiming; ``runtime``, the composition of
    ``moving``, ``changes``, ``forwards`` and ``serving``; ``standins``: every read of a resting or quantized
-   weight gets its value (``sources``, ``operations``); ``copying``: copies of placed objects; ``hooks``:
-   named hooks and their registry; ``pipeline_hooks``, ``reads``, ``watch``, ``inputs``, ``ledger``,
-   ``staging``, ``streams``: the one door to the accelerator),
+   weight gets its value (``standin_dispatch``, ``standin_values``, ``sources``, ``operations``); ``copying``:
+   copies of placed objects; ``hooks``: named hooks and their registry; ``pipeline_hooks``, ``reads``,
+   ``watch``, ``inputs``, ``ledger``, ``staging``, ``streams``: the one door to the accelerator),
    ``files/`` (group files, checkpoints) and ``quantization/`` (``packed``, ``sizes``, ``standin``,
    ``forward``, ``selection``, ``quantizing``, ``saved``: everything a quantizer does besides packing one
    weight);
