@@ -25,9 +25,10 @@ the table of ``tests/layers.py``):
    group vocabulary (``layout``: ``GroupSpec``, ``Policy``), packing, deprecated aliases;
 1. mechanics: ``engine/`` (``groups``: the group model and claiming; ``laying_out``: a placement's layout as
    core adjusts it, and the engine's rebuilds; ``runtime``, the composition of ``moving``, ``changes``,
-   ``forwards`` and ``serving``; ``standins``: every read of a resting or quantized weight gets its value;
-   ``copying``: copies of placed objects; ``hooks``: named hooks and their registry; ``pipeline_hooks``,
-   ``reads``, ``watch``, ``inputs``, ``ledger``, ``staging``, ``streams``: the one door to the accelerator),
+   ``forwards`` and ``serving``; ``standins``: every read of a resting or quantized weight gets its value
+   (``standin_dispatch``, ``standin_values``, ``sources``, ``operations``); ``copying``: copies of placed
+   objects; ``hooks``: named hooks and their registry; ``pipeline_hooks``, ``reads``, ``watch``, ``inputs``,
+   ``ledger``, ``staging``, ``streams``: the one door to the accelerator),
    ``files/`` (group files, checkpoints) and ``quantization/`` (``packed``, ``sizes``, ``standin``,
    ``forward``, ``selection``, ``quantizing``, ``saved``: everything a quantizer does besides packing one
    weight);

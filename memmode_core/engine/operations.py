@@ -1,6 +1,6 @@
 """Which torch functions read a stand-in's metadata, which read its values, and which write into it.
 
-:func:`~memmode_core.engine.standins.dispatch` sorts every torch function given a stand-in by these tables: the
+:func:`~memmode_core.engine.standin_dispatch.dispatch` sorts every torch function given a stand-in by these tables: the
 names torch's ``__torch_function__`` protocol passes (a method's name, ``__get__:shape`` for a property's
 getter). A function not listed as metadata reads values, so a new torch function is served, never handed a
 placeholder.

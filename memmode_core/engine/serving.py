@@ -36,6 +36,7 @@ from memmode_core.contracts.storage import is_placeholder
 from memmode_core.engine import standins
 from memmode_core.engine.groups import Group, Slot
 from memmode_core.engine.sources import Reader, Source
+from memmode_core.engine.standin_values import value_of
 
 logger = logging.getLogger("memmode")
 
@@ -129,7 +130,7 @@ def pytree_swap(target: torch.Tensor, replacement: torch.Tensor, tree):
     def swap(leaf):
         if leaf is target:
             return replacement
-        return standins.value_of(leaf, "write") if standins.is_stand_in(leaf) else leaf
+        return value_of(leaf, "write") if standins.is_stand_in(leaf) else leaf
 
     return tree_map(swap, tree)
 
@@ -163,7 +164,7 @@ class LostSource(Source):
         standins.forget(tensor)
         with _DISABLE():
             tensor.data = torch.empty(tensor.shape, dtype=tensor.dtype)
-            tensor.data.copy_(standins.value_of(args[1]))
+            tensor.data.copy_(value_of(args[1]))
         return tensor
 
 

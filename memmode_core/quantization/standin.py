@@ -27,6 +27,7 @@ from memmode_core.contracts.errors import QuantizedWeightWriteError
 from memmode_core.contracts.quantizer import Quantizer
 from memmode_core.engine import standins, watch
 from memmode_core.engine.sources import Reader, Source
+from memmode_core.engine.standin_values import value_of, writable
 from memmode_core.quantization.packed import PackedLayer, is_dtensor, packed_record
 from memmode_core.quantization.sizes import PackedSizes, pack_checked
 
@@ -195,7 +196,7 @@ def _readable(source: PackedWeight, name: str, key: str, tensor: torch.Tensor | 
     if tensor.is_meta or is_dtensor(tensor):
         where = "on the meta device" if tensor.is_meta else "sharded (DTensor)"
         raise source.refusal(name, f"its packed tensor {key!r} is {where}, so there is no weight to dequantize")
-    return standins.value_of(tensor, name, counted=False)
+    return value_of(tensor, name, counted=False)
 
 
 def _path_of(layer: nn.Module) -> str | None:
@@ -241,7 +242,7 @@ def _write_through(source: PackedWeight, target: torch.Tensor, func, name: str, 
         if value is target or (isinstance(value, standins.StandIn) and source.same(standins.source_of(value))):
             return full
         if standins.is_stand_in(value):  # another weight (or a part of this one): its value, read now
-            return standins.value_of(value, name)
+            return value_of(value, name)
         return value
 
     operands = tree_map(operand, (args, kwargs))
@@ -255,7 +256,7 @@ def _write_through(source: PackedWeight, target: torch.Tensor, func, name: str, 
         packed = _repacked(codec, full, current, record)
     # every check passed: the only step that changes the layer (a resting tensor gets memory of its own first)
     for key in record.names:
-        tensor = standins.writable(getattr(layer, key))
+        tensor = writable(getattr(layer, key))
         with torch._C.DisableTorchFunctionSubclass():
             tensor.data.copy_(packed[key])
     return None if name in ("__setitem__", "__set__:data") else target

@@ -47,11 +47,11 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 
 from memmode_core.engine.streams import Streams
+from memmode_core.testing.stream_records import Buffer, Copy, FakeEvent, FakeStream, Pinned, geometry_of, view_of
 
 #: the byte every device buffer holds until a copy lands in it
 SENTINEL = 0xFF
@@ -59,98 +59,6 @@ SENTINEL = 0xFF
 
 class StrictStreamsError(AssertionError):
     """A synchronisation rule was broken: a buffer read, written or released while a copy was in flight."""
-
-
-class FakeStream:
-    """A stream of the model: copies issued on it, and the events it waited on, in order."""
-
-    def __init__(self, model: StrictStreams, name: str) -> None:
-        self._model = weakref.ref(model)
-        self.name = name
-        #: number of copies issued on it so far (a copy's position; an event covers positions up to its own)
-        self.issued = 0
-        #: ``(position, event)``: from ``position`` on, work on this stream runs after ``event``
-        self.waits: list[tuple[int, FakeEvent]] = []
-
-    def __enter__(self) -> FakeStream:
-        self._model()._stack().append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._model()._stack().pop()
-
-    def wait_event(self, event: FakeEvent) -> None:
-        self._model().wait(self, event)
-
-    def __repr__(self) -> str:
-        return f"<strict stream {self.name}>"
-
-
-class FakeEvent:
-    def __init__(self, timing: bool) -> None:
-        self.timing = timing
-        self.stream: FakeStream | None = None
-        self.position = 0
-        self.time = 0.0
-        #: the group it was recorded for (what a stream waiting on it goes on to read)
-        self.label = ""
-
-    def __repr__(self) -> str:
-        where = f"{self.stream.name}@{self.position}" if self.stream is not None else "unrecorded"
-        return f"<strict event {where}>"
-
-
-@dataclass(eq=False)
-class _Buffer:
-    """A device buffer the model allocated (by the address of its storage)."""
-
-    nbytes: int
-    stream: FakeStream
-    label: str
-    #: streams ``record_stream`` was called for
-    recorded: set[FakeStream] = field(default_factory=set)
-    #: streams other than its own that were made to wait for a copy into it (they read it)
-    readers: set[FakeStream] = field(default_factory=set)
-
-
-@dataclass(eq=False)
-class _Pinned:
-    """A page-locked host buffer the model allocated."""
-
-    nbytes: int
-    label: str
-
-
-@dataclass(eq=False)
-class _Copy:
-    stream: FakeStream
-    position: int
-    label: str
-    #: the destination: its storage (weakly) and the view's geometry, and the bytes it will receive
-    dst_storage: weakref.ref
-    dst_geometry: tuple
-    value: torch.Tensor
-    dst_buffer: _Buffer | None
-    #: a page-locked source, read asynchronously: its storage (weakly), geometry and content at issue
-    src_storage: weakref.ref | None = None
-    src_geometry: tuple = ()
-    src_content: torch.Tensor | None = None
-    src_pinned: _Pinned | None = None
-    landed: bool = False
-
-    def settled(self) -> bool:
-        """Landed, and nothing more to check: no page-locked source to guard, no buffer of another stream."""
-        buffer = self.dst_buffer
-        return self.landed and self.src_pinned is None and (buffer is None or buffer.stream is self.stream)
-
-
-def _geometry(t: torch.Tensor) -> tuple:
-    return (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
-
-
-def _view(storage: torch.UntypedStorage, geometry: tuple) -> torch.Tensor:
-    dtype, shape, stride, offset = geometry
-    return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
 
 
 class StrictStreams(Streams):
@@ -169,9 +77,9 @@ class StrictStreams(Streams):
         self.compute = FakeStream(self, "compute")
         self._side = 0
         #: copies whose finish the host does not know yet (and that still matter), in issue order
-        self._in_flight: dict[_Copy, None] = {}
-        self._buffers: dict[int, _Buffer] = {}
-        self._pinned: dict[int, _Pinned] = {}
+        self._in_flight: dict[Copy, None] = {}
+        self._buffers: dict[int, Buffer] = {}
+        self._pinned: dict[int, Pinned] = {}
         self._errors: list[str] = []
         self._reported = 0
         #: what ran, for tests to check that the asynchronous path was taken
@@ -320,7 +228,7 @@ class StrictStreams(Streams):
             return tensor  # nothing to guard (and no address of its own)
         storage.fill_(SENTINEL)
         key = storage.data_ptr()
-        buffer = _Buffer(storage.nbytes(), self._current(), self._label())
+        buffer = Buffer(storage.nbytes(), self._current(), self._label())
         self._buffers[key] = buffer
         weakref.finalize(storage, self._freed, key, buffer)
         return tensor
@@ -336,7 +244,7 @@ class StrictStreams(Streams):
             tensor = torch.empty(nbytes, dtype=torch.uint8)
             storage = tensor.untyped_storage()
             key = storage.data_ptr()
-            pinned = _Pinned(nbytes, self._label())
+            pinned = Pinned(nbytes, self._label())
             self._pinned[key] = pinned
             weakref.finalize(storage, self._unpinned, key, pinned)
             return tensor
@@ -374,19 +282,19 @@ class StrictStreams(Streams):
         value = torch.empty_like(dst)
         value.copy_(src)  # what the copy will write, from the source as it is now
         dst_storage = dst.untyped_storage()
-        copy = _Copy(
+        copy = Copy(
             stream,
             stream.issued,
             self._label(),
             weakref.ref(dst_storage),
-            _geometry(dst),
+            geometry_of(dst),
             value,
             self._buffers.get(dst_storage.data_ptr()),
         )
         src_storage = src.untyped_storage() if src.device.type == "cpu" else None
         pinned = self._pinned.get(src_storage.data_ptr()) if src_storage is not None else None
         if pinned is not None and non_blocking:  # read by DMA later: must stay as it is until finished
-            copy.src_storage, copy.src_geometry, copy.src_pinned = weakref.ref(src_storage), _geometry(src), pinned
+            copy.src_storage, copy.src_geometry, copy.src_pinned = weakref.ref(src_storage), geometry_of(src), pinned
             copy.src_content = src.clone()
             self.counts["pinned_copies"] += 1
         self.counts["copies"] += 1
@@ -400,7 +308,7 @@ class StrictStreams(Streams):
 
     # -- landing and finishing ---------------------------------------------------------------------------
 
-    def _covered(self, event: FakeEvent) -> list[_Copy]:
+    def _covered(self, event: FakeEvent) -> list[Copy]:
         """Copies in flight that ``event`` covers: on its stream up to it, and what that stream waited for."""
         streams: dict[FakeStream, int] = {}
         todo = [(event.stream, event.position)]
@@ -412,9 +320,9 @@ class StrictStreams(Streams):
             todo += [(e.stream, e.position) for at, e in stream.waits if at <= position and e.stream is not None]
         return [c for c in self._in_flight if c.position <= streams.get(c.stream, -1)]
 
-    def _land(self, copies: list[_Copy]) -> list[_Copy]:
+    def _land(self, copies: list[Copy]) -> list[Copy]:
         """Write what these copies carry into their destinations, interleaving streams at random."""
-        queues: dict[FakeStream, list[_Copy]] = {}
+        queues: dict[FakeStream, list[Copy]] = {}
         for copy in copies:
             if not copy.landed:
                 queues.setdefault(copy.stream, []).append(copy)
@@ -426,20 +334,20 @@ class StrictStreams(Streams):
                 del queues[stream]
             storage = copy.dst_storage()
             if storage is not None:
-                _view(storage, copy.dst_geometry).copy_(copy.value)
+                view_of(storage, copy.dst_geometry).copy_(copy.value)
             copy.landed = True
             landed.append(copy)
             if copy.settled():
                 self._in_flight.pop(copy, None)
         return landed
 
-    def _finish(self, copies: list[_Copy]) -> None:
+    def _finish(self, copies: list[Copy]) -> None:
         """The host learns these copies finished: land them, and check the page-locked memory they read."""
         self._land(copies)
         for copy in copies:
             if copy.src_pinned is not None:
                 storage = copy.src_storage()
-                if storage is not None and not torch.equal(_view(storage, copy.src_geometry), copy.src_content):
+                if storage is not None and not torch.equal(view_of(storage, copy.src_geometry), copy.src_content):
                     self._fail(
                         f"group {copy.label!r}: a page-locked host buffer was overwritten while a copy from it on "
                         f"stream {copy.stream.name} was in flight (no wait_host/synchronize before reusing it)"
@@ -449,7 +357,7 @@ class StrictStreams(Streams):
 
     # -- releases ----------------------------------------------------------------------------------------
 
-    def _freed(self, key: int, buffer: _Buffer) -> None:
+    def _freed(self, key: int, buffer: Buffer) -> None:
         with self._lock:
             if self._buffers.get(key) is buffer:
                 del self._buffers[key]
@@ -462,7 +370,7 @@ class StrictStreams(Streams):
                     f"record_stream() for that stream or a synchronisation: its memory could be reused too early"
                 )
 
-    def _unpinned(self, key: int, pinned: _Pinned) -> None:
+    def _unpinned(self, key: int, pinned: Pinned) -> None:
         with self._lock:
             if self._pinned.get(key) is pinned:
                 del self._pinned[key]
