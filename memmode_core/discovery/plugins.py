@@ -24,9 +24,8 @@ import importlib
 import os
 import re
 import threading
-import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
@@ -39,6 +38,15 @@ from memmode_core.contracts.quantizer import Quantizer
 from memmode_core.contracts.resolver import Resolver
 from memmode_core.contracts.storage import Storage
 from memmode_core.discovery.first_party import CORE
+from memmode_core.discovery.registrations import (
+    KINDS,
+    PluginFailure,
+    PluginInfo,
+    PluginSet,
+    PluginSource,
+    Registration,
+    normalize,
+)
 
 ENTRY_POINT_GROUP = "memmode"
 AUTOLOAD_ENV = "MEMMODE_DISABLE_PLUGIN_AUTOLOAD"
@@ -46,98 +54,9 @@ DISABLE_ENV = "MEMMODE_DISABLE_PLUGINS"
 #: this source tree's version (``memmode_core.__version__``; pyproject.toml says the same)
 CORE_VERSION = "0.1.0"
 
-KINDS = ("placement", "quantizer", "storage")
 #: what each kind's register() takes; the placement slot of a mode also takes resolvers (``auto``)
 _BASES = {"placement": (Placement, Resolver), "quantizer": (Quantizer,), "storage": (Storage,)}
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
-
-
-def normalize(name: str) -> str:
-    """Distribution names compare as PEP 503 does: case and runs of ``-_.`` don't matter."""
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-@dataclass(frozen=True)
-class Registration:
-    kind: str
-    name: str
-    obj: Any
-    plugin: str
-    distribution: str
-    version: str | None
-
-    @property
-    def description(self) -> str:
-        return getattr(self.obj, "description", "") or ""
-
-    def unavailable_reason(self) -> str | None:
-        try:
-            return self.obj.unavailable_reason()
-        except Exception as exc:  # a plugin's own check must not break listing
-            return f"availability check failed: {type(exc).__name__}: {exc}"
-
-
-@dataclass(frozen=True)
-class PluginFailure:
-    """A plugin that could not be imported or whose hooks raised."""
-
-    plugin: str
-    distribution: str
-    version: str | None
-    error: str
-    #: the kinds its hooks would have registered, when it got as far as having hooks
-    kinds: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class PluginSource:
-    """Something to register: a module or object with hook implementations."""
-
-    name: str
-    obj: Any
-    distribution: str
-    version: str | None
-    #: how to load ``obj`` when it was not loaded (a disabled entry point)
-    load: Any = None
-
-
-@dataclass
-class PluginSet:
-    """The outcome of one discovery."""
-
-    registrations: dict[str, dict[str, Registration]] = field(default_factory=lambda: {k: {} for k in KINDS})
-    failures: list[PluginFailure] = field(default_factory=list)
-    #: plugins not loaded because ``MEMMODE_DISABLE_PLUGINS`` names them
-    disabled: list[PluginSource] = field(default_factory=list)
-    #: single registrations ``MEMMODE_DISABLE_PLUGINS`` names (their plugin loaded)
-    disabled_registrations: list[Registration] = field(default_factory=list)
-    #: ``(kind, name)`` registered by several plugins: every registration of it, in discovery order
-    clashes: dict[tuple[str, str], list[Registration]] = field(default_factory=dict)
-
-    def get(self, kind: str, name: str) -> Registration | None:
-        return self.registrations[kind].get(name)
-
-    def names(self, kind: str) -> list[str]:
-        return list(self.registrations[kind])
-
-
-@dataclass(frozen=True)
-class PluginInfo:
-    """One row of ``memmode list``."""
-
-    kind: str
-    name: str
-    distribution: str
-    version: str | None
-    available: bool
-    reason: str | None
-    description: str
-
-    def as_dict(self) -> dict:
-        return {
-            k: getattr(self, k)
-            for k in ("kind", "name", "distribution", "version", "available", "reason", "description")
-        }
 
 
 # -- sources -------------------------------------------------------------------------------------
@@ -281,7 +200,7 @@ def discover() -> PluginSet:
             try:
                 obj = ep.entry_point.load()
             except Exception as exc:
-                result.failures.append(_failure(placeholder, "failed to import", exc))
+                result.failures.append(PluginFailure.of(placeholder, "failed to import", exc))
                 continue
             sources.append(PluginSource(ep.name, obj, ep.distribution, ep.version))
     with _lock:
@@ -330,7 +249,7 @@ def _register_one(manager: pluggy.PluginManager, source: PluginSource, result: P
     except Exception as exc:
         if manager.is_registered(source.obj):
             manager.unregister(source.obj)
-        result.failures.append(_failure(source, "has invalid hooks", exc, _kinds_of(source.obj)))
+        result.failures.append(PluginFailure.of(source, "has invalid hooks", exc, _kinds_of(source.obj)))
         return []
     staged: list[Registration] = []
     try:
@@ -345,7 +264,7 @@ def _register_one(manager: pluggy.PluginManager, source: PluginSource, result: P
             raise DuplicatePluginError(f"it registers the {kind} {name!r} twice")
     except Exception as exc:
         manager.unregister(source.obj)
-        result.failures.append(_failure(source, "failed to register", exc, _kinds_of(source.obj)))
+        result.failures.append(PluginFailure.of(source, "failed to register", exc, _kinds_of(source.obj)))
         return []
     return staged
 
@@ -405,14 +324,6 @@ def _registrar(kind: str, source: PluginSource, staged: list[Registration]):
         staged.append(Registration(kind, name, obj, source.name, source.distribution, source.version))
 
     return register
-
-
-def _failure(source: PluginSource, what: str, exc: BaseException, kinds: tuple[str, ...] = ()) -> PluginFailure:
-    where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
-    location = f" ({where.filename}:{where.lineno})" if where else ""
-    return PluginFailure(
-        source.name, source.distribution, source.version, f"{what}: {type(exc).__name__}: {exc}{location}", kinds
-    )
 
 
 # -- the cached view -----------------------------------------------------------------------------
@@ -507,10 +418,6 @@ def list_plugins() -> list[PluginInfo]:
 
 
 __all__ = [
-    "Registration",
-    "PluginFailure",
-    "PluginInfo",
-    "PluginSet",
     "clash_error",
     "current",
     "discover",

@@ -45,7 +45,8 @@ from memmode_core.contracts.targets import Target
 from memmode_core.contracts.units import format_bytes
 from memmode_core.discovery.first_party import STORAGE_TIE_ORDER
 from memmode_core.discovery.grammar import Mode, lookup
-from memmode_core.discovery.plugins import Registration, current
+from memmode_core.discovery.plugins import current
+from memmode_core.discovery.registrations import Registration
 from memmode_core.engine.groups import Group
 from memmode_core.engine.streams import active
 from memmode_core.planning.costs import storage_cost

@@ -36,7 +36,8 @@ from memmode_core.contracts.resolver import Resolver
 from memmode_core.contracts.targets import Target, refuse_compiled, refuse_scripted
 from memmode_core.contracts.units import format_bytes
 from memmode_core.discovery.grammar import Mode, resolve
-from memmode_core.discovery.plugins import Registration, current
+from memmode_core.discovery.plugins import current
+from memmode_core.discovery.registrations import Registration
 from memmode_core.engine.groups import Group, claim_groups
 from memmode_core.engine.pipeline_hooks import refuse_foreign_offloading
 from memmode_core.planning.layout import Layout, lay_out
