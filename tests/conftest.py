@@ -15,6 +15,7 @@ import memmode_core as memmode
 from fake_plugins import Int8Plugin, PoisonPlugin
 from helpers import HAS_CUDA
 from memmode_core.discovery import plugins
+from memmode_core.discovery.disabling import AUTOLOAD_ENV, DISABLE_ENV
 from memmode_core.engine.streams import installed
 from memmode_core.testing import StrictStreams
 from tiny_pipelines import FAMILIES
@@ -64,8 +65,8 @@ def pytest_collection_finish(session):
 @pytest.fixture(autouse=True)
 def isolated_plugins(monkeypatch):
     """Every test starts from a fresh discovery with the environment variables unset."""
-    monkeypatch.delenv(plugins.AUTOLOAD_ENV, raising=False)
-    monkeypatch.delenv(plugins.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(AUTOLOAD_ENV, raising=False)
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
     plugins.reset()
     yield
     plugins.reset()

@@ -1,16 +1,11 @@
 """Plugin discovery: which placements, quantizers and storages exist, and who provides them.
 
-Discovery runs on first use, not at import, and is cached until its inputs change (the two
-environment variables below, or the set of in-process plugins). Each run builds a fresh pluggy
-manager — nothing global is mutated — registers the built-in plugins and the ``memmode`` entry
+Discovery runs on first use, not at import, and is cached until its inputs change (the two environment
+variables of :mod:`~memmode_core.discovery.disabling`, or the set of in-process plugins). Each run builds a
+fresh pluggy manager — nothing global is mutated — registers the built-in plugins and the ``memmode`` entry
 points, and calls each plugin's register hooks on its own, so that every registration knows its
 distribution and version, and so that one broken plugin (an import error, a hook that raises, two
 names that clash with nothing) is recorded and isolated instead of taking the others down.
-
-- ``MEMMODE_DISABLE_PLUGIN_AUTOLOAD=1`` skips entry points (the built-ins still register).
-- ``MEMMODE_DISABLE_PLUGINS=a,b`` skips plugins by plugin name, distribution name, or the name of
-  a registration; ``distribution:name`` skips exactly one distribution's registration of ``name``
-  (the unambiguous way to choose between two packages that register the same name).
 
 Two registrations of one name in one kind are a *clash*: that name becomes an error naming both
 distributions (:class:`~memmode_core.contracts.errors.DuplicatePluginError` when it is used), and everything
@@ -37,6 +32,13 @@ from memmode_core.contracts.placement import Placement
 from memmode_core.contracts.quantizer import Quantizer
 from memmode_core.contracts.resolver import Resolver
 from memmode_core.contracts.storage import Storage
+from memmode_core.discovery.disabling import (
+    AUTOLOAD_ENV,
+    DISABLE_ENV,
+    autoload_enabled,
+    disabled_names,
+    registration_disabled,
+)
 from memmode_core.discovery.first_party import CORE
 from memmode_core.discovery.registrations import (
     KINDS,
@@ -49,8 +51,6 @@ from memmode_core.discovery.registrations import (
 )
 
 ENTRY_POINT_GROUP = "memmode"
-AUTOLOAD_ENV = "MEMMODE_DISABLE_PLUGIN_AUTOLOAD"
-DISABLE_ENV = "MEMMODE_DISABLE_PLUGINS"
 #: this source tree's version (``memmode_core.__version__``; pyproject.toml says the same)
 CORE_VERSION = "0.1.0"
 
@@ -143,39 +143,6 @@ def temporary_plugin(
 
 
 # -- discovery -----------------------------------------------------------------------------------
-
-
-def disabled_names() -> set[str]:
-    """The plain entries of ``MEMMODE_DISABLE_PLUGINS``: plugin, distribution or registration names."""
-    return {entry for entry in _disable_entries() if ":" not in entry}
-
-
-def disabled_pairs() -> set[tuple[str, str]]:
-    """The ``distribution:name`` entries: one distribution's registration of one name."""
-    return {tuple(entry.split(":", 1)) for entry in _disable_entries() if ":" in entry}
-
-
-def _disable_entries() -> list[str]:
-    raw = os.environ.get(DISABLE_ENV, "")
-    entries = []
-    for part in raw.split(","):
-        dist, colon, name = part.strip().partition(":")
-        if part.strip():
-            entries.append(f"{normalize(dist.strip())}:{name.strip()}" if colon else normalize(part.strip()))
-    return entries
-
-
-def registration_disabled(reg: Registration) -> str | None:
-    """The ``MEMMODE_DISABLE_PLUGINS`` entry that disables this one registration, if any."""
-    if normalize(reg.name) in disabled_names():
-        return reg.name
-    if (normalize(reg.distribution), reg.name) in disabled_pairs():
-        return f"{reg.distribution}:{reg.name}"
-    return None
-
-
-def autoload_enabled() -> bool:
-    return os.environ.get(AUTOLOAD_ENV, "").strip().lower() not in ("1", "true", "yes", "on")
 
 
 def discover() -> PluginSet:
