@@ -14,14 +14,9 @@ else keeps working; ``memmode list`` shows both rows with the clash as the reaso
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import os
 import re
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass
-from importlib import metadata
 from typing import Any
 
 import pluggy
@@ -32,14 +27,7 @@ from memmode_core.contracts.placement import Placement
 from memmode_core.contracts.quantizer import Quantizer
 from memmode_core.contracts.resolver import Resolver
 from memmode_core.contracts.storage import Storage
-from memmode_core.discovery.disabling import (
-    AUTOLOAD_ENV,
-    DISABLE_ENV,
-    autoload_enabled,
-    disabled_names,
-    registration_disabled,
-)
-from memmode_core.discovery.first_party import CORE
+from memmode_core.discovery.disabling import AUTOLOAD_ENV, DISABLE_ENV, registration_disabled
 from memmode_core.discovery.registrations import (
     KINDS,
     PluginFailure,
@@ -47,99 +35,12 @@ from memmode_core.discovery.registrations import (
     PluginSet,
     PluginSource,
     Registration,
-    normalize,
 )
-
-ENTRY_POINT_GROUP = "memmode"
-#: this source tree's version (``memmode_core.__version__``; pyproject.toml says the same)
-CORE_VERSION = "0.1.0"
+from memmode_core.discovery.sources import gather, temporary_sources
 
 #: what each kind's register() takes; the placement slot of a mode also takes resolvers (``auto``)
 _BASES = {"placement": (Placement, Resolver), "quantizer": (Quantizer,), "storage": (Storage,)}
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
-
-
-# -- sources -------------------------------------------------------------------------------------
-
-
-def core_version() -> str:
-    try:
-        return metadata.version(CORE)
-    except metadata.PackageNotFoundError:
-        return CORE_VERSION
-
-
-#: The plugins built into memmode-core: plugin name -> module. They are loaded by name, exactly as an
-#: entry point is, and register through the same hooks: discovery sits below every plugin (built-in
-#: placements such as ``auto`` use the planner, which uses discovery), so it never imports one directly.
-BUILTIN_PLUGINS = {
-    "memmode-core.placements": "memmode_core.builtin.placements",
-    "memmode-core.ram": "memmode_core.builtin.ram",
-}
-
-
-def builtin_sources() -> list[PluginSource]:
-    version = core_version()
-    return [
-        PluginSource(name, importlib.import_module(module), CORE, version) for name, module in BUILTIN_PLUGINS.items()
-    ]
-
-
-@dataclass(frozen=True)
-class _EntryPoint:
-    name: str
-    distribution: str
-    version: str | None
-    entry_point: Any
-
-
-def _entry_points() -> list[_EntryPoint]:
-    """Entry points of group ``memmode``, one distribution counted once even if found twice on the path (the
-    first found, the one that imports).
-
-    A distribution is known by the name its ``.dist-info`` folder gives (``_normalized_name``, read from the
-    path without parsing anything); only the distributions that declare an entry point of ours have their
-    metadata parsed. Parsing every installed distribution's metadata was most of discovery's time: 17 ms
-    against 2 ms with 78 distributions, more on a cold start."""
-    found: list[_EntryPoint] = []
-    seen: set[str] = set()
-    for dist in list(metadata.distributions()):
-        key = getattr(dist, "_normalized_name", None) or normalize(dist.metadata["Name"] or "<unnamed>")
-        if key in seen:
-            continue
-        seen.add(key)
-        ours = [ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
-        if ours:
-            dist_name = dist.metadata["Name"] or "<unnamed>"
-            found.extend(_EntryPoint(ep.name, dist_name, dist.version, ep) for ep in ours)
-    return found
-
-
-# -- in-process plugins (tests, notebooks) ---------------------------------------------------------
-
-_temporary: list[PluginSource] = []
-_lock = threading.RLock()
-
-
-@contextlib.contextmanager
-def temporary_plugin(
-    obj: Any, *, name: str | None = None, distribution: str = "<in-process>", version: str | None = None
-) -> Iterator[PluginSource]:
-    """Register ``obj`` (a module or object with ``@hookimpl`` functions) for the duration of a block.
-
-    Nothing is installed and nothing outlives the block: the next discovery after it no longer
-    sees the plugin.
-    """
-    source = PluginSource(
-        name or getattr(obj, "__name__", None) or f"in-process-{id(obj):x}", obj, distribution, version
-    )
-    with _lock:
-        _temporary.append(source)
-    try:
-        yield source
-    finally:
-        with _lock:
-            _temporary.remove(source)
 
 
 # -- discovery -----------------------------------------------------------------------------------
@@ -148,34 +49,9 @@ def temporary_plugin(
 def discover() -> PluginSet:
     """One uncached discovery (see the module docstring)."""
     result = PluginSet()
-    disabled = disabled_names()
     manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     manager.add_hookspecs(hookspecs)
-
-    def is_disabled(source_name: str, distribution: str) -> bool:
-        return normalize(source_name) in disabled or normalize(distribution) in disabled
-
-    sources: list[PluginSource] = []
-    for source in builtin_sources():
-        (result.disabled if is_disabled(source.name, source.distribution) else sources).append(source)
-    if autoload_enabled():
-        for ep in _entry_points():
-            placeholder = PluginSource(ep.name, None, ep.distribution, ep.version, ep.entry_point.load)
-            if is_disabled(ep.name, ep.distribution):
-                result.disabled.append(placeholder)
-                continue
-            try:
-                obj = ep.entry_point.load()
-            except Exception as exc:
-                result.failures.append(PluginFailure.of(placeholder, "failed to import", exc))
-                continue
-            sources.append(PluginSource(ep.name, obj, ep.distribution, ep.version))
-    with _lock:
-        temporary = list(_temporary)
-    for source in temporary:
-        (result.disabled if is_disabled(source.name, source.distribution) else sources).append(source)
-
-    for source in sources:
+    for source in gather(result):
         for reg in _register_one(manager, source, result):
             if registration_disabled(reg):
                 result.disabled_registrations.append(reg)
@@ -296,11 +172,11 @@ def _registrar(kind: str, source: PluginSource, staged: list[Registration]):
 # -- the cached view -----------------------------------------------------------------------------
 
 _cache: tuple[tuple, PluginSet] | None = None
+_lock = threading.RLock()
 
 
 def _cache_key() -> tuple:
-    with _lock:
-        temporary = tuple(id(s) for s in _temporary)
+    temporary = tuple(id(s) for s in temporary_sources())
     return (os.environ.get(AUTOLOAD_ENV), os.environ.get(DISABLE_ENV), temporary)
 
 
@@ -391,5 +267,4 @@ __all__ = [
     "list_plugins",
     "provided_by",
     "reset",
-    "temporary_plugin",
 ]
