@@ -29,10 +29,7 @@ from memmode_core.discovery.disabling import (
 )
 from memmode_core.discovery.first_party import ACCELERATOR_STORAGE, DEFAULT_STORAGE
 from memmode_core.discovery.first_party import DISTRIBUTIONS as FIRST_PARTY
-from memmode_core.discovery.plugins import (
-    clash_error,
-    provided_by,
-)
+from memmode_core.discovery.registering import clash_error, provided_by
 from memmode_core.discovery.registrations import PluginSet, Registration, normalize
 from memmode_core.engine.streams import active
 
