@@ -75,8 +75,10 @@ from memmode_core.contracts.resolver import Budgets, Resolver
 from memmode_core.contracts.storage import Storage, StorageSession, Tensors, is_placeholder, placeholder
 from memmode_core.contracts.targets import Target
 from memmode_core.discovery.grammar import Mode, parse_mode
-from memmode_core.discovery.plugins import CORE_VERSION as __version__
-from memmode_core.discovery.plugins import PluginInfo, list_plugins, temporary_plugin
+from memmode_core.discovery.plugins import list_plugins
+from memmode_core.discovery.registrations import PluginInfo
+from memmode_core.discovery.sources import CORE_VERSION as __version__
+from memmode_core.discovery.sources import temporary_plugin
 from memmode_core.engine.hooks import hooks_of
 from memmode_core.engine.ledger import Report
 from memmode_core.engine.reads import placeholder_trap

@@ -50,7 +50,7 @@ from memmode_core.contracts.quantizer import DEFAULT_EXCLUDE, Quantizer
 from memmode_core.contracts.resolver import Budgets, Resolver
 from memmode_core.contracts.storage import Storage, StorageSession, Tensors, host_copy, is_placeholder, placeholder
 from memmode_core.contracts.targets import Target
-from memmode_core.discovery.plugins import temporary_plugin
+from memmode_core.discovery.sources import temporary_plugin
 from memmode_core.engine.streams import Streams
 from memmode_core.engine.streams import active as active_streams
 from memmode_core.files.groupfile import GroupFile

@@ -14,7 +14,8 @@ import torch
 import memmode_core as memmode
 from fake_plugins import Int8Plugin, PoisonPlugin
 from helpers import HAS_CUDA
-from memmode_core.discovery import plugins
+from memmode_core.discovery import plugins, sources
+from memmode_core.discovery.disabling import AUTOLOAD_ENV, DISABLE_ENV
 from memmode_core.engine.streams import installed
 from memmode_core.testing import StrictStreams
 from tiny_pipelines import FAMILIES
@@ -33,7 +34,7 @@ torch.set_num_threads(1)
 # installed distributions (``monkeypatch.setattr(importlib.metadata, "distributions", ...)``, as
 # ``test_core_plugins`` does) gets the real, uncached scan of its fakes.
 _REAL_DISTRIBUTIONS = importlib.metadata.distributions
-_real_entry_points = getattr(plugins, "_entry_points", None)
+_real_entry_points = getattr(sources, "_entry_points", None)
 _ENTRY_POINTS: dict[tuple[str, ...], list] = {}
 
 
@@ -47,7 +48,7 @@ def _entry_points_read_once() -> list:
 
 
 if _real_entry_points is not None:
-    plugins._entry_points = _entry_points_read_once
+    sources._entry_points = _entry_points_read_once
 
 
 def pytest_collection_finish(session):
@@ -64,8 +65,8 @@ def pytest_collection_finish(session):
 @pytest.fixture(autouse=True)
 def isolated_plugins(monkeypatch):
     """Every test starts from a fresh discovery with the environment variables unset."""
-    monkeypatch.delenv(plugins.AUTOLOAD_ENV, raising=False)
-    monkeypatch.delenv(plugins.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(AUTOLOAD_ENV, raising=False)
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
     plugins.reset()
     yield
     plugins.reset()

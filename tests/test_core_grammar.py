@@ -19,6 +19,7 @@ from memmode_core.contracts.errors import (
     UnknownModeError,
 )
 from memmode_core.discovery import plugins
+from memmode_core.discovery.disabling import AUTOLOAD_ENV
 
 
 def refused(mode, error: type, match: str | None = None, **options) -> pytest.ExceptionInfo:
@@ -123,8 +124,8 @@ def test_first_party_storage_not_installed(nothing_installed, storage, package):
 
 
 def test_not_installed_mentions_disabled_autoload(nothing_installed, monkeypatch):
-    monkeypatch.setenv(plugins.AUTOLOAD_ENV, "1")
-    refused("model_cpu_offload_and_qfloat4", PluginNotInstalledError, plugins.AUTOLOAD_ENV)
+    monkeypatch.setenv(AUTOLOAD_ENV, "1")
+    refused("model_cpu_offload_and_qfloat4", PluginNotInstalledError, AUTOLOAD_ENV)
 
 
 def test_unknown_quantizer_and_storage(nothing_installed):

@@ -18,6 +18,7 @@ from memmode_core import hookimpl
 from memmode_core.contracts.errors import DuplicatePluginError, InvalidOptionError, PluginLoadError, UnknownModeError
 from memmode_core.contracts.storage import Storage
 from memmode_core.discovery import plugins
+from memmode_core.discovery.disabling import AUTOLOAD_ENV, DISABLE_ENV
 
 # -- fake distributions, as pytest's own tests fake them ------------------------------------------
 
@@ -131,7 +132,7 @@ def test_discovery_is_cached_until_its_inputs_change(installed, monkeypatch):
     installed()
     first = plugins.current()
     assert plugins.current() is first
-    monkeypatch.setenv(plugins.DISABLE_ENV, "nothing-by-this-name")
+    monkeypatch.setenv(DISABLE_ENV, "nothing-by-this-name")
     assert plugins.current() is not first
 
 
@@ -260,7 +261,7 @@ def test_the_suggested_fix_for_a_clash_picks_one_provider(installed, monkeypatch
     with pytest.raises(DuplicatePluginError) as raised:
         memmode.apply(torch.nn.Linear(2, 2), "model_group_offload", device="cpu", storage="twin")
     suggestion = re.search(r"MEMMODE_DISABLE_PLUGINS=(\S+)", str(raised.value)).group(1)
-    monkeypatch.setenv(plugins.DISABLE_ENV, suggestion)
+    monkeypatch.setenv(DISABLE_ENV, suggestion)
     available = [r for r in memmode.list_plugins() if r.name == "twin" and r.available]
     assert [r.distribution for r in available] == ["memmode-first"]
     (off,) = [r for r in memmode.list_plugins() if r.name == "twin" and not r.available]
@@ -278,7 +279,7 @@ def test_a_plugin_clashing_with_a_builtin_is_a_duplicate(installed):
 
 def test_an_unknown_name_from_a_disabled_plugin_says_it_is_disabled(installed, monkeypatch):
     installed(FakeDistribution("memmode-extra", "1.0", [FakeEntryPoint("extra", storage_plugin("zstore"))]))
-    monkeypatch.setenv(plugins.DISABLE_ENV, "memmode-extra")
+    monkeypatch.setenv(DISABLE_ENV, "memmode-extra")
     with pytest.raises(UnknownModeError, match="zstore.*memmode-extra.*disabled by MEMMODE_DISABLE_PLUGINS"):
         memmode.apply(torch.nn.Linear(2, 2), "model_group_offload", device="cpu", storage="zstore")
 
@@ -303,7 +304,7 @@ def test_a_broken_plugins_row_says_what_it_would_have_provided(installed):
 def test_autoload_can_be_disabled(installed, monkeypatch):
     ep = FakeEntryPoint("fakestore", storage_plugin("fakestore"))
     installed(FakeDistribution("memmode-fakestore", "1.0", [ep]))
-    monkeypatch.setenv(plugins.AUTOLOAD_ENV, "1")
+    monkeypatch.setenv(AUTOLOAD_ENV, "1")
     assert not [r for r in rows() if r.name == "fakestore"]
     assert ep.loaded == 0
     assert row("ram").available  # built-ins still register
@@ -313,7 +314,7 @@ def test_autoload_can_be_disabled(installed, monkeypatch):
 def test_plugins_can_be_disabled_by_plugin_distribution_or_registration_name(installed, monkeypatch, blocked):
     ep = FakeEntryPoint("fakestore", storage_plugin("extra", "second"))
     installed(FakeDistribution("memmode-fakestore", "1.0", [ep]))
-    monkeypatch.setenv(plugins.DISABLE_ENV, f"unrelated, {blocked}")
+    monkeypatch.setenv(DISABLE_ENV, f"unrelated, {blocked}")
     names = {r.name for r in rows("storage") if r.available}
     assert "extra" not in names
     if blocked == "extra":  # only that registration goes
@@ -327,7 +328,7 @@ def test_plugins_can_be_disabled_by_plugin_distribution_or_registration_name(ins
 
 def test_builtins_can_be_disabled_too(installed, monkeypatch):
     installed()
-    monkeypatch.setenv(plugins.DISABLE_ENV, "memmode-core.ram")
+    monkeypatch.setenv(DISABLE_ENV, "memmode-core.ram")
     assert "ram" not in {r.name for r in rows("storage")}
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import memmode_core.plugin as kit
-from memmode_core.discovery import plugins
+from memmode_core.discovery.disabling import AUTOLOAD_ENV, DISABLE_ENV
 from plugin_guide import GUIDE, PACKAGES, files_from_the_guide
 
 
@@ -299,7 +299,7 @@ print(json.dumps(results))
 @pytest.fixture(scope="module")
 def guide_checks(installed_guide_plugins) -> dict:
     """Run ``CHECKS`` once with the guide's packages on the path and plugin discovery left on."""
-    env = {k: v for k, v in os.environ.items() if k not in (plugins.AUTOLOAD_ENV, plugins.DISABLE_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (AUTOLOAD_ENV, DISABLE_ENV)}
     env["PYTHONPATH"] = os.pathsep.join([str(installed_guide_plugins), os.environ.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, "-c", CHECKS], env=env, capture_output=True, text=True, cwd=Path(__file__).parent

@@ -20,20 +20,17 @@ from memmode_core.contracts.errors import (
     StorageUnavailableError,
     UnknownModeError,
 )
-from memmode_core.discovery.first_party import ACCELERATOR_STORAGE, DEFAULT_STORAGE
-from memmode_core.discovery.first_party import DISTRIBUTIONS as FIRST_PARTY
-from memmode_core.discovery.plugins import (
+from memmode_core.discovery.disabling import (
     AUTOLOAD_ENV,
     DISABLE_ENV,
-    PluginSet,
-    Registration,
     autoload_enabled,
-    clash_error,
     disabled_names,
-    normalize,
-    provided_by,
     registration_disabled,
 )
+from memmode_core.discovery.first_party import ACCELERATOR_STORAGE, DEFAULT_STORAGE
+from memmode_core.discovery.first_party import DISTRIBUTIONS as FIRST_PARTY
+from memmode_core.discovery.registering import clash_error, provided_by
+from memmode_core.discovery.registrations import PluginSet, Registration, normalize
 from memmode_core.engine.streams import active
 
 SEPARATOR = "_and_"

@@ -1,428 +1,42 @@
 """Plugin discovery: which placements, quantizers and storages exist, and who provides them.
 
-Discovery runs on first use, not at import, and is cached until its inputs change (the two
-environment variables below, or the set of in-process plugins). Each run builds a fresh pluggy
-manager — nothing global is mutated — registers the built-in plugins and the ``memmode`` entry
-points, and calls each plugin's register hooks on its own, so that every registration knows its
-distribution and version, and so that one broken plugin (an import error, a hook that raises, two
-names that clash with nothing) is recorded and isolated instead of taking the others down.
-
-- ``MEMMODE_DISABLE_PLUGIN_AUTOLOAD=1`` skips entry points (the built-ins still register).
-- ``MEMMODE_DISABLE_PLUGINS=a,b`` skips plugins by plugin name, distribution name, or the name of
-  a registration; ``distribution:name`` skips exactly one distribution's registration of ``name``
-  (the unambiguous way to choose between two packages that register the same name).
-
-Two registrations of one name in one kind are a *clash*: that name becomes an error naming both
-distributions (:class:`~memmode_core.contracts.errors.DuplicatePluginError` when it is used), and everything
-else keeps working; ``memmode list`` shows both rows with the clash as the reason.
+Discovery runs on first use, not at import, and is cached until its inputs change (the two environment
+variables of :mod:`~memmode_core.discovery.disabling`, or the set of in-process plugins). Each run builds a
+fresh pluggy manager — nothing global is mutated — gathers the built-in plugins, the ``memmode`` entry points
+and the in-process plugins (:mod:`~memmode_core.discovery.sources`), and registers each on its own
+(:mod:`~memmode_core.discovery.registering`), so that one broken plugin is recorded and isolated instead of
+taking the others down. ``memmode list`` shows the outcome, failures and disabled plugins included.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import os
-import re
 import threading
-import traceback
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from importlib import metadata
-from typing import Any
 
-import pluggy
-
-from memmode_core.contracts import hookspecs
-from memmode_core.contracts.errors import DuplicatePluginError
-from memmode_core.contracts.placement import Placement
-from memmode_core.contracts.quantizer import Quantizer
-from memmode_core.contracts.resolver import Resolver
-from memmode_core.contracts.storage import Storage
-from memmode_core.discovery.first_party import CORE
-
-ENTRY_POINT_GROUP = "memmode"
-AUTOLOAD_ENV = "MEMMODE_DISABLE_PLUGIN_AUTOLOAD"
-DISABLE_ENV = "MEMMODE_DISABLE_PLUGINS"
-#: this source tree's version (``memmode_core.__version__``; pyproject.toml says the same)
-CORE_VERSION = "0.1.0"
-
-KINDS = ("placement", "quantizer", "storage")
-#: what each kind's register() takes; the placement slot of a mode also takes resolvers (``auto``)
-_BASES = {"placement": (Placement, Resolver), "quantizer": (Quantizer,), "storage": (Storage,)}
-_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
-
-
-def normalize(name: str) -> str:
-    """Distribution names compare as PEP 503 does: case and runs of ``-_.`` don't matter."""
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-@dataclass(frozen=True)
-class Registration:
-    kind: str
-    name: str
-    obj: Any
-    plugin: str
-    distribution: str
-    version: str | None
-
-    @property
-    def description(self) -> str:
-        return getattr(self.obj, "description", "") or ""
-
-    def unavailable_reason(self) -> str | None:
-        try:
-            return self.obj.unavailable_reason()
-        except Exception as exc:  # a plugin's own check must not break listing
-            return f"availability check failed: {type(exc).__name__}: {exc}"
-
-
-@dataclass(frozen=True)
-class PluginFailure:
-    """A plugin that could not be imported or whose hooks raised."""
-
-    plugin: str
-    distribution: str
-    version: str | None
-    error: str
-    #: the kinds its hooks would have registered, when it got as far as having hooks
-    kinds: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class PluginSource:
-    """Something to register: a module or object with hook implementations."""
-
-    name: str
-    obj: Any
-    distribution: str
-    version: str | None
-    #: how to load ``obj`` when it was not loaded (a disabled entry point)
-    load: Any = None
-
-
-@dataclass
-class PluginSet:
-    """The outcome of one discovery."""
-
-    registrations: dict[str, dict[str, Registration]] = field(default_factory=lambda: {k: {} for k in KINDS})
-    failures: list[PluginFailure] = field(default_factory=list)
-    #: plugins not loaded because ``MEMMODE_DISABLE_PLUGINS`` names them
-    disabled: list[PluginSource] = field(default_factory=list)
-    #: single registrations ``MEMMODE_DISABLE_PLUGINS`` names (their plugin loaded)
-    disabled_registrations: list[Registration] = field(default_factory=list)
-    #: ``(kind, name)`` registered by several plugins: every registration of it, in discovery order
-    clashes: dict[tuple[str, str], list[Registration]] = field(default_factory=dict)
-
-    def get(self, kind: str, name: str) -> Registration | None:
-        return self.registrations[kind].get(name)
-
-    def names(self, kind: str) -> list[str]:
-        return list(self.registrations[kind])
-
-
-@dataclass(frozen=True)
-class PluginInfo:
-    """One row of ``memmode list``."""
-
-    kind: str
-    name: str
-    distribution: str
-    version: str | None
-    available: bool
-    reason: str | None
-    description: str
-
-    def as_dict(self) -> dict:
-        return {
-            k: getattr(self, k)
-            for k in ("kind", "name", "distribution", "version", "available", "reason", "description")
-        }
-
-
-# -- sources -------------------------------------------------------------------------------------
-
-
-def core_version() -> str:
-    try:
-        return metadata.version(CORE)
-    except metadata.PackageNotFoundError:
-        return CORE_VERSION
-
-
-#: The plugins built into memmode-core: plugin name -> module. They are loaded by name, exactly as an
-#: entry point is, and register through the same hooks: discovery sits below every plugin (built-in
-#: placements such as ``auto`` use the planner, which uses discovery), so it never imports one directly.
-BUILTIN_PLUGINS = {
-    "memmode-core.placements": "memmode_core.builtin.placements",
-    "memmode-core.ram": "memmode_core.builtin.ram",
-}
-
-
-def builtin_sources() -> list[PluginSource]:
-    version = core_version()
-    return [
-        PluginSource(name, importlib.import_module(module), CORE, version) for name, module in BUILTIN_PLUGINS.items()
-    ]
-
-
-@dataclass(frozen=True)
-class _EntryPoint:
-    name: str
-    distribution: str
-    version: str | None
-    entry_point: Any
-
-
-def _entry_points() -> list[_EntryPoint]:
-    """Entry points of group ``memmode``, one distribution counted once even if found twice on the path (the
-    first found, the one that imports).
-
-    A distribution is known by the name its ``.dist-info`` folder gives (``_normalized_name``, read from the
-    path without parsing anything); only the distributions that declare an entry point of ours have their
-    metadata parsed. Parsing every installed distribution's metadata was most of discovery's time: 17 ms
-    against 2 ms with 78 distributions, more on a cold start."""
-    found: list[_EntryPoint] = []
-    seen: set[str] = set()
-    for dist in list(metadata.distributions()):
-        key = getattr(dist, "_normalized_name", None) or normalize(dist.metadata["Name"] or "<unnamed>")
-        if key in seen:
-            continue
-        seen.add(key)
-        ours = [ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
-        if ours:
-            dist_name = dist.metadata["Name"] or "<unnamed>"
-            found.extend(_EntryPoint(ep.name, dist_name, dist.version, ep) for ep in ours)
-    return found
-
-
-# -- in-process plugins (tests, notebooks) ---------------------------------------------------------
-
-_temporary: list[PluginSource] = []
-_lock = threading.RLock()
-
-
-@contextlib.contextmanager
-def temporary_plugin(
-    obj: Any, *, name: str | None = None, distribution: str = "<in-process>", version: str | None = None
-) -> Iterator[PluginSource]:
-    """Register ``obj`` (a module or object with ``@hookimpl`` functions) for the duration of a block.
-
-    Nothing is installed and nothing outlives the block: the next discovery after it no longer
-    sees the plugin.
-    """
-    source = PluginSource(
-        name or getattr(obj, "__name__", None) or f"in-process-{id(obj):x}", obj, distribution, version
-    )
-    with _lock:
-        _temporary.append(source)
-    try:
-        yield source
-    finally:
-        with _lock:
-            _temporary.remove(source)
-
-
-# -- discovery -----------------------------------------------------------------------------------
-
-
-def disabled_names() -> set[str]:
-    """The plain entries of ``MEMMODE_DISABLE_PLUGINS``: plugin, distribution or registration names."""
-    return {entry for entry in _disable_entries() if ":" not in entry}
-
-
-def disabled_pairs() -> set[tuple[str, str]]:
-    """The ``distribution:name`` entries: one distribution's registration of one name."""
-    return {tuple(entry.split(":", 1)) for entry in _disable_entries() if ":" in entry}
-
-
-def _disable_entries() -> list[str]:
-    raw = os.environ.get(DISABLE_ENV, "")
-    entries = []
-    for part in raw.split(","):
-        dist, colon, name = part.strip().partition(":")
-        if part.strip():
-            entries.append(f"{normalize(dist.strip())}:{name.strip()}" if colon else normalize(part.strip()))
-    return entries
-
-
-def registration_disabled(reg: Registration) -> str | None:
-    """The ``MEMMODE_DISABLE_PLUGINS`` entry that disables this one registration, if any."""
-    if normalize(reg.name) in disabled_names():
-        return reg.name
-    if (normalize(reg.distribution), reg.name) in disabled_pairs():
-        return f"{reg.distribution}:{reg.name}"
-    return None
-
-
-def autoload_enabled() -> bool:
-    return os.environ.get(AUTOLOAD_ENV, "").strip().lower() not in ("1", "true", "yes", "on")
+from memmode_core.discovery.disabling import AUTOLOAD_ENV, DISABLE_ENV, registration_disabled
+from memmode_core.discovery.registering import add_registration, new_manager, register_one
+from memmode_core.discovery.registrations import KINDS, PluginInfo, PluginSet
+from memmode_core.discovery.sources import gather, temporary_sources
 
 
 def discover() -> PluginSet:
     """One uncached discovery (see the module docstring)."""
     result = PluginSet()
-    disabled = disabled_names()
-    manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
-    manager.add_hookspecs(hookspecs)
-
-    def is_disabled(source_name: str, distribution: str) -> bool:
-        return normalize(source_name) in disabled or normalize(distribution) in disabled
-
-    sources: list[PluginSource] = []
-    for source in builtin_sources():
-        (result.disabled if is_disabled(source.name, source.distribution) else sources).append(source)
-    if autoload_enabled():
-        for ep in _entry_points():
-            placeholder = PluginSource(ep.name, None, ep.distribution, ep.version, ep.entry_point.load)
-            if is_disabled(ep.name, ep.distribution):
-                result.disabled.append(placeholder)
-                continue
-            try:
-                obj = ep.entry_point.load()
-            except Exception as exc:
-                result.failures.append(_failure(placeholder, "failed to import", exc))
-                continue
-            sources.append(PluginSource(ep.name, obj, ep.distribution, ep.version))
-    with _lock:
-        temporary = list(_temporary)
-    for source in temporary:
-        (result.disabled if is_disabled(source.name, source.distribution) else sources).append(source)
-
-    for source in sources:
-        for reg in _register_one(manager, source, result):
-            if registration_disabled(reg):
-                result.disabled_registrations.append(reg)
-                continue
-            key = (reg.kind, reg.name)
-            if key in result.clashes:
-                result.clashes[key].append(reg)
-            elif reg.name in result.registrations[reg.kind]:  # a clash: the name is nobody's until resolved
-                result.clashes[key] = [result.registrations[reg.kind].pop(reg.name), reg]
-            else:
-                result.registrations[reg.kind][reg.name] = reg
+    manager = new_manager()
+    for source in gather(result):
+        for reg in register_one(manager, source, result):
+            add_registration(result, reg)
     return result
-
-
-def clash_error(registrations: list[Registration]) -> DuplicatePluginError:
-    """The error for a name several plugins register, with the unambiguous way to choose."""
-    kind, name = registrations[0].kind, registrations[0].name
-    who = " and ".join(
-        f"{r.distribution} {r.version or ''} (plugin {r.plugin})".replace("  ", " ") for r in registrations
-    )
-    keep = registrations[0]
-    others = ",".join(f"{r.distribution}:{name}" for r in registrations[1:])
-    return DuplicatePluginError(
-        f"the {kind} {name!r} is registered by {who}. Uninstall all but one, or choose one: "
-        f"{DISABLE_ENV}={others} keeps {keep.distribution}'s (each 'distribution:name' entry skips only that "
-        f"distribution's {name!r}). Every other name still works."
-    )
-
-
-def _register_one(manager: pluggy.PluginManager, source: PluginSource, result: PluginSet) -> list[Registration]:
-    """Register one plugin and call its hooks; on any failure, record it and keep nothing of it."""
-    plugin_name = source.name
-    if manager.has_plugin(plugin_name):
-        plugin_name = f"{source.name}@{source.distribution}"
-    try:
-        manager.register(source.obj, name=plugin_name)
-        _check_hooks(manager, source.obj)
-    except Exception as exc:
-        if manager.is_registered(source.obj):
-            manager.unregister(source.obj)
-        result.failures.append(_failure(source, "has invalid hooks", exc, _kinds_of(source.obj)))
-        return []
-    staged: list[Registration] = []
-    try:
-        for kind, hook_name in hookspecs.HOOK_FOR_KIND.items():
-            for impl in getattr(manager.hook, hook_name).get_hookimpls():
-                if impl.plugin is source.obj:
-                    impl.function(register=_registrar(kind, source, staged))
-        names = [(r.kind, r.name) for r in staged]
-        repeated = {n for n in names if names.count(n) > 1}
-        if repeated:
-            kind, name = sorted(repeated)[0]
-            raise DuplicatePluginError(f"it registers the {kind} {name!r} twice")
-    except Exception as exc:
-        manager.unregister(source.obj)
-        result.failures.append(_failure(source, "failed to register", exc, _kinds_of(source.obj)))
-        return []
-    return staged
-
-
-def _kinds_of(obj: Any) -> tuple[str, ...]:
-    """The kinds a plugin object has hooks for (what it would have provided)."""
-    return tuple(kind for kind, hook in hookspecs.HOOK_FOR_KIND.items() if callable(getattr(obj, hook, None)))
-
-
-def provided_by(source: PluginSource) -> list[tuple[str, str]]:
-    """``(kind, name)`` a plugin that was not loaded (disabled) would register; best effort, for
-    error messages only: it loads the plugin and calls its hooks on a throwaway manager."""
-    obj = source.obj
-    try:
-        if obj is None and source.load is not None:
-            obj = source.load()
-        if obj is None:
-            return []
-        manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
-        manager.add_hookspecs(hookspecs)
-        scratch = PluginSet()
-        return [
-            (r.kind, r.name)
-            for r in _register_one(
-                manager, PluginSource(source.name, obj, source.distribution, source.version), scratch
-            )
-        ]
-    except Exception:  # noqa: BLE001 - a broken disabled plugin simply provides nothing we can name
-        return []
-
-
-def _check_hooks(manager: pluggy.PluginManager, obj: Any) -> None:
-    """Hook implementations whose name matches no hook (a typo) make the plugin invalid."""
-    marker = f"{hookspecs.PROJECT_NAME}_impl"
-    for name in dir(obj):
-        if not hasattr(getattr(obj, name, None), marker):
-            continue
-        caller = getattr(manager.hook, name, None)
-        if caller is None or caller.spec is None:
-            raise pluggy.PluginValidationError(
-                obj, f"unknown hook {name!r}; memmode's hooks are {', '.join(hookspecs.HOOK_FOR_KIND.values())}"
-            )
-
-
-def _registrar(kind: str, source: PluginSource, staged: list[Registration]):
-    bases = _BASES[kind]
-
-    def register(obj: Any) -> None:
-        if not isinstance(obj, bases):
-            expected = " or a ".join(f"memmode_core.{base.__name__}" for base in bases)
-            raise TypeError(f"register() in the {kind} hook takes a {expected}, got {type(obj).__name__}")
-        name = getattr(obj, "name", "")
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise ValueError(f"{kind} name {name!r} must be lowercase letters, digits and underscores")
-        if kind != "storage" and "_and_" in name:
-            raise ValueError(f"{kind} name {name!r} must not contain '_and_', the mode separator")
-        staged.append(Registration(kind, name, obj, source.name, source.distribution, source.version))
-
-    return register
-
-
-def _failure(source: PluginSource, what: str, exc: BaseException, kinds: tuple[str, ...] = ()) -> PluginFailure:
-    where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
-    location = f" ({where.filename}:{where.lineno})" if where else ""
-    return PluginFailure(
-        source.name, source.distribution, source.version, f"{what}: {type(exc).__name__}: {exc}{location}", kinds
-    )
 
 
 # -- the cached view -----------------------------------------------------------------------------
 
 _cache: tuple[tuple, PluginSet] | None = None
+_lock = threading.RLock()
 
 
 def _cache_key() -> tuple:
-    with _lock:
-        temporary = tuple(id(s) for s in _temporary)
+    temporary = tuple(id(s) for s in temporary_sources())
     return (os.environ.get(AUTOLOAD_ENV), os.environ.get(DISABLE_ENV), temporary)
 
 
@@ -504,18 +118,3 @@ def list_plugins() -> list[PluginInfo]:
             )
         )
     return rows
-
-
-__all__ = [
-    "Registration",
-    "PluginFailure",
-    "PluginInfo",
-    "PluginSet",
-    "clash_error",
-    "current",
-    "discover",
-    "list_plugins",
-    "provided_by",
-    "reset",
-    "temporary_plugin",
-]

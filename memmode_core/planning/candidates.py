@@ -14,7 +14,8 @@ from typing import Any
 from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError
 from memmode_core.contracts.resolver import Resolver
 from memmode_core.contracts.targets import Target
-from memmode_core.discovery.plugins import Registration, current
+from memmode_core.discovery.plugins import current
+from memmode_core.discovery.registrations import Registration
 from memmode_core.planning.calls import CallTrace
 from memmode_core.planning.prepared import Prepared, prepare_target, quantize_targets, select_components, with_storage
 from memmode_core.planning.pricing import PlanEntry, price_all

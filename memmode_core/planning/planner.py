@@ -21,7 +21,8 @@ from typing import Any
 from memmode_core.contracts.devices import resolve_device
 from memmode_core.contracts.targets import Target
 from memmode_core.discovery.grammar import lookup
-from memmode_core.discovery.plugins import Registration, current
+from memmode_core.discovery.plugins import current
+from memmode_core.discovery.registrations import Registration
 from memmode_core.planning.budgets import budget_bytes
 from memmode_core.planning.calls import DEFAULT_STEPS, CallTrace, call_sequence, call_shapes, default_calls
 from memmode_core.planning.candidates import priced_candidates

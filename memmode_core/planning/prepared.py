@@ -28,7 +28,7 @@ from memmode_core.contracts.layout import Policy
 from memmode_core.contracts.options import Options
 from memmode_core.contracts.targets import Target, refuse_compiled, refuse_scripted
 from memmode_core.contracts.units import format_bytes
-from memmode_core.discovery.plugins import Registration
+from memmode_core.discovery.registrations import Registration
 from memmode_core.engine.groups import Group, claim_groups
 from memmode_core.engine.laying_out import Layout, lay_out
 from memmode_core.engine.pipeline_hooks import refuse_foreign_offloading

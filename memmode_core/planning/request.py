@@ -23,7 +23,8 @@ from memmode_core.contracts.errors import InvalidOptionError
 from memmode_core.contracts.options import Options, declared_options, resolve_options
 from memmode_core.contracts.resolver import Resolver
 from memmode_core.discovery.grammar import Mode, resolve
-from memmode_core.discovery.plugins import Registration, current
+from memmode_core.discovery.plugins import current
+from memmode_core.discovery.registrations import Registration
 from memmode_core.planning.trace import ComponentTrace
 
 #: the keyword arguments ``apply``, ``prepare`` and ``load`` share, with their defaults (each entry's signature
