@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import memmode_core
-from memmode_core.cli import build_parser, main
+from memmode_core.cli import main
+from memmode_core.cli.parser import build_parser
 
 
 def tiny_demo(command: str, *argv: str) -> int:

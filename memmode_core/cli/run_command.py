@@ -1,0 +1,93 @@
+"""``memmode run``: one pipeline under one mode, or several side by side (``--compare``), and its table.
+
+The measuring is :mod:`memmode_core.cli.runner`'s; this module turns the command line into its arguments and
+its results into the output: a table of time and memory per mode, JSON, or a plot. A refused mode in a
+``--compare`` gets a row saying why; when every mode was refused the exit status is 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from memmode_core.cli.pipelines import load_into, pipeline_source, run_call_shapes
+from memmode_core.cli.plugin_options import describe_options, refuse_undeclared
+from memmode_core.contracts.units import format_bytes
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from memmode_core.cli.runner import run_modes
+    from memmode_core.cli.table import render
+
+    if args.plot:
+        from memmode_core.cli.plotting import require_matplotlib
+
+        require_matplotlib()  # before minutes of work, not after
+    load, call, description = pipeline_source(args)
+    modes = args.compare or [args.mode]
+    refuse_undeclared(args.options)
+    # --compare goes on past a refused mode; a single --mode that is refused is an error
+    results = run_modes(
+        load,
+        call,
+        modes,
+        device=args.device,
+        storage=args.storage,
+        steps=args.steps,
+        progress=not args.no_progress and not args.json,
+        trace=bool(args.plot),
+        apply_options=args.options,
+        keep_going=bool(args.compare),
+        load_into=load_into(args),
+        call_shapes=run_call_shapes(args),
+    )
+    ran = [r for r in results if r.ran]
+    if args.plot and ran:
+        from memmode_core.cli.plotting import plot_traces
+
+        plot_traces(ran, args.plot)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "pipeline": description,
+                    "steps": args.steps,
+                    "options": args.options,
+                    "results": [r.as_dict() for r in results],
+                },
+                indent=2,
+                default=repr,
+            )
+        )
+    else:
+        device = f", device {ran[0].device}" if ran else ""
+        print(f"{description}, {args.steps} step{'s' if args.steps != 1 else ''}{device}")
+        if args.options:
+            print(f"options: {describe_options(args.options)}")
+        refused = any(not r.ran for r in results)
+        headers = ["mode", "storage", "s/call", "peak on device", "moved/call", "RAM (offloaded)", "disk"]
+        print(
+            render(headers + (["note"] if refused else []), [_run_row(r, refused) for r in results], right=headers[2:])
+        )
+        if args.plot and ran:
+            print(f"plot written to {args.plot}")
+    if not ran:
+        print("memmode: error: every mode was refused", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _run_row(r, with_note: bool) -> tuple:
+    if not r.ran:
+        return (r.requested, "-", "-", "-", "-", "-", "-", f"refused: {r.refused}")
+    row = (
+        (r.mode if r.requested == r.mode else f"{r.requested} -> {r.mode}"),
+        r.storage or "-",
+        f"{r.seconds_per_call:.2f}",
+        format_bytes(r.peak_device_bytes),
+        format_bytes(r.bytes_transferred),
+        format_bytes(r.offloaded_ram_bytes),
+        format_bytes(r.disk_bytes) if r.disk_bytes else "-",
+    )
+    return row + ("",) if with_note else row
