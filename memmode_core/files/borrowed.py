@@ -5,7 +5,7 @@ its weights are already views of safetensors files mapped privately. Writing the
 would cost the model's size in disk writes and time before the first output, for a second copy of bytes
 that already sit in a file the page cache serves. So the loader *lends* those mappings to the storage
 for the length of ``apply`` (:func:`lending`), and a group whose tensors all lie in one lent mapping is
-stored as a :class:`BorrowedFile`: a :class:`~memmode_core.files.store.GroupFile` whose bytes are ranges
+stored as a :class:`BorrowedFile`: a :class:`~memmode_core.files.groupfile.GroupFile` whose bytes are ranges
 of the checkpoint. The storage reads it back as it reads its own files (mapped, or copied range by range
 into staging buffers), never deletes it, and counts no disk bytes for it.
 
@@ -42,8 +42,8 @@ from memmode_core.contracts.errors import StorageUnavailableError
 from memmode_core.contracts.storage import Tensors
 from memmode_core.engine.staging import Fill
 from memmode_core.engine.streams import active
-from memmode_core.files.format import DATA_ALIGNMENT, Layout
 from memmode_core.files.groupfile import FileStamp, GroupFile
+from memmode_core.files.layout import DATA_ALIGNMENT, Layout
 
 
 @dataclass(eq=False)

@@ -5,7 +5,7 @@ plugin adds only how it reads them back (``disk``: at each onload, for as long a
 the device; ``mmap``: mapped once, for the whole session):
 
 - **Named by content.** A file's name is a digest of its header and bytes
-  (:func:`~memmode_core.files.format.content_name`), so a file left by another model, by another
+  (:func:`~memmode_core.files.naming.content_name`), so a file left by another model, by another
   version of this one, or by a crash is never looked up as the current weights, and a second
   ``apply`` of unchanged weights finds its files and starts without writing.
 - **Verified on reuse.** An existing file is used only if its size, header and every byte equal
@@ -56,12 +56,12 @@ from memmode_core.contracts.storage import Storage, StorageSession, Tensors
 from memmode_core.engine.staging import Fill, StagingRing
 from memmode_core.engine.streams import active
 from memmode_core.files import folder as offload_folder
-from memmode_core.files import format as group_format
+from memmode_core.files import naming, readwrite
 from memmode_core.files.borrowed import borrow
 from memmode_core.files.borrowed import lending_now as lending
 from memmode_core.files.folder import OffloadFolder
-from memmode_core.files.format import Layout
 from memmode_core.files.groupfile import FILE_PREFIX, FILE_SUFFIX, FileStamp, GroupFile
+from memmode_core.files.layout import Layout, UnsupportedDtypeError, host_tensors
 from memmode_core.files.pools import LazyPool
 
 logger = logging.getLogger("memmode")
@@ -101,7 +101,7 @@ class GroupFileOptions(Options):
 def _holds(path: Path, layout: Layout, host: Tensors) -> bool:
     """Whether the file under the group's content name holds exactly the group (it is reused); a file there that
     does not (truncated, or another file) is said, and the caller writes the group over it."""
-    if group_format.matches(path, layout, host):
+    if naming.matches(path, layout, host):
         return True
     if path.exists():
         logger.warning(
@@ -122,7 +122,7 @@ class _Unnamed:
     #: file's lock (see :meth:`~memmode_core.files.folder.OffloadFolder.temporary_file`)
     temporary: str | None
     fd: int | None
-    namer: group_format.ContentNamer
+    namer: naming.ContentNamer
     #: the writer's future: the file's stamp once every byte is in, or its failure
     written: Future | None = None
 
@@ -246,10 +246,10 @@ class GroupFileStore:
         returned file then has its final size but not yet its bytes nor its name, and ``tensors`` are read
         until :meth:`flush`, which must come before the file is read, checked or mapped for use.
         """
-        host = group_format.host_tensors(tensors)
+        host = host_tensors(tensors)
         try:
             layout = Layout.of(host)
-        except group_format.UnsupportedDtypeError as exc:
+        except UnsupportedDtypeError as exc:
             raise self._refusal(f"cannot store {exc}") from None
         if device is not None:
             borrowed = borrow(layout, host, device)
@@ -264,7 +264,7 @@ class GroupFileStore:
                 self.flush()
             return group_file
         self.flush()
-        name = FILE_PREFIX + group_format.content_name(layout, host) + FILE_SUFFIX
+        name = FILE_PREFIX + naming.content_name(layout, host) + FILE_SUFFIX
         path = self.folder / name
         with self._folder.locked():
             self._folder.claim(name)
@@ -285,7 +285,7 @@ class GroupFileStore:
 
         There, the name is only needed to find a file to reuse, and there is none to find: so the name is
         computed along the write, each step hashed by the writer just before it is written
-        (:meth:`~memmode_core.files.format.ContentNamer.write`). The
+        (:meth:`~memmode_core.files.naming.ContentNamer.write`). The
         engine stores a component group by group and releases nothing until every group is stored, so
         writing a group while the next is prepared and written holds no memory the model does not hold
         anyway. Two groups written at once, to two files, measured 0.53-0.55 s for the 22 blocks of a
@@ -307,7 +307,7 @@ class GroupFileStore:
         except OSError as exc:
             raise self._cannot_write(layout, exc) from None
         group_file = GroupFile(Path(temporary), layout)
-        unnamed = _Unnamed(group_file, host, temporary, fd, group_format.ContentNamer(layout))
+        unnamed = _Unnamed(group_file, host, temporary, fd, naming.ContentNamer(layout))
         try:
             os.ftruncate(fd, layout.file_size)  # its final size at once: the mmap storage maps it on return
         except OSError as exc:
@@ -396,14 +396,14 @@ class GroupFileStore:
                     os.unlink(temporary)
 
     def _write_into(
-        self, fd: int, layout: Layout, tensors: Tensors, namer: group_format.ContentNamer | None = None
+        self, fd: int, layout: Layout, tensors: Tensors, namer: naming.ContentNamer | None = None
     ) -> FileStamp:
         """Write the group into the open file ``fd`` (``fsync``-ed if kept), hashed along the write by ``namer``
-        if given (:func:`group_format.write`); the file's stamp after. Runs in a writer thread for
+        if given (:func:`~memmode_core.files.readwrite.write`); the file's stamp after. Runs in a writer thread for
         :meth:`_write_in_background`: it touches nothing but ``fd`` and the tensors."""
         try:
             with open(fd, "wb", closefd=False) as file:
-                group_format.write(file, layout, tensors, namer)
+                readwrite.write(file, layout, tensors, namer)
                 file.flush()
                 if self.keep_files:
                     os.fsync(fd)
