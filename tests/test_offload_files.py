@@ -29,7 +29,7 @@ from memmode_core.engine.staging import StagingRing, chunk_plan
 from memmode_core.files import folder as offload_folder
 from memmode_core.files import naming, readwrite
 from memmode_core.files.groupfile import FILE_PREFIX, FILE_SUFFIX, FileStamp
-from memmode_core.files.layout import DATA_ALIGNMENT, PADDING_PREFIX, Layout, byte_view, host_tensors
+from memmode_core.files.layout import DATA_ALIGNMENT, PADDING_PREFIX, FileLayout, byte_view, host_tensors
 from memmode_core.files.mapping import map_private
 from memmode_core.files.store import GroupFileStore
 
@@ -103,7 +103,7 @@ def test_a_write_to_a_mapped_view_never_reaches_the_file(store):
 def test_the_name_is_a_digest_of_names_shapes_and_every_byte():
     def name_of(tensors):
         host = host_tensors(tensors)
-        return naming.content_name(Layout.of(host), host)
+        return naming.content_name(FileLayout.of(host), host)
 
     base = group()
     assert name_of(base) == name_of(group())
@@ -122,7 +122,7 @@ def test_a_large_group_is_named_by_a_hash_list_of_its_pieces_hashed_in_parallel(
     monkeypatch.setattr(naming, "HASH_PIECE", 1024)
     monkeypatch.setattr(naming, "HASH_TASK", 2048)
     host = host_tensors({"a": torch.randn(3000), "b": torch.randn(700), "c": torch.zeros(0)})
-    layout = Layout.of(host)
+    layout = FileLayout.of(host)
     expected = blake3.blake3(layout.header)
     for entry in layout.entries:
         data = byte_view(host[entry.name])
@@ -204,7 +204,7 @@ def test_in_a_new_folder_a_group_is_named_by_its_content_without_a_second_pass(t
     tensors = group()
     path = s.store(tensors).path
     host = host_tensors(tensors)
-    layout = Layout.of(host)
+    layout = FileLayout.of(host)
     monkeypatch.undo()
     assert path.name == FILE_PREFIX + naming.content_name(layout, host) + FILE_SUFFIX
     assert naming.matches(path, layout, host)
@@ -220,7 +220,7 @@ def test_a_group_is_written_in_steps_each_hashed_just_before_it_is_written(monke
     monkeypatch.setattr(naming, "HASH_PIECE", piece)
     monkeypatch.setattr(readwrite, "WRITE_STEP", step)
     host = host_tensors({"a": torch.randn(3000), "b": torch.randn(700), "c": torch.ones(5)})
-    layout = Layout.of(host)
+    layout = FileLayout.of(host)
     received = [0]  # bytes the file received so far
     events = []
 
@@ -355,7 +355,7 @@ def test_groups_are_written_two_at_once_and_named_in_order_at_flush(store, monke
     store.flush()
     for tensors, stored in zip(groups, [*first, *third], strict=True):
         host = host_tensors(tensors)
-        layout = Layout.of(host)
+        layout = FileLayout.of(host)
         assert stored.path.name == FILE_PREFIX + naming.content_name(layout, host) + FILE_SUFFIX
         assert naming.matches(stored.path, layout, host)
         assert stored.stamp == FileStamp.of(stored.path)
@@ -589,7 +589,7 @@ def test_two_processes_writing_one_folder_at_once_leave_valid_files(tmp_path):
     expected = {}
     for i in range(8):
         host = host_tensors(_numbered_group(i))
-        layout = Layout.of(host)
+        layout = FileLayout.of(host)
         expected[FILE_PREFIX + naming.content_name(layout, host) + FILE_SUFFIX] = (layout, host)
     assert {p.name for p in files} == set(expected)
     for path in files:
@@ -603,7 +603,7 @@ def test_two_processes_writing_one_folder_at_once_leave_valid_files(tmp_path):
 @pytest.mark.parametrize("chunk_bytes", [1, 7, 64, 4096, 1 << 20])
 def test_the_staging_chunks_carry_every_byte_once_in_place(chunk_bytes):
     host = host_tensors(group())
-    layout = Layout.of(host)
+    layout = FileLayout.of(host)
     data = torch.zeros(layout.data_bytes, dtype=torch.uint8)  # the data section, alignment gaps included
     for e in layout.entries:
         data[e.start : e.end] = host[e.name].reshape(-1).view(torch.uint8)
@@ -656,7 +656,7 @@ def test_staging_ring_uploads_across_chunk_boundaries(chunk_bytes, strict_stream
     """On the accelerator (CUDA, else the strict model, whose copies land only once waited for)."""
     tensors = group()
     host = host_tensors(tensors)
-    layout = Layout.of(host)
+    layout = FileLayout.of(host)
     data = torch.zeros(layout.data_bytes, dtype=torch.uint8)  # the data section, alignment gaps included
     for e in layout.entries:
         data[e.start : e.end] = host[e.name].reshape(-1).view(torch.uint8)

@@ -13,7 +13,7 @@ Why memmode writes the format itself rather than calling ``safetensors.torch.sav
   on a 64-byte boundary, so a mapping can be viewed as typed tensors without a copy;
 - the bytes are written straight from the tensors' memory (:func:`byte_view`; ``save_file`` first copies
   every tensor into a ``bytes`` object: one extra group in RAM);
-- the name and the verification need the exact bytes, header included, computed once (:class:`Layout`).
+- the name and the verification need the exact bytes, header included, computed once (:class:`FileLayout`).
 
 The files remain ordinary safetensors files: ``safetensors.safe_open`` reads them.
 """
@@ -71,7 +71,7 @@ class UnsupportedDtypeError(TypeError):
 
 
 @dataclass(frozen=True)
-class Layout:
+class FileLayout:
     """Where each tensor of a group lies in its file, and the exact header bytes."""
 
     entries: tuple[Entry, ...]
@@ -91,7 +91,7 @@ class Layout:
         return self.data_start + self.data_bytes
 
     @classmethod
-    def of(cls, tensors: Tensors, metadata: dict[str, str] | None = None) -> Layout:
+    def of(cls, tensors: Tensors, metadata: dict[str, str] | None = None) -> FileLayout:
         """The layout of ``tensors`` (only their names, dtypes and shapes are read: meta tensors will do);
         ``metadata`` joins the header's ``__metadata__``."""
         entries = pack(tensors, align=DATA_ALIGNMENT)

@@ -25,7 +25,7 @@ import torch
 
 from memmode_core.contracts.packing import views
 from memmode_core.contracts.storage import Tensors
-from memmode_core.files.layout import Layout, byte_view
+from memmode_core.files.layout import FileLayout, byte_view
 from memmode_core.files.mapping import map_readonly
 from memmode_core.files.pools import LazyPool
 
@@ -54,7 +54,7 @@ HASH_PIECE = 4 << 20
 HASH_TASK = 16 << 20
 
 
-def content_name(layout: Layout, tensors: Tensors) -> str:
+def content_name(layout: FileLayout, tensors: Tensors) -> str:
     """The file name for these exact bytes: a digest of the header (names, dtypes, shapes) and of the
     digests of the data's pieces (see :data:`HASH_PIECE`), hashed by several threads for a large group."""
     namer = ContentNamer(layout)
@@ -76,7 +76,7 @@ class ContentNamer:
     0.42-0.47 s hashed as written, see :data:`~memmode_core.files.readwrite.WRITE_STEP`).
     """
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: FileLayout) -> None:
         self._header = layout.header
         self._pooled = layout.data_bytes > HASH_TASK
         #: per task in order: the future of its pieces' digests
@@ -146,14 +146,14 @@ def _piece_digest(piece: memoryview) -> bytes:
 _HASHERS = LazyPool("memmode-hash", lambda cores: min(4, max(2, cores)))
 
 
-def file_digest_name(path: str | os.PathLike, layout: Layout) -> str:
+def file_digest_name(path: str | os.PathLike, layout: FileLayout) -> str:
     """The content name of the bytes in the file now (what :func:`content_name` gave when it was
     written), read through a mapping: equal to the file's name unless its content changed."""
     flat = map_readonly(path)
     return content_name(layout, views(flat, layout.entries, layout.data_start))
 
 
-def matches(path: str | os.PathLike, layout: Layout, tensors: Tensors) -> bool:
+def matches(path: str | os.PathLike, layout: FileLayout, tensors: Tensors) -> bool:
     """Whether the file holds exactly this group: its size, its header and every data byte.
 
     The name already is a digest of the content, so a mismatch means a file that was truncated, or

@@ -21,7 +21,7 @@ import torch
 
 from memmode_core.contracts.packing import views
 from memmode_core.contracts.storage import Tensors
-from memmode_core.files.layout import Layout, byte_view
+from memmode_core.files.layout import FileLayout, byte_view
 
 if TYPE_CHECKING:
     from memmode_core.files.naming import ContentNamer
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 WRITE_STEP = 128 << 10
 
 
-def write(file, layout: Layout, tensors: Tensors, namer: ContentNamer | None = None) -> None:
+def write(file, layout: FileLayout, tensors: Tensors, namer: ContentNamer | None = None) -> None:
     """Write the group to an open binary file, in steps of at most :data:`WRITE_STEP` bytes (buffered writes
     loop until every byte is written); with ``namer``, each step hashed as it is written
     (:meth:`~memmode_core.files.naming.ContentNamer.write`)."""
@@ -55,7 +55,7 @@ def write(file, layout: Layout, tensors: Tensors, namer: ContentNamer | None = N
         end = entry.end
 
 
-def read(path: str | os.PathLike, layout: Layout) -> Tensors:
+def read(path: str | os.PathLike, layout: FileLayout) -> Tensors:
     """The group read into fresh memory (one allocation, one pass over the file)."""
     buffer = torch.empty(layout.data_bytes, dtype=torch.uint8)
     with open(path, "rb", buffering=0) as file:

@@ -61,7 +61,7 @@ from memmode_core.files.borrowed import borrow
 from memmode_core.files.borrowed import lending_now as lending
 from memmode_core.files.folder import OffloadFolder
 from memmode_core.files.groupfile import FILE_PREFIX, FILE_SUFFIX, FileStamp, GroupFile
-from memmode_core.files.layout import Layout, UnsupportedDtypeError, host_tensors
+from memmode_core.files.layout import FileLayout, UnsupportedDtypeError, host_tensors
 from memmode_core.files.pools import LazyPool
 
 logger = logging.getLogger("memmode")
@@ -98,7 +98,7 @@ class GroupFileOptions(Options):
     )
 
 
-def _holds(path: Path, layout: Layout, host: Tensors) -> bool:
+def _holds(path: Path, layout: FileLayout, host: Tensors) -> bool:
     """Whether the file under the group's content name holds exactly the group (it is reused); a file there that
     does not (truncated, or another file) is said, and the caller writes the group over it."""
     if naming.matches(path, layout, host):
@@ -248,7 +248,7 @@ class GroupFileStore:
         """
         host = host_tensors(tensors)
         try:
-            layout = Layout.of(host)
+            layout = FileLayout.of(host)
         except UnsupportedDtypeError as exc:
             raise self._refusal(f"cannot store {exc}") from None
         if device is not None:
@@ -278,7 +278,7 @@ class GroupFileStore:
         self.written_groups += 1
         return GroupFile(path, layout, stamp)
 
-    def _write_in_background(self, layout: Layout, host: Tensors) -> GroupFile:
+    def _write_in_background(self, layout: FileLayout, host: Tensors) -> GroupFile:
         """:meth:`store` in a folder that held no group file when reserved: the group is written to a temporary
         file by a writer thread, hashed as it is written, and named by :meth:`flush` (or when it is the
         oldest of more than :data:`WRITES_AHEAD` groups in flight).
@@ -369,7 +369,7 @@ class GroupFileStore:
                 f"{size / 2**30:.2f} GiB; free some space or choose another offload_dir="
             )
 
-    def _write(self, path: Path, layout: Layout, tensors: Tensors) -> None:
+    def _write(self, path: Path, layout: FileLayout, tensors: Tensors) -> None:
         temporary = self._write_temporary(layout, tensors)
         try:
             self._publish(temporary, path, layout)
@@ -378,7 +378,7 @@ class GroupFileStore:
                 os.unlink(temporary)
             raise
 
-    def _write_temporary(self, layout: Layout, tensors: Tensors) -> str:
+    def _write_temporary(self, layout: FileLayout, tensors: Tensors) -> str:
         """The group written to a new temporary file in the folder (:meth:`_write_into`); its path. Call with
         the folder lock held."""
         try:
@@ -396,7 +396,7 @@ class GroupFileStore:
                     os.unlink(temporary)
 
     def _write_into(
-        self, fd: int, layout: Layout, tensors: Tensors, namer: naming.ContentNamer | None = None
+        self, fd: int, layout: FileLayout, tensors: Tensors, namer: naming.ContentNamer | None = None
     ) -> FileStamp:
         """Write the group into the open file ``fd`` (``fsync``-ed if kept), hashed along the write by ``namer``
         if given (:func:`~memmode_core.files.readwrite.write`); the file's stamp after. Runs in a writer thread for
@@ -411,10 +411,10 @@ class GroupFileStore:
         except OSError as exc:
             raise self._cannot_write(layout, exc) from None
 
-    def _cannot_write(self, layout: Layout, exc: OSError) -> StorageUnavailableError:
+    def _cannot_write(self, layout: FileLayout, exc: OSError) -> StorageUnavailableError:
         return self._refusal(f"cannot write a group file ({layout.file_size / 2**20:.1f} MiB) in {self.folder}: {exc}")
 
-    def _publish(self, temporary: str, path: Path, layout: Layout) -> None:
+    def _publish(self, temporary: str, path: Path, layout: FileLayout) -> None:
         """Rename a written temporary file to its name: the name only ever points at a complete file."""
         try:
             os.replace(temporary, path)

@@ -34,7 +34,7 @@ import torch
 from memmode_core.contracts.errors import StagingError
 from memmode_core.contracts.storage import Tensors
 from memmode_core.contracts.units import format_bytes
-from memmode_core.files.layout import Layout, byte_view, host_tensors
+from memmode_core.files.layout import FileLayout, byte_view, host_tensors
 from memmode_core.files.mapping import Windows, map_private_fd
 
 
@@ -74,7 +74,7 @@ class StreamedFile:
         metadata: dict[str, str] | None = None,
         keep_as: str | os.PathLike | None = None,
     ) -> None:
-        self.layout = Layout.of(dict(specs), metadata)
+        self.layout = FileLayout.of(dict(specs), metadata)
         self._entries = {e.name: e for e in self.layout.entries}
         self._written: set[str] = set()
         self.keep_as = Path(keep_as) if keep_as is not None else None
@@ -210,7 +210,7 @@ def give_back_freed_memory() -> None:
 
 def file_size(specs: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int:
     """The size of the streamed file ``specs`` lay out: the room :func:`write_pieces` needs."""
-    return Layout.of(dict(specs), metadata).file_size if specs else 0
+    return FileLayout.of(dict(specs), metadata).file_size if specs else 0
 
 
 def write_pieces(
