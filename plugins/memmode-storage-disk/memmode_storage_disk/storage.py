@@ -29,7 +29,8 @@ import torch
 from memmode_core.contracts.costs import StorageCost, copying_cost
 from memmode_core.contracts.storage import Tensors, host_copy, placeholder
 from memmode_core.engine.streams import active
-from memmode_core.files.store import GroupFileSession, GroupFileStorage, GroupFileStore
+from memmode_core.files.sessions import GroupFileSession, GroupFileStorage
+from memmode_core.files.store import GroupFileStore
 
 
 class DiskSession(GroupFileSession):
