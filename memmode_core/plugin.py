@@ -54,7 +54,9 @@ from memmode_core.discovery.sources import temporary_plugin
 from memmode_core.engine.streams import Streams
 from memmode_core.engine.streams import active as active_streams
 from memmode_core.files.groupfile import GroupFile
-from memmode_core.files.store import GroupFileOptions, GroupFileSession, GroupFileStorage, GroupFileStore
+from memmode_core.files.options import GroupFileOptions
+from memmode_core.files.sessions import GroupFileSession, GroupFileStorage
+from memmode_core.files.store import GroupFileStore
 from memmode_core.planning.pricing import PlanEntry
 from memmode_core.planning.request import Request
 from memmode_core.quantization import QuantizationSummary, check_components, quantize_component

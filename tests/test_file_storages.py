@@ -43,8 +43,8 @@ from helpers import (
     state_of,
 )
 from memmode_core import InvalidOptionError, MemmodeError, StorageUnavailableError
-from memmode_core.files import format as group_format
-from memmode_core.files import store as group_files
+from memmode_core.files import readwrite
+from memmode_core.files.groupfile import FILE_PREFIX
 from tiny_models import make_blocks
 from tiny_pipelines import FAMILIES, full_load_outputs, make_pipeline, run, two_calls
 
@@ -136,7 +136,7 @@ def test_a_full_offload_dir_is_refused_with_the_pipeline_intact(storage, tmp_pat
 
 @pytest.mark.parametrize("storage", FILE_STORAGES)
 def test_a_write_failing_midway_is_refused_with_the_pipeline_intact(storage, tmp_path, monkeypatch):
-    real_write, calls = group_format.write, []
+    real_write, calls = readwrite.write, []
 
     def fails_on_third_group(file, layout, tensors, namer=None):
         calls.append(1)
@@ -144,7 +144,7 @@ def test_a_write_failing_midway_is_refused_with_the_pipeline_intact(storage, tmp
             raise OSError(28, "No space left on device")
         real_write(file, layout, tensors, namer)
 
-    monkeypatch.setattr(group_format, "write", fails_on_third_group)
+    monkeypatch.setattr(readwrite, "write", fails_on_third_group)
     pipe = make_pipeline("flux")
     with pytest.raises(StorageUnavailableError, match="No space left"):
         memmode.apply(pipe, "model_group_offload", device="cpu", storage=storage, offload_dir=tmp_path / "offload")
@@ -211,7 +211,7 @@ def test_kept_files_are_reused_by_the_next_apply(storage, tmp_path):
     run(pipe, "wan22")
     handle.remove()
     kept = {p: p.stat().st_ino for p in files_under(folder)}
-    assert kept and all(p.name.startswith(group_files.FILE_PREFIX) for p in kept)
+    assert kept and all(p.name.startswith(FILE_PREFIX) for p in kept)
 
     again = make_pipeline("wan22")
     handle = memmode.apply(again, "model_group_offload", device="cpu", storage=storage, offload_dir=folder)

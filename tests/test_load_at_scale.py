@@ -32,7 +32,7 @@ from diffusers import DiffusionPipeline
 import memmode_core as memmode
 from memmode_core.files import streamed
 from memmode_core.files.checkpoint import Checkpoint
-from memmode_core.files.format import MAP_WINDOW
+from memmode_core.files.mapping import MAP_WINDOW
 from tiny_pipelines import make_pipeline, run
 
 FAMILY = "wan22"
@@ -348,7 +348,7 @@ def test_groups_written_from_a_checkpoint_mapped_in_windows_hold_each_window_s_b
     """A large checkpoint is mapped in windows, each from its own offset of the file: the weights a load writes
     are the right bytes of the file (``verify="hash"`` checks every group file's bytes against its name at each
     onload), and outputs equal from_pretrained + apply."""
-    from memmode_core.files.format import Windows
+    from memmode_core.files.mapping import Windows
 
     monkeypatch.setattr(Windows.__init__, "__defaults__", (64 << 10,))  # windows of 64 KiB: many, far into it
     handle = memmode.load(

@@ -25,11 +25,13 @@ from helpers import ACCELERATOR, on_accelerator
 from memmode_core import StorageUnavailableError
 from memmode_core.contracts import packing
 from memmode_core.engine import streams
-from memmode_core.engine.staging import StagingRing, chunk_plan
+from memmode_core.engine.staging import StagingRing, chunks_of
 from memmode_core.files import folder as offload_folder
-from memmode_core.files import format as group_format
-from memmode_core.files.groupfile import FileStamp
-from memmode_core.files.store import FILE_PREFIX, FILE_SUFFIX, GroupFileStore
+from memmode_core.files import naming, readwrite
+from memmode_core.files.groupfile import FILE_PREFIX, FILE_SUFFIX, FileStamp
+from memmode_core.files.layout import DATA_ALIGNMENT, PADDING_PREFIX, FileLayout, byte_view, host_tensors
+from memmode_core.files.mapping import map_private
+from memmode_core.files.store import GroupFileStore
 
 
 def group(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -66,24 +68,24 @@ def test_files_are_safetensors_with_aligned_typed_data(store):
     tensors = group()
     stored = store.store(tensors)
     with safe_open(str(stored.path), framework="pt") as f:
-        padding = {k for k in f.keys() if k.startswith(group_format.PADDING_PREFIX)}
+        padding = {k for k in f.keys() if k.startswith(PADDING_PREFIX)}
         assert set(f.keys()) - padding == set(tensors)
         for name, tensor in tensors.items():
             assert torch.equal(f.get_tensor(name), tensor), name
         assert padding and all(not f.get_tensor(k).any() for k in padding), "alignment padding is named zeros"
     layout = stored.layout
-    assert layout.data_start % group_format.DATA_ALIGNMENT == 0
+    assert layout.data_start % DATA_ALIGNMENT == 0
     assert stored.path.stat().st_size == layout.file_size
     for entry in layout.entries:  # every tensor where a fresh CPU allocation would put it (BLAS picks kernels by it)
-        assert entry.start % group_format.DATA_ALIGNMENT == 0, entry
+        assert entry.start % DATA_ALIGNMENT == 0, entry
 
 
 def test_mapped_views_and_reads_give_back_the_bytes(store):
     tensors = group()
     stored = store.store(tensors)
     layout = stored.layout
-    mapped = packing.views(group_format.map_private(stored.path), layout.entries, layout.data_start)
-    read = group_format.read(stored.path, layout)
+    mapped = packing.views(map_private(stored.path), layout.entries, layout.data_start)
+    read = readwrite.read(stored.path, layout)
     for name, tensor in tensors.items():
         assert mapped[name].dtype == read[name].dtype == tensor.dtype
         assert torch.equal(mapped[name], tensor) and torch.equal(read[name], tensor), name
@@ -93,15 +95,15 @@ def test_a_write_to_a_mapped_view_never_reaches_the_file(store):
     stored = store.store(group())
     before = stored.path.read_bytes()
     layout = stored.layout
-    mapped = packing.views(group_format.map_private(stored.path), layout.entries, layout.data_start)
+    mapped = packing.views(map_private(stored.path), layout.entries, layout.data_start)
     mapped["blocks.0.attn.to_q.weight"].add_(1.0)  # copy-on-write: the page becomes the process's own
     assert stored.path.read_bytes() == before
 
 
 def test_the_name_is_a_digest_of_names_shapes_and_every_byte():
     def name_of(tensors):
-        host = group_format.host_tensors(tensors)
-        return group_format.content_name(group_format.Layout.of(host), host)
+        host = host_tensors(tensors)
+        return naming.content_name(FileLayout.of(host), host)
 
     base = group()
     assert name_of(base) == name_of(group())
@@ -117,21 +119,21 @@ def test_a_large_group_is_named_by_a_hash_list_of_its_pieces_hashed_in_parallel(
     in any piece changes it."""
     import blake3
 
-    monkeypatch.setattr(group_format, "HASH_PIECE", 1024)
-    monkeypatch.setattr(group_format, "HASH_TASK", 2048)
-    host = group_format.host_tensors({"a": torch.randn(3000), "b": torch.randn(700), "c": torch.zeros(0)})
-    layout = group_format.Layout.of(host)
+    monkeypatch.setattr(naming, "HASH_PIECE", 1024)
+    monkeypatch.setattr(naming, "HASH_TASK", 2048)
+    host = host_tensors({"a": torch.randn(3000), "b": torch.randn(700), "c": torch.zeros(0)})
+    layout = FileLayout.of(host)
     expected = blake3.blake3(layout.header)
     for entry in layout.entries:
-        data = group_format.byte_view(host[entry.name])
+        data = byte_view(host[entry.name])
         for start in range(0, len(data), 1024):
             expected.update(blake3.blake3(data[start : start + 1024]).digest())
-    assert group_format.content_name(layout, host) == expected.hexdigest()[: group_format.NAME_DIGITS]
-    names = {group_format.content_name(layout, host)}
+    assert naming.content_name(layout, host) == expected.hexdigest()[: naming.NAME_DIGITS]
+    names = {naming.content_name(layout, host)}
     for name, index in (("a", 0), ("a", 2999), ("b", 350)):
         changed = {**host, name: host[name].clone()}
         changed[name][index] += 1.0
-        names.add(group_format.content_name(layout, changed))
+        names.add(naming.content_name(layout, changed))
     assert len(names) == 4
 
 
@@ -196,16 +198,16 @@ def temporaries(folder: Path) -> list[str]:
 def test_in_a_new_folder_a_group_is_named_by_its_content_without_a_second_pass(tmp_path, monkeypatch):
     """A folder with no group file when reserved has no file to reuse: the group is hashed along its write to a
     temporary file, then renamed to its content name; the name is computed once, from the write."""
-    monkeypatch.setattr(group_format, "content_name", lambda *a: pytest.fail("hashed a second time"))
+    monkeypatch.setattr(naming, "content_name", lambda *a: pytest.fail("hashed a second time"))
     s = GroupFileStore(tmp_path / "offload", keep_files=False, owner="test")
     s.reserve({"g": 10_000})
     tensors = group()
     path = s.store(tensors).path
-    host = group_format.host_tensors(tensors)
-    layout = group_format.Layout.of(host)
+    host = host_tensors(tensors)
+    layout = FileLayout.of(host)
     monkeypatch.undo()
-    assert path.name == FILE_PREFIX + group_format.content_name(layout, host) + FILE_SUFFIX
-    assert group_format.matches(path, layout, host)
+    assert path.name == FILE_PREFIX + naming.content_name(layout, host) + FILE_SUFFIX
+    assert naming.matches(path, layout, host)
     assert temporaries(s.folder) == []
     s.close()
 
@@ -215,10 +217,10 @@ def test_a_group_is_written_in_steps_each_hashed_just_before_it_is_written(monke
     """Writing along the name (ContentNamer.write): no write is larger than WRITE_STEP, no step is cut across a
     piece, each step is hashed by the writing thread right before the file receives it (never a byte further),
     and the name equals content_name's."""
-    monkeypatch.setattr(group_format, "HASH_PIECE", piece)
-    monkeypatch.setattr(group_format, "WRITE_STEP", step)
-    host = group_format.host_tensors({"a": torch.randn(3000), "b": torch.randn(700), "c": torch.ones(5)})
-    layout = group_format.Layout.of(host)
+    monkeypatch.setattr(naming, "HASH_PIECE", piece)
+    monkeypatch.setattr(readwrite, "WRITE_STEP", step)
+    host = host_tensors({"a": torch.randn(3000), "b": torch.randn(700), "c": torch.ones(5)})
+    layout = FileLayout.of(host)
     received = [0]  # bytes the file received so far
     events = []
 
@@ -228,7 +230,7 @@ def test_a_group_is_written_in_steps_each_hashed_just_before_it_is_written(monke
             received[0] += len(data)
             return len(data)
 
-    real = group_format.HASH
+    real = naming.HASH
 
     class Recorded:
         def __init__(self, *data):
@@ -241,11 +243,11 @@ def test_a_group_is_written_in_steps_each_hashed_just_before_it_is_written(monke
         def digest(self):
             return self.digest_.digest()
 
-    monkeypatch.setattr(group_format, "HASH", Recorded)
-    namer = group_format.ContentNamer(layout)
-    group_format.write(File(), layout, host, namer)
-    monkeypatch.setattr(group_format, "HASH", real)
-    assert namer.name() == group_format.content_name(layout, host)
+    monkeypatch.setattr(naming, "HASH", Recorded)
+    namer = naming.ContentNamer(layout)
+    readwrite.write(File(), layout, host, namer)
+    monkeypatch.setattr(naming, "HASH", real)
+    assert namer.name() == naming.content_name(layout, host)
     data_writes = [e for e in events if e[0] == "write" and e[1] is not None]
     assert data_writes and max(n for _, _, n in data_writes) <= min(step, piece)
     for before, after in zip(events, events[1:], strict=False):
@@ -287,7 +289,7 @@ def test_a_hash_that_fails_while_writing_leaves_no_temporary_file(store, monkeyp
         def update(self, data):
             raise RuntimeError("hash failed")
 
-    monkeypatch.setattr(group_format, "HASH", Broken)
+    monkeypatch.setattr(naming, "HASH", Broken)
     with pytest.raises(RuntimeError, match="hash failed"):
         store.store(group())
     assert temporaries(store.folder) == [] and files_in(store.folder) == []
@@ -297,17 +299,17 @@ def test_a_hash_that_fails_while_writing_leaves_no_temporary_file(store, monkeyp
 
 
 class GatedWrites:
-    """``group_format.write`` held at a gate: each write says it started, then waits for :meth:`open`; counts
+    """``readwrite.write`` held at a gate: each write says it started, then waits for :meth:`open`; counts
     how many ran at once."""
 
     def __init__(self, monkeypatch) -> None:
-        self.real = group_format.write
+        self.real = readwrite.write
         self.gate = threading.Event()
         self.lock = threading.Lock()
         self.started = 0
         self.running = 0
         self.most_at_once = 0
-        monkeypatch.setattr(group_format, "write", self)
+        monkeypatch.setattr(readwrite, "write", self)
 
     def __call__(self, file, layout, tensors, namer=None):
         with self.lock:
@@ -352,10 +354,10 @@ def test_groups_are_written_two_at_once_and_named_in_order_at_flush(store, monke
     blocked.join(30)
     store.flush()
     for tensors, stored in zip(groups, [*first, *third], strict=True):
-        host = group_format.host_tensors(tensors)
-        layout = group_format.Layout.of(host)
-        assert stored.path.name == FILE_PREFIX + group_format.content_name(layout, host) + FILE_SUFFIX
-        assert group_format.matches(stored.path, layout, host)
+        host = host_tensors(tensors)
+        layout = FileLayout.of(host)
+        assert stored.path.name == FILE_PREFIX + naming.content_name(layout, host) + FILE_SUFFIX
+        assert naming.matches(stored.path, layout, host)
         assert stored.stamp == FileStamp.of(stored.path)
         stored.check()
     assert temporaries(store.folder) == []
@@ -376,7 +378,7 @@ def test_a_background_write_that_fails_is_refused_at_flush_and_its_peers_dropped
     """The second of three groups in flight hits a full disk: flush() names the first, then raises the typed
     refusal, after deleting every temporary file and waiting for every thread (nothing reads the tensors
     after it returns). The tensors are untouched."""
-    real = group_format.write
+    real = readwrite.write
     groups = [group(seed) for seed in range(3)]
     second = groups[1]["blocks.0.attn.to_q.weight"].data_ptr()  # known by its bytes: two writers start in any order
 
@@ -386,7 +388,7 @@ def test_a_background_write_that_fails_is_refused_at_flush_and_its_peers_dropped
             raise OSError(28, "No space left on device")
         real(file, layout, tensors, namer)
 
-    monkeypatch.setattr(group_format, "write", full_on_second)
+    monkeypatch.setattr(readwrite, "write", full_on_second)
     copies = [{k: v.clone() for k, v in g.items()} for g in groups]
     stored = []
     with pytest.raises(StorageUnavailableError, match="No space left") as caught:
@@ -464,7 +466,7 @@ def test_a_write_that_fails_midway_is_an_error_and_leaves_nothing(store, monkeyp
         file.write(layout.header)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(group_format, "write", full_disk)
+    monkeypatch.setattr(readwrite, "write", full_disk)
     with pytest.raises(StorageUnavailableError, match="No space left"):
         store.store(group())
     assert list(store.folder.iterdir()) == [p for p in store.folder.iterdir() if p.suffix == ".lease"]
@@ -586,13 +588,13 @@ def test_two_processes_writing_one_folder_at_once_leave_valid_files(tmp_path):
     assert [p.name for p in folder.iterdir() if not p.name.startswith(FILE_PREFIX)] == []
     expected = {}
     for i in range(8):
-        host = group_format.host_tensors(_numbered_group(i))
-        layout = group_format.Layout.of(host)
-        expected[FILE_PREFIX + group_format.content_name(layout, host) + FILE_SUFFIX] = (layout, host)
+        host = host_tensors(_numbered_group(i))
+        layout = FileLayout.of(host)
+        expected[FILE_PREFIX + naming.content_name(layout, host) + FILE_SUFFIX] = (layout, host)
     assert {p.name for p in files} == set(expected)
     for path in files:
         layout, host = expected[path.name]
-        assert group_format.matches(path, layout, host), path
+        assert naming.matches(path, layout, host), path
 
 
 # -- uploads to an accelerator: how the staging ring cuts a group into chunks, and the copies -----------
@@ -600,14 +602,14 @@ def test_two_processes_writing_one_folder_at_once_leave_valid_files(tmp_path):
 
 @pytest.mark.parametrize("chunk_bytes", [1, 7, 64, 4096, 1 << 20])
 def test_the_staging_chunks_carry_every_byte_once_in_place(chunk_bytes):
-    host = group_format.host_tensors(group())
-    layout = group_format.Layout.of(host)
+    host = host_tensors(group())
+    layout = FileLayout.of(host)
     data = torch.zeros(layout.data_bytes, dtype=torch.uint8)  # the data section, alignment gaps included
     for e in layout.entries:
         data[e.start : e.end] = host[e.name].reshape(-1).view(torch.uint8)
     out = {name: torch.full_like(t.reshape(-1).view(torch.uint8), 0xAB) for name, t in host.items()}
     copied = 0
-    for begin, end, pieces in chunk_plan(layout, chunk_bytes):
+    for begin, end, pieces in chunks_of(layout, chunk_bytes):
         assert 0 < end - begin <= chunk_bytes
         chunk = data[begin:end]  # what fill() puts in the staging chunk
         for name, lo, hi, at in pieces:
@@ -653,8 +655,8 @@ def test_a_forked_child_leaves_the_parents_files_alone(tmp_path, monkeypatch):
 def test_staging_ring_uploads_across_chunk_boundaries(chunk_bytes, strict_streams):
     """On the accelerator (CUDA, else the strict model, whose copies land only once waited for)."""
     tensors = group()
-    host = group_format.host_tensors(tensors)
-    layout = group_format.Layout.of(host)
+    host = host_tensors(tensors)
+    layout = FileLayout.of(host)
     data = torch.zeros(layout.data_bytes, dtype=torch.uint8)  # the data section, alignment gaps included
     for e in layout.entries:
         data[e.start : e.end] = host[e.name].reshape(-1).view(torch.uint8)

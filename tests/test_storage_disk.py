@@ -15,7 +15,7 @@ import memmode_core as memmode
 from fault_injection import data_offset, in_forked_child, modify_in_place
 from helpers import assert_same_outputs, module_components, nbytes
 from memmode_core import MemmodeError, StorageUnavailableError
-from memmode_core.files import format as group_format
+from memmode_core.files import readwrite
 from tiny_models import BLOCK_KEY, make_blocks, make_inputs
 from tiny_pipelines import full_load_outputs, make_pipeline, two_calls
 
@@ -62,7 +62,7 @@ def test_each_onload_reads_the_file(tmp_path):
     (key,) = session.files
     group_file = session.files[key]
     fetched = session.fetch(key, torch.device("cpu"))
-    on_disk = group_format.read(group_file.path, group_file.layout)
+    on_disk = readwrite.read(group_file.path, group_file.layout)
     assert fetched.keys() == on_disk.keys()
     for name in fetched:
         assert torch.equal(fetched[name], on_disk[name]), name

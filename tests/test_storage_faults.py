@@ -503,7 +503,7 @@ _WRITING_CHILD = textwrap.dedent("""
     import torch
     torch.set_num_threads(1)
     import memmode_core as memmode
-    from memmode_core.files import format as group_format
+    from memmode_core.files import readwrite
     from tiny_models import make_blocks, make_inputs
 
     folder, seed = sys.argv[2], int(sys.argv[3])
@@ -511,7 +511,7 @@ _WRITING_CHILD = textwrap.dedent("""
     (x,) = make_inputs(seed)
     with torch.no_grad():
         expected = model(x)
-    real, started, lock = group_format.write, [], threading.Lock()
+    real, started, lock = readwrite.write, [], threading.Lock()
 
     def held(file, layout, tensors, namer=None):  # the second group's write waits for a line
         with lock:
@@ -522,7 +522,7 @@ _WRITING_CHILD = textwrap.dedent("""
             sys.stdin.readline()
         real(file, layout, tensors, namer)
 
-    group_format.write = held
+    readwrite.write = held
     print("imported", flush=True)
     sys.stdin.readline()
     memmode.apply(model, "model_group_offload", device="cpu", storage="disk", offload_dir=folder)

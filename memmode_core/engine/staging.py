@@ -21,7 +21,7 @@ import torch
 
 from memmode_core.contracts.storage import Tensors
 from memmode_core.engine.streams import active
-from memmode_core.files.format import Layout
+from memmode_core.files.layout import FileLayout
 
 CHUNK_BYTES = 16 << 20
 CHUNKS = 2
@@ -45,7 +45,7 @@ class StagingRing:
     def pinned_bytes(self) -> int:
         return sum(c.numel() for c in self._chunks)
 
-    def upload(self, layout: Layout, fill: Fill, device: torch.device, stream: torch.Stream | None) -> Tensors:
+    def upload(self, layout: FileLayout, fill: Fill, device: torch.device, stream: torch.Stream | None) -> Tensors:
         """The group's tensors on ``device``, their copies queued on ``stream`` (or the current stream)."""
         streams = self.streams
         if not self._chunks:
@@ -55,7 +55,7 @@ class StagingRing:
         with streams.on(stream):  # allocated on, and written by, that stream
             out = {e.name: streams.empty(e.shape, e.dtype, device) for e in layout.entries}
             flat = {name: t.reshape(-1).view(torch.uint8) for name, t in out.items()}
-            for begin, end, pieces in chunk_plan(layout, self.chunk_bytes):
+            for begin, end, pieces in chunks_of(layout, self.chunk_bytes):
                 chunk = self._take()[: end - begin]
                 fill(chunk, begin)
                 for name, lo, hi, at in pieces:
@@ -84,7 +84,7 @@ class StagingRing:
         self._chunks, self._drained = [], []
 
 
-def chunk_plan(layout: Layout, chunk_bytes: int) -> Iterator[tuple[int, int, list[tuple[str, int, int, int]]]]:
+def chunks_of(layout: FileLayout, chunk_bytes: int) -> Iterator[tuple[int, int, list[tuple[str, int, int, int]]]]:
     """The data section cut into chunks: ``(begin, end, pieces)`` per chunk, where each piece
     ``(name, lo, hi, at)`` copies bytes ``[lo, hi)`` of tensor ``name`` from byte ``at`` of the chunk.
     A tensor larger than a chunk, or straddling two, comes in several pieces."""

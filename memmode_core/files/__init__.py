@@ -1,9 +1,31 @@
-"""Offloaded groups as files: what the ``disk`` and ``mmap`` storages share.
+"""Offloaded groups as files: what the ``disk`` and ``mmap`` storages share, and the checkpoints a load maps.
 
-- :mod:`.format` — one safetensors file per group, named by a digest of its content, written
-  atomically, verified byte for byte, mapped or read back;
+One group file, one safetensors file per group:
+
+- :mod:`.layout` — where each tensor of a group lies in its file and the exact header (:class:`~.layout.FileLayout`),
+  laid out so that a mapping can be viewed as typed tensors;
+- :mod:`.readwrite` — a group's bytes written straight from the tensors' memory, and read back;
+- :mod:`.naming` — the file's name, a digest of its content (BLAKE3, hashed in pieces or along the write),
+  and the byte-for-byte comparison that verifies a file before it is reused;
+- :mod:`.mapping` — files mapped privately (copy-on-write) or read-only, large ones in windows;
+- :mod:`.pages` — whether a kept private mapping holds pages the process wrote, and dropping them;
+- :mod:`.groupfile` — one stored group's file: where it is, its layout, the stamp it was last known right by.
+
+The files of a session, in a folder:
+
+- :mod:`.store` — :class:`~.store.GroupFileStore`: named by content, written atomically, verified on reuse,
+  room and writability checked (``reserve``) before anything is released;
+- :mod:`.writers` — the writer threads that write groups in the background, and the groups in flight until
+  they are named;
 - :mod:`.folder` — the offload folder: private or given, locked while files are written, leases so
   that processes sharing it never delete what another one reads, cleanup at close and at exit;
-- :mod:`.store` — the storage session base classes built on the two, with ``reserve`` (room and
-  writability checked before anything is released) and the ``keep_files`` option.
+- :mod:`.pools` — the lazily started thread pools that write and hash;
+- :mod:`.options` — the storages' options (``keep_files``, ``verify``) and the check of ``offload_dir``;
+- :mod:`.sessions` — the storage and session base classes the ``disk`` and ``mmap`` plugins subclass.
+
+Checkpoints and loads:
+
+- :mod:`.checkpoint` — safetensors checkpoints read header first, tensors as views of private mappings;
+- :mod:`.streamed` — converted weights written to a file piece by piece, then mapped;
+- :mod:`.borrowed` — groups stored by reference in the pages a load lends, nothing written.
 """

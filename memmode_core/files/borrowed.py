@@ -5,7 +5,7 @@ its weights are already views of safetensors files mapped privately. Writing the
 would cost the model's size in disk writes and time before the first output, for a second copy of bytes
 that already sit in a file the page cache serves. So the loader *lends* those mappings to the storage
 for the length of ``apply`` (:func:`lending`), and a group whose tensors all lie in one lent mapping is
-stored as a :class:`BorrowedFile`: a :class:`~memmode_core.files.store.GroupFile` whose bytes are ranges
+stored as a :class:`BorrowedFile`: a :class:`~memmode_core.files.groupfile.GroupFile` whose bytes are ranges
 of the checkpoint. The storage reads it back as it reads its own files (mapped, or copied range by range
 into staging buffers), never deletes it, and counts no disk bytes for it.
 
@@ -42,8 +42,8 @@ from memmode_core.contracts.errors import StorageUnavailableError
 from memmode_core.contracts.storage import Tensors
 from memmode_core.engine.staging import Fill
 from memmode_core.engine.streams import active
-from memmode_core.files.format import DATA_ALIGNMENT, Layout
 from memmode_core.files.groupfile import FileStamp, GroupFile
+from memmode_core.files.layout import DATA_ALIGNMENT, FileLayout
 
 
 @dataclass(eq=False)
@@ -107,7 +107,7 @@ def lending(sources: list[Source]) -> Iterator[None]:
 EXTRAS_FRACTION = 0.125
 
 
-def borrow(layout: Layout, tensors: Tensors, device: torch.device) -> BorrowedFile | None:
+def borrow(layout: FileLayout, tensors: Tensors, device: torch.device) -> BorrowedFile | None:
     """A :class:`BorrowedFile` for the group if its tensors lie in lent mappings (but for a few small ones
     that lie in none) and borrowing them cannot change a bit (see the module docstring), else None."""
     with _lock:
@@ -135,7 +135,7 @@ class BorrowedFile(GroupFile):
     """A group whose bytes are ranges of lent mappings (checkpoint files, unlinked streamed files), and a
     few small tensors of its own."""
 
-    def __init__(self, layout: Layout, places: dict[str, tuple[Source, int]], extras: Tensors) -> None:
+    def __init__(self, layout: FileLayout, places: dict[str, tuple[Source, int]], extras: Tensors) -> None:
         files = {s.path for s, _ in places.values()}
         super().__init__(next(iter(files)) if len(files) == 1 else None, layout, None)
         #: tensor name -> (the mapping, where its bytes start in it)

@@ -10,9 +10,9 @@ which the kernel can evict and re-read, is the only copy.
   before anything is mapped: a truncated shard is a :class:`CheckpointError` naming it, never a SIGBUS
   half-way through a forward.
 - **Private mappings, in windows.** Files are mapped copy-on-write
-  (:func:`~memmode_core.files.format.map_private`): an in-place write into a weight copies that page into
+  (:func:`~memmode_core.files.mapping.map_private`): an in-place write into a weight copies that page into
   the process and never reaches the checkpoint. Each file is mapped in windows of about 1 GiB
-  (:class:`~memmode_core.files.format.Windows`), each when a tensor in it is first read: Linux's default
+  (:class:`~memmode_core.files.mapping.Windows`), each when a tensor in it is first read: Linux's default
   overcommit refuses one private mapping larger than RAM, and a single-file checkpoint can be larger.
 - **Sharded checkpoints** are read through their ``*.safetensors.index.json``; a key found in two files,
   or an index naming a missing file, is refused.
@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from memmode_core.contracts.errors import CheckpointError
-from memmode_core.files.format import DTYPE_NAMES, PADDING_PREFIX, Windows, map_private_range
+from memmode_core.files.layout import DTYPE_NAMES, PADDING_PREFIX
+from memmode_core.files.mapping import Windows, map_private_range
 
 #: safetensors dtype name -> torch dtype (the inverse of the names the group files write)
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}

@@ -20,8 +20,11 @@ from memmode_core.contracts import packing
 from memmode_core.contracts.errors import StorageUnavailableError
 from memmode_core.contracts.storage import Tensors
 from memmode_core.engine.staging import Fill
-from memmode_core.files import format as group_format
-from memmode_core.files.format import Layout
+from memmode_core.files import readwrite
+from memmode_core.files.layout import FileLayout, byte_view
+from memmode_core.files.mapping import map_private, map_private_kept
+from memmode_core.files.naming import file_digest_name
+from memmode_core.files.pages import drop_pages, holds_own_pages, page_range
 
 FILE_PREFIX = "memmode-"
 FILE_SUFFIX = ".safetensors"
@@ -51,7 +54,7 @@ class GroupFile:
     content was last known to be right."""
 
     path: Path
-    layout: Layout
+    layout: FileLayout
     stamp: FileStamp | None = None
     #: the mapping :meth:`onload_views` keeps between onloads: (the stamp it was made under, the ``mmap``, the
     #: pages it spans, the typed views of its tensors)
@@ -97,10 +100,7 @@ class GroupFile:
             )
         now = FileStamp(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         try:
-            intact = (
-                group_format.file_digest_name(self.path, self.layout)
-                == self.path.name[len(FILE_PREFIX) : -len(FILE_SUFFIX)]
-            )
+            intact = file_digest_name(self.path, self.layout) == self.path.name[len(FILE_PREFIX) : -len(FILE_SUFFIX)]
         except (OSError, ValueError) as exc:
             raise self._broken(f"it cannot be read ({exc})") from None
         if not intact:
@@ -113,9 +113,9 @@ class GroupFile:
         return StorageUnavailableError(f"group file {self.path} is not the one memmode wrote: {why}")
 
     def map(self) -> tuple[torch.Tensor, Tensors]:
-        """The file mapped privately (see :func:`~memmode_core.files.format.map_private`): its bytes as
+        """The file mapped privately (see :func:`~memmode_core.files.mapping.map_private`): its bytes as
         one flat ``uint8`` tensor, and typed views of every tensor in it. Nothing is copied."""
-        flat = group_format.map_private(self.path)
+        flat = map_private(self.path)
         return flat, packing.views(flat, self.layout.entries, self.layout.data_start)
 
     def onload_views(self) -> Tensors:
@@ -135,9 +135,9 @@ class GroupFile:
         """
         kept = self._kept
         if kept is None or kept[0] != self.stamp:
-            mapping, flat = group_format.map_private_kept(self.path)
+            mapping, flat = map_private_kept(self.path)
             views = packing.views(flat, self.layout.entries, self.layout.data_start)
-            kept = self._kept = (self.stamp, mapping, group_format.page_range(flat), views)
+            kept = self._kept = (self.stamp, mapping, page_range(flat), views)
         return dict(kept[3])
 
     def release(self, *, intact: bool = True) -> None:
@@ -150,7 +150,7 @@ class GroupFile:
         at the next onload cost more than the bookkeeping of a leaf-level group. What must not outlive the
         onload is memory of the process's own: a copy-on-write copy of a page written while the group was
         onloaded (an in-place edit of a resident weight, which the file does not have). One read of
-        ``/proc/self/pagemap`` finds any (:func:`~memmode_core.files.format.holds_own_pages`), and then the
+        ``/proc/self/pagemap`` finds any (:func:`~memmode_core.files.pages.holds_own_pages`), and then the
         mapping is emptied, so the edit is dropped as it was with a mapping per onload.
 
         With ``intact=False`` a tensor of the mapping stays in use (the model kept it in place of the one
@@ -160,12 +160,12 @@ class GroupFile:
         kept = self._kept
         if kept is None:
             return
-        if not intact or (group_format.holds_own_pages(kept[2]) and not group_format.drop_pages(kept[1])):
+        if not intact or (holds_own_pages(kept[2]) and not drop_pages(kept[1])):
             self._kept = None
 
     def read(self) -> Tensors:
         """The group read into fresh, ordinary memory."""
-        return group_format.read(self.path, self.layout)
+        return readwrite.read(self.path, self.layout)
 
     def mapped_filler(self, flat: torch.Tensor) -> Fill:
         """A ``fill(chunk, offset)`` for staged uploads copying the group's bytes from ``flat``, the file
@@ -185,6 +185,6 @@ class GroupFile:
             fd = file.fileno()
 
             def fill(chunk: torch.Tensor, offset: int) -> None:
-                group_format.read_into(fd, group_format.byte_view(chunk), start + offset)
+                readwrite.read_into(fd, byte_view(chunk), start + offset)
 
             yield fill

@@ -1,8 +1,8 @@
 """The small thread pools that write and hash group files while the engine goes on.
 
 Two jobs run beside the caller's thread when a model is stored to files: writing each group to its file
-(:mod:`memmode_core.files.store`) and hashing what was written, for the file's content name
-(:mod:`memmode_core.files.format`). Both spend their time in calls that release the GIL (``write``, BLAKE3's
+(:mod:`memmode_core.files.writers`) and hashing what was written, for the file's content name
+(:mod:`memmode_core.files.naming`). Both spend their time in calls that release the GIL (``write``, BLAKE3's
 ``update``), so threads run them on every core. A pool is started on first use, and a
 forked child starts its own: the parent's threads do not exist in it.
 """

@@ -1,11 +1,12 @@
-"""Group files: the folder of one-file-per-group that the ``disk`` and ``mmap`` storages share.
+"""The group-file store: the files of one storage session in one folder, one file per group.
 
-Both storages promise the same things about their files, so the mechanics live here once and a
-plugin adds only how it reads them back (``disk``: at each onload, for as long as the group is on
-the device; ``mmap``: mapped once, for the whole session):
+The ``disk`` and ``mmap`` storages promise the same things about their files, so the mechanics live here
+once (their sessions' common side is :mod:`memmode_core.files.sessions`) and a plugin adds only how it
+reads them back (``disk``: at each onload, for as long as the group is on the device; ``mmap``: mapped
+once, for the whole session). :class:`GroupFileStore` keeps these promises:
 
 - **Named by content.** A file's name is a digest of its header and bytes
-  (:func:`~memmode_core.files.format.content_name`), so a file left by another model, by another
+  (:func:`~memmode_core.files.naming.content_name`), so a file left by another model, by another
   version of this one, or by a crash is never looked up as the current weights, and a second
   ``apply`` of unchanged weights finds its files and starts without writing.
 - **Verified on reuse.** An existing file is used only if its size, header and every byte equal
@@ -17,9 +18,10 @@ the device; ``mmap``: mapped once, for the whole session):
   and a file that did not reach the disk whole is never reused: reuse compares every byte (below). The
   ``fsync`` of every group costs about as much as writing it (measured: 1.1 s of 3.0 s for 570 MiB).
   In a folder that held no group file when reserved, a group is written to a temporary file by a writer
-  thread (two at a time), hashed along its write (each step just before it is written) and renamed to its content name
-  after (:meth:`GroupFileStore._write_in_background`, :meth:`GroupFileStore.flush`); the temporary file is
-  locked by its writer meanwhile, so a peer's sweep of orphans leaves it.
+  thread (two at a time), hashed along its write (each step just before it is written) and renamed to its
+  content name after (:meth:`GroupFileStore._write_in_background`, :meth:`GroupFileStore.flush`,
+  :mod:`memmode_core.files.writers`); the temporary file is locked by its writer meanwhile, so a peer's
+  sweep of orphans leaves it.
 - **Safe to share.** Processes using one folder take turns on a lock of the folder while they
   check and write, so N processes applying the same model write each file once and all map the
   same file (one copy in the page cache); no session deletes a file another live session still
@@ -42,27 +44,21 @@ import logging
 import os
 import shutil
 import tempfile
-from collections import deque
 from collections.abc import Mapping
-from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from memmode_core.contracts.errors import InvalidOptionError, StorageUnavailableError
-from memmode_core.contracts.options import Options, boolean, one_of, option
-from memmode_core.contracts.storage import Storage, StorageSession, Tensors
-from memmode_core.engine.staging import Fill, StagingRing
-from memmode_core.engine.streams import active
+from memmode_core.contracts.errors import StorageUnavailableError
+from memmode_core.contracts.storage import Tensors
 from memmode_core.files import folder as offload_folder
-from memmode_core.files import format as group_format
+from memmode_core.files import naming, readwrite
 from memmode_core.files.borrowed import borrow
 from memmode_core.files.borrowed import lending_now as lending
 from memmode_core.files.folder import OffloadFolder
-from memmode_core.files.format import Layout
 from memmode_core.files.groupfile import FILE_PREFIX, FILE_SUFFIX, FileStamp, GroupFile
-from memmode_core.files.pools import LazyPool
+from memmode_core.files.layout import FileLayout, UnsupportedDtypeError, host_tensors
+from memmode_core.files.writers import InFlight, Unnamed
 
 logger = logging.getLogger("memmode")
 
@@ -70,83 +66,16 @@ logger = logging.getLogger("memmode")
 PER_FILE_ALLOWANCE = 8 << 10
 
 
-#: groups written to their files at once while the engine goes on (:meth:`GroupFileStore.store` with
-#: ``wait=False``): two writers keep both cores of the project's machine busy writing and hashing
-WRITES_AHEAD = 2
-_WRITERS = LazyPool("memmode-write", lambda cores: WRITES_AHEAD)
-
-#: how much a group file is checked before each onload and before remove() reads it back
-VERIFY_LEVELS = ("size", "hash", "none")
-
-
-@dataclass(frozen=True)
-class GroupFileOptions(Options):
-    """The options of the storages that write group files (``disk``, ``mmap``)."""
-
-    keep_files: bool = option(
-        False,
-        "leave the group files this session wrote in offload_dir after remove() and at exit, so that the next "
-        "apply of the same weights reuses them instead of writing (needs offload_dir)",
-        boolean,
-    )
-    verify: str = option(
-        "size",
-        "check each group file before it is read back: 'size' (one stat: size, identity and modification time; a "
-        "changed file is then hashed, so a truncated, replaced or edited file is an error), 'hash' (also the "
-        "content digest at every onload, ~0.1 s per GB read on 2 cores), 'none'",
-        one_of(*VERIFY_LEVELS),
-    )
-
-
-def _holds(path: Path, layout: Layout, host: Tensors) -> bool:
+def _holds(path: Path, layout: FileLayout, host: Tensors) -> bool:
     """Whether the file under the group's content name holds exactly the group (it is reused); a file there that
     does not (truncated, or another file) is said, and the caller writes the group over it."""
-    if group_format.matches(path, layout, host):
+    if naming.matches(path, layout, host):
         return True
     if path.exists():
         logger.warning(
             "memmode: %s does not hold the bytes its name promises (truncated or another file); rewriting it", path
         )
     return False
-
-
-@dataclass(eq=False)
-class _Unnamed:
-    """A group being written to a temporary file in the background (:meth:`GroupFileStore.store`), not yet
-    under its content name."""
-
-    group_file: GroupFile
-    #: the tensors the writer and the hash read, held until the group is named
-    host: Tensors | None
-    #: the temporary file (None once renamed to its name or deleted), and its descriptor, which holds the
-    #: file's lock (see :meth:`~memmode_core.files.folder.OffloadFolder.temporary_file`)
-    temporary: str | None
-    fd: int | None
-    namer: group_format.ContentNamer
-    #: the writer's future: the file's stamp once every byte is in, or its failure
-    written: Future | None = None
-
-    def finish(self) -> FileStamp:
-        """The file's stamp once written; raises the write's failure. Returns, or raises, only once no thread
-        reads the tensors any more."""
-        try:
-            return self.written.result()
-        finally:
-            self.namer.wait()
-
-    def drop(self) -> None:
-        """Wait for the threads, delete the temporary file if it is still there, release its lock."""
-        if self.written is not None:
-            with contextlib.suppress(BaseException):
-                self.finish()
-        if self.temporary is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self.temporary)
-            self.temporary = None
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-        self.host = None
 
 
 class GroupFileStore:
@@ -171,7 +100,7 @@ class GroupFileStore:
         #: the folder held no group file when reserved: write each group while hashing it (see store)
         self._write_first = False
         #: groups written in the background, oldest first, not yet under their names (see flush)
-        self._unnamed: deque[_Unnamed] = deque()
+        self._unnamed = InFlight()
 
     @property
     def folder(self) -> Path | None:
@@ -246,10 +175,10 @@ class GroupFileStore:
         returned file then has its final size but not yet its bytes nor its name, and ``tensors`` are read
         until :meth:`flush`, which must come before the file is read, checked or mapped for use.
         """
-        host = group_format.host_tensors(tensors)
+        host = host_tensors(tensors)
         try:
-            layout = Layout.of(host)
-        except group_format.UnsupportedDtypeError as exc:
+            layout = FileLayout.of(host)
+        except UnsupportedDtypeError as exc:
             raise self._refusal(f"cannot store {exc}") from None
         if device is not None:
             borrowed = borrow(layout, host, device)
@@ -264,7 +193,7 @@ class GroupFileStore:
                 self.flush()
             return group_file
         self.flush()
-        name = FILE_PREFIX + group_format.content_name(layout, host) + FILE_SUFFIX
+        name = FILE_PREFIX + naming.content_name(layout, host) + FILE_SUFFIX
         path = self.folder / name
         with self._folder.locked():
             self._folder.claim(name)
@@ -278,26 +207,18 @@ class GroupFileStore:
         self.written_groups += 1
         return GroupFile(path, layout, stamp)
 
-    def _write_in_background(self, layout: Layout, host: Tensors) -> GroupFile:
+    def _write_in_background(self, layout: FileLayout, host: Tensors) -> GroupFile:
         """:meth:`store` in a folder that held no group file when reserved: the group is written to a temporary
         file by a writer thread, hashed as it is written, and named by :meth:`flush` (or when it is the
-        oldest of more than :data:`WRITES_AHEAD` groups in flight).
+        oldest of more than :data:`~memmode_core.files.writers.WRITES_AHEAD` groups in flight): why, and why
+        two writers, is :mod:`memmode_core.files.writers`.
 
-        There, the name is only needed to find a file to reuse, and there is none to find: so the name is
-        computed along the write, each step hashed by the writer just before it is written
-        (:meth:`~memmode_core.files.format.ContentNamer.write`). The
-        engine stores a component group by group and releases nothing until every group is stored, so
-        writing a group while the next is prepared and written holds no memory the model does not hold
-        anyway. Two groups written at once, to two files, measured 0.53-0.55 s for the 22 blocks of a
-        1.9 GiB bf16 checkpoint against 0.63-1.23 s one after the other (five alternated rounds, copied by
-        the kernel and hashed behind, as memmode wrote them then; three or four writers did no better on 2
-        cores). The guarantees are those of :meth:`store`: the name is the content's digest, written
+        The guarantees are those of :meth:`store`: the name is the content's digest, written
         atomically (the rename); a file that appeared under that name meanwhile (a peer, or an identical
         group of this session) is compared byte for byte and reused, and the temporary file dropped, or
         else replaced. A temporary file is locked by its writer until then, so a peer's sweep leaves it.
         """
-        while len(self._unnamed) >= WRITES_AHEAD:
-            self._name_oldest()
+        self._unnamed.make_way(self._name)
         if self._room_per_write:
             in_flight = sum(u.group_file.layout.file_size + PER_FILE_ALLOWANCE for u in self._unnamed)
             self._check_room(layout.file_size + PER_FILE_ALLOWANCE + in_flight)
@@ -307,32 +228,22 @@ class GroupFileStore:
         except OSError as exc:
             raise self._cannot_write(layout, exc) from None
         group_file = GroupFile(Path(temporary), layout)
-        unnamed = _Unnamed(group_file, host, temporary, fd, group_format.ContentNamer(layout))
+        unnamed = Unnamed(group_file, host, temporary, fd, naming.ContentNamer(layout))
         try:
             os.ftruncate(fd, layout.file_size)  # its final size at once: the mmap storage maps it on return
         except OSError as exc:
             unnamed.drop()
             raise self._cannot_write(layout, exc) from None
-        unnamed.written = _WRITERS.submit(self._write_into, fd, layout, host, unnamed.namer)
-        self._unnamed.append(unnamed)
+        self._unnamed.start(unnamed, self._write_into, fd, layout, host, unnamed.namer)
         return group_file
 
     def flush(self) -> None:
         """Name every group :meth:`store` left writing in the background, in order. On a failure (a typed
         refusal from the write, or the hash's error) the groups still in flight are dropped, their
         temporary files deleted, and the failure raised: the caller closes the session."""
-        while self._unnamed:
-            self._name_oldest()
+        self._unnamed.flush(self._name)
 
-    def _name_oldest(self) -> None:
-        unnamed = self._unnamed.popleft()
-        try:
-            self._name(unnamed)
-        except BaseException:
-            self._drop_unnamed()
-            raise
-
-    def _name(self, unnamed: _Unnamed) -> None:
+    def _name(self, unnamed: Unnamed) -> None:
         """Wait for a group written in the background, then put its file under its content name, or reuse the
         file already there if it holds exactly the group."""
         layout = unnamed.group_file.layout
@@ -354,10 +265,6 @@ class GroupFileStore:
         self._sizes[name] = layout.file_size
         self.written_groups += 1
 
-    def _drop_unnamed(self) -> None:
-        while self._unnamed:
-            self._unnamed.popleft().drop()
-
     def _check_room(self, size: int) -> None:
         try:
             free = shutil.disk_usage(self.folder).free
@@ -369,7 +276,7 @@ class GroupFileStore:
                 f"{size / 2**30:.2f} GiB; free some space or choose another offload_dir="
             )
 
-    def _write(self, path: Path, layout: Layout, tensors: Tensors) -> None:
+    def _write(self, path: Path, layout: FileLayout, tensors: Tensors) -> None:
         temporary = self._write_temporary(layout, tensors)
         try:
             self._publish(temporary, path, layout)
@@ -378,7 +285,7 @@ class GroupFileStore:
                 os.unlink(temporary)
             raise
 
-    def _write_temporary(self, layout: Layout, tensors: Tensors) -> str:
+    def _write_temporary(self, layout: FileLayout, tensors: Tensors) -> str:
         """The group written to a new temporary file in the folder (:meth:`_write_into`); its path. Call with
         the folder lock held."""
         try:
@@ -396,14 +303,14 @@ class GroupFileStore:
                     os.unlink(temporary)
 
     def _write_into(
-        self, fd: int, layout: Layout, tensors: Tensors, namer: group_format.ContentNamer | None = None
+        self, fd: int, layout: FileLayout, tensors: Tensors, namer: naming.ContentNamer | None = None
     ) -> FileStamp:
         """Write the group into the open file ``fd`` (``fsync``-ed if kept), hashed along the write by ``namer``
-        if given (:func:`group_format.write`); the file's stamp after. Runs in a writer thread for
+        if given (:func:`~memmode_core.files.readwrite.write`); the file's stamp after. Runs in a writer thread for
         :meth:`_write_in_background`: it touches nothing but ``fd`` and the tensors."""
         try:
             with open(fd, "wb", closefd=False) as file:
-                group_format.write(file, layout, tensors, namer)
+                readwrite.write(file, layout, tensors, namer)
                 file.flush()
                 if self.keep_files:
                     os.fsync(fd)
@@ -411,10 +318,10 @@ class GroupFileStore:
         except OSError as exc:
             raise self._cannot_write(layout, exc) from None
 
-    def _cannot_write(self, layout: Layout, exc: OSError) -> StorageUnavailableError:
+    def _cannot_write(self, layout: FileLayout, exc: OSError) -> StorageUnavailableError:
         return self._refusal(f"cannot write a group file ({layout.file_size / 2**20:.1f} MiB) in {self.folder}: {exc}")
 
-    def _publish(self, temporary: str, path: Path, layout: Layout) -> None:
+    def _publish(self, temporary: str, path: Path, layout: FileLayout) -> None:
         """Rename a written temporary file to its name: the name only ever points at a complete file."""
         try:
             os.replace(temporary, path)
@@ -428,114 +335,6 @@ class GroupFileStore:
     def close(self) -> None:
         """Drop the groups still written in the background (waiting for their threads: the caller may free
         the tensors next), then let the folder clean up (see :mod:`memmode_core.files.folder`). Idempotent."""
-        self._drop_unnamed()
+        self._unnamed.drop()
         self._folder.close()
         self._sizes.clear()
-
-
-def check_offload_dir(offload_dir) -> None:
-    """Refuse an ``offload_dir`` that cannot be a folder, before anything is created or touched."""
-    try:
-        path = os.fsdecode(offload_dir)
-    except TypeError:
-        raise InvalidOptionError(f"offload_dir={offload_dir!r} is not a path") from None
-    if not path.strip():
-        raise InvalidOptionError(
-            "offload_dir='' names no folder (it would write into the current directory); give a folder, or leave "
-            "it out for a private temporary one"
-        )
-    if "\0" in path:
-        raise InvalidOptionError(f"offload_dir={path!r} contains a NUL character, which no path may hold")
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise StorageUnavailableError(
-            f"offload_dir={path!r} is a file, not a folder; give a folder for the group files"
-        )
-
-
-# -- the storage side: what disk and mmap share ------------------------------------------------------
-
-
-class GroupFileStorage(Storage):
-    """Base of the storages that keep each group in a group file (``disk``, ``mmap``)."""
-
-    uses_offload_dir = True
-    options = GroupFileOptions
-    #: whether an offload folder on tmpfs defeats the storage's purpose (saving RAM), and deserves a warning
-    warn_in_ram = False
-
-    def unavailable_reason(self, device: torch.device | None = None) -> str | None:
-        if offload_folder.fcntl is None:
-            return "needs a POSIX system (Linux, macOS): processes sharing an offload folder coordinate with flock"
-        return None
-
-    def open(self, *, device: torch.device, offload_dir: str | None, options: GroupFileOptions) -> StorageSession:
-        if offload_dir is not None:
-            check_offload_dir(offload_dir)
-        if options.keep_files and offload_dir is None:
-            raise InvalidOptionError(
-                f"keep_files=True needs offload_dir=: without it storage {self.name!r} writes to a private "
-                f"temporary folder that is removed at remove() and at exit"
-            )
-        store = GroupFileStore(
-            offload_dir, keep_files=options.keep_files, owner=self.name, warn_in_ram=self.warn_in_ram
-        )
-        session = self.session(store, device)
-        session.verify = options.verify
-        return session
-
-    def session(self, store: GroupFileStore, device: torch.device) -> StorageSession:
-        raise NotImplementedError
-
-
-class GroupFileSession(StorageSession):
-    """A session over a :class:`GroupFileStore`: the bookkeeping disk and mmap have in common."""
-
-    def __init__(self, store: GroupFileStore, device: torch.device) -> None:
-        self.store = store
-        self.device = device
-        self.files: dict[str, GroupFile] = {}
-        #: see :class:`GroupFileOptions`
-        self.verify = "size"
-        #: page-locked bounce buffers for uploads to an accelerator (allocated on the first upload)
-        self.staging = StagingRing() if active().has_streams(device) else None
-
-    def reserve(self, sizes: Mapping[str, int]) -> None:
-        self.store.reserve(sizes)
-
-    def store_group(self, key: str, tensors: Tensors) -> GroupFile:
-        """The group's file; it may still be written in the background until :meth:`flush` (see
-        :meth:`GroupFileStore.store`)."""
-        group_file = self.store.store(tensors, self.device, wait=False)
-        self.files[key] = group_file
-        return group_file
-
-    def flush(self) -> None:
-        self.store.flush()
-
-    def check(self, key: str) -> None:
-        group_file = self.files.get(key)
-        if group_file is None:
-            raise StorageUnavailableError(f"storage {self.store.owner!r} holds no group {key!r}")
-        group_file.check(self.verify)
-
-    def upload(self, group_file: GroupFile, fill: Fill, device: torch.device, stream: torch.Stream | None) -> Tensors:
-        """The group on an accelerator ``device``, its bytes supplied chunk by chunk by ``fill``."""
-        return self.staging.upload(group_file.layout, fill, device, stream)
-
-    def discard(self, key: str) -> None:
-        self.files.pop(key, None)
-
-    def close(self) -> None:
-        if self.staging is not None:
-            self.staging.close()
-        self.files.clear()
-        self.store.close()
-
-    def stats(self) -> dict[str, int]:
-        return {
-            "disk_bytes": self.store.disk_bytes,
-            "borrowed_bytes": self.store.borrowed_bytes,
-            "borrowed_groups": self.store.borrowed_groups,
-            "written_groups": self.store.written_groups,
-            "pinned_bytes": self.staging.pinned_bytes if self.staging is not None else 0,
-        }

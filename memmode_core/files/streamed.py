@@ -8,7 +8,7 @@ tensors — is computed, written at its offset with ``pwrite`` and dropped befor
 one piece.
 
 The file is unlinked as soon as it is created and written through its descriptor, then mapped
-privately (in windows, as checkpoints are: :class:`~memmode_core.files.format.Windows`): the mapping keeps
+privately (in windows, as checkpoints are: :class:`~memmode_core.files.mapping.Windows`): the mapping keeps
 its pages readable (and evictable, unlike anonymous memory) for as long as a tensor views it, and nothing
 is ever left on disk — not even if the process is killed while writing.
 
@@ -34,7 +34,8 @@ import torch
 from memmode_core.contracts.errors import StagingError
 from memmode_core.contracts.storage import Tensors
 from memmode_core.contracts.units import format_bytes
-from memmode_core.files.format import Layout, Windows, byte_view, host_tensors, map_private_fd
+from memmode_core.files.layout import FileLayout, byte_view, host_tensors
+from memmode_core.files.mapping import Windows, map_private_fd
 
 
 def staging_folder(folder: str | os.PathLike | None) -> Path:
@@ -73,7 +74,7 @@ class StreamedFile:
         metadata: dict[str, str] | None = None,
         keep_as: str | os.PathLike | None = None,
     ) -> None:
-        self.layout = Layout.of(dict(specs), metadata)
+        self.layout = FileLayout.of(dict(specs), metadata)
         self._entries = {e.name: e for e in self.layout.entries}
         self._written: set[str] = set()
         self.keep_as = Path(keep_as) if keep_as is not None else None
@@ -209,7 +210,7 @@ def give_back_freed_memory() -> None:
 
 def file_size(specs: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int:
     """The size of the streamed file ``specs`` lay out: the room :func:`write_pieces` needs."""
-    return Layout.of(dict(specs), metadata).file_size if specs else 0
+    return FileLayout.of(dict(specs), metadata).file_size if specs else 0
 
 
 def write_pieces(

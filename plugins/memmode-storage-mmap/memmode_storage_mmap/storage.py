@@ -2,7 +2,7 @@
 
 The files are :mod:`memmode_core.files`' (named by content, written atomically, verified);
 what ``mmap`` adds is that each is mapped once, privately, for the whole session
-(:func:`~memmode_core.files.format.map_private`), and the weights at rest are views of that
+(:func:`~memmode_core.files.mapping.map_private`), and the weights at rest are views of that
 mapping. So:
 
 - computing on the CPU, the weights *are* the page cache: onloading is bookkeeping, no byte is
