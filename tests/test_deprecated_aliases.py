@@ -14,10 +14,46 @@ import pytest
 
 import memmode_core
 import memmode_core.plugin as kit
-from memmode_core.planning import measuring
+from memmode_core.discovery import registrations
+from memmode_core.planning import candidates, choosing, measuring, pricing
+from memmode_core.quantization import selection
 
 #: (old module, name, the object it must be, the import the warning must name)
 ALIASES = [
+    # what the modules' own ``__all__`` listed before they were split by job, or renamed
+    ("memmode_core.planning.planner", "choose", choosing.choose, "from memmode_core.planning.choosing import choose"),
+    ("memmode_core.planning.planner", "price", pricing.price, "from memmode_core.planning.pricing import price"),
+    (
+        "memmode_core.planning.planner",
+        "candidates",
+        candidates.candidates,
+        "from memmode_core.planning.candidates import candidates",
+    ),
+    (
+        "memmode_core.discovery.plugins",
+        "temporary_plugin",
+        kit.temporary_plugin,
+        "from memmode_core.discovery.sources import temporary_plugin",
+    ),
+    (
+        "memmode_core.discovery.plugins",
+        "Registration",
+        registrations.Registration,
+        "from memmode_core.discovery.registrations import Registration",
+    ),
+    (
+        "memmode_core.quantization",
+        "QuantizationPlan",
+        selection.LayerSelection,
+        "from memmode_core.quantization.selection import LayerSelection",
+    ),
+    (
+        "memmode_core.quantization",
+        "plan_quantization",
+        selection.select_layers,
+        "from memmode_core.quantization.selection import select_layers",
+    ),
+    # what plugin guides taught
     *(
         ("memmode_core.storage", name, getattr(kit, name), f"from memmode_core.plugin import {name}")
         for name in ("Storage", "StorageSession", "Tensors", "placeholder", "is_placeholder", "host_copy")

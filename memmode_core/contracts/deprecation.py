@@ -26,17 +26,25 @@ class MemmodeDeprecationWarning(FutureWarning):
 
 def moved_names(old: str, names: Mapping[str, tuple[ModuleType, str]]) -> Callable[[str], Any]:
     """A module ``__getattr__`` for the module at the old path ``old``: ``names`` maps each old name to its
-    new home (a module) and the import to write instead."""
+    new home (a module) and the import to write instead, ``from <module> import <new name>`` (a name renamed
+    on the way is looked up in its home under the new name)."""
 
     def __getattr__(name: str) -> Any:
         if name not in names:
             raise AttributeError(f"module {old!r} has no attribute {name!r}")
         home, instead = names[name]
         warnings.warn(
-            f"{old}.{name} has moved: {instead} ({old} goes away in {REMOVED_IN})",
+            f"{old}.{name} has moved: {instead} (the old name goes away in {REMOVED_IN})",
             MemmodeDeprecationWarning,
             stacklevel=2,
         )
-        return getattr(home, name)
+        return getattr(home, instead.rpartition(" import ")[2])
 
     return __getattr__
+
+
+def names_moved_to(home: ModuleType, *names: str, renamed: Mapping[str, str] | None = None):
+    """``moved_names``' entries for ``names`` now in the module ``home`` (``renamed``: old name -> new name)."""
+    entries = {name: (home, f"from {home.__name__} import {name}") for name in names}
+    entries |= {old: (home, f"from {home.__name__} import {new}") for old, new in (renamed or {}).items()}
+    return entries

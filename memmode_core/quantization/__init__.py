@@ -22,7 +22,9 @@ one job each (lowest first; each imports only those before it):
 Callers import from this package. Beside the engine, above the contracts; neither imports the other.
 """
 
+from memmode_core.contracts.deprecation import moved_names, names_moved_to
 from memmode_core.contracts.quantizer import DEFAULT_EXCLUDE, OUTSIDE_BLOCKS, PAYLOAD
+from memmode_core.quantization import selection as _selection
 from memmode_core.quantization.forward import QuantizedLinear, install_forward, quantized_class
 from memmode_core.quantization.packed import (
     COMPUTE_DTYPES,
@@ -98,3 +100,17 @@ __all__ = [
     "OUTSIDE_BLOCKS",
     "PAYLOAD",
 ]
+
+#: names this package's ``__all__`` listed before "plan" was kept for ``plan()``, served under their new names
+__getattr__ = moved_names(
+    __name__,
+    names_moved_to(
+        _selection,
+        renamed={
+            "QuantizationPlan": "LayerSelection",
+            "LayerPlan": "LayerDecision",
+            "plan_quantization": "select_layers",
+            "plan_layers": "decide_layers",
+        },
+    ),
+)
