@@ -34,7 +34,7 @@ torch.set_num_threads(1)
 # installed distributions (``monkeypatch.setattr(importlib.metadata, "distributions", ...)``, as
 # ``test_core_plugins`` does) gets the real, uncached scan of its fakes.
 _REAL_DISTRIBUTIONS = importlib.metadata.distributions
-_real_entry_points = getattr(sources, "_entry_points", None)
+_real_entry_points = sources._entry_points  # an AttributeError here, not a silently slower suite, if it moves
 _ENTRY_POINTS: dict[tuple[str, ...], list] = {}
 
 
@@ -47,8 +47,7 @@ def _entry_points_read_once() -> list:
     return list(_ENTRY_POINTS[key])
 
 
-if _real_entry_points is not None:
-    sources._entry_points = _entry_points_read_once
+sources._entry_points = _entry_points_read_once
 
 
 def pytest_collection_finish(session):

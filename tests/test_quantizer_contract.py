@@ -75,14 +75,14 @@ def test_core_quantizes_unless_the_quantizer_overrides_it():
     handle.remove()
 
 
-def test_a_plan_made_once_is_followed_not_made_again(monkeypatch):
+def test_a_layer_selection_made_once_is_followed_not_made_again(monkeypatch):
     pipe = make_pipeline("flux")
     quantizer = Int8Rows()
-    plan = quantization.check_component(quantizer, "transformer", pipe.transformer)
+    selection = quantization.check_component(quantizer, "transformer", pipe.transformer)
     made = []
     monkeypatch.setattr(quantization.quantizing, "select_layers", lambda *a, **k: made.append(a))
-    summary = quantization.quantize_component(quantizer, pipe.transformer, weight_dtype=None, plan=plan)
-    assert made == [] and summary.packed_layers == len(plan.to_pack)
-    assert summary == quantization.summarize(quantizer, plan, summary.packed_layers, summary.bytes_before)
-    with pytest.raises(ValueError):  # a plan of another component is not followed
-        quantization.quantize_component(quantizer, make_pipeline("flux").transformer, weight_dtype=None, plan=plan)
+    summary = quantization.quantize_component(quantizer, pipe.transformer, weight_dtype=None, selection=selection)
+    assert made == [] and summary.packed_layers == len(selection.to_pack)
+    assert summary == quantization.summarize(quantizer, selection, summary.packed_layers, summary.bytes_before)
+    with pytest.raises(ValueError):  # a selection of another component is not followed
+        quantization.quantize_component(quantizer, make_pipeline("flux").transformer, weight_dtype=None, selection=selection)

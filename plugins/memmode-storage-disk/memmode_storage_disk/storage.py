@@ -1,9 +1,9 @@
 """The ``disk`` storage: while a group is offloaded, its weights exist only in its file.
 
 Everything about the files — naming by content, atomic writes, verification, free-space checks,
-sharing a folder, cleanup — is :mod:`memmode_core.files`. What is particular to ``disk`` is
-how little it keeps: at rest a parameter holds a :func:`~memmode_core.contracts.storage.placeholder` (no
-memory) and only what the engine marks readable keeps its values: the buffers and a component's own
+sharing a folder, cleanup — is the plugin kit's group-file machinery (``GroupFileStorage``,
+``GroupFileSession``: any storage that keeps groups in files shares it). What is particular to ``disk`` is
+how little it keeps: at rest a parameter holds a ``placeholder`` (no memory) and only what the engine marks readable keeps its values: the buffers and a component's own
 loose parameters, small tensors that pipelines read outside any forward. Code that reads a parameter's
 value at rest anyway (``state_dict()``, a parent module) is served from the file by the engine, through
 :meth:`DiskSession.read`. Memory holds the groups that are on the device at the time, whatever the size of the model.
@@ -11,11 +11,11 @@ value at rest anyway (``state_dict()``, a parent module) is served from the file
 How a group comes back depends on the device:
 
 - to an accelerator, the file is read chunk by chunk into a small page-locked staging ring and
-  copied on the engine's stream (:mod:`memmode_core.engine.staging`);
+  copied on the engine's stream (``GroupFileSession.upload``);
 - on the CPU, the file is mapped privately: its pages in the page cache are the weights. The mapping
   is kept from one onload to the next while the file's stamp is unchanged, and its page-cache pages
   stay mapped at rest; a page the process wrote (a copy-on-write copy) is dropped at the offload
-  (:meth:`~memmode_core.files.groupfile.GroupFile.release`). Mapping anew and faulting the pages in
+  (``GroupFile.release``). Mapping anew and faulting the pages in
   at every onload cost more than a small layer's forward at leaf level. Reading into fresh memory
   instead costs a page fault and a zeroed page for every 4 KiB of weights on every onload —
   measured at 53 ms for a 56 MiB block against 12 ms for computing straight from the mapping,

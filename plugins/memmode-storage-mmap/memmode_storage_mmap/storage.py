@@ -1,9 +1,8 @@
 """The ``mmap`` storage: the group files, mapped, are the only copy of the offloaded weights.
 
-The files are :mod:`memmode_core.files`' (named by content, written atomically, verified);
-what ``mmap`` adds is that each is mapped once, privately, for the whole session
-(:func:`~memmode_core.files.mapping.map_private`), and the weights at rest are views of that
-mapping. So:
+The files are the plugin kit's group files (``GroupFileStorage``, ``GroupFileSession``: named by content,
+written atomically, verified); what ``mmap`` adds is that each is mapped once, privately, for the whole
+session (``GroupFile.map``), and the weights at rest are views of that mapping. So:
 
 - computing on the CPU, the weights *are* the page cache: onloading is bookkeeping, no byte is
   copied and no anonymous memory is used for them;

@@ -14,7 +14,7 @@ share one.
 
 ``cudaHostRegister`` is CUDA's (ROCm builds map it to HIP's); it is the only CUDA call of the storage. On
 any other accelerator a slab is allocated page-locked by PyTorch's host allocator instead
-(:meth:`~memmode_core.engine.streams.Streams.pinned_empty`), which rounds it up to its block size.
+(the kit's ``active_streams().pinned_empty``), which rounds it up to its block size.
 """
 
 from __future__ import annotations
