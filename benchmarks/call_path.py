@@ -1,151 +1,24 @@
 """Where ``apply``'s mode goes: the modules the request passes through, and every call up a layer.
 
-    python benchmarks/call_path.py [--mode MODE ...]
+    python benchmarks/call_path.py [--mode MODE ...] [--verbose]
 
-``apply(pipe, mode)`` on the built-in tiny pipeline runs under ``sys.setprofile``. Two things are counted:
-
-- **stops**: the *request's path* is every call that receives the request as it travels: the mode string, the
-  parsed ``Mode``, the ``Request`` or the ``Prepared``. A stop is such a call made from another module than its
-  nearest caller on the path (a module entered); a module entered more than once is a *re-entry* (the request
-  went there, left, and came back);
-- **calls up**: any call, on the path or not, from a module of one layer into a function defined in a module of
-  a higher layer (the layers of ``tests/layers.py``, those ``tests/test_import_layers.py`` enforces for
-  imports): a callback handed down, or a method of an object made above. A call into a registered plugin's
-  contract method (``Placement.layout``, ``StorageSession.fetch``...) is a call through the plugin boundary
-  and is listed apart: a third-party plugin is in no layer, and the built-in ones are loaded like them.
+``apply(pipe, mode)`` on the built-in tiny pipeline, traced by ``tests/call_tracing.py`` (which says what is
+counted: the stops of the request's path, the modules it enters again, the calls up a layer and the plugin
+calls each layer makes); ``tests/test_call_path.py`` holds memmode to no re-entry and no call up. To compare
+with another checkout, run this file with that checkout's ``memmode_core`` first on ``PYTHONPATH``.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import importlib
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from call_tracing import DEFAULT_MODES, trace_apply  # noqa: E402
 from layers import layer_of_module  # noqa: E402
-
-DEFAULT_MODES = ("model_group_offload", "model_group_offload_and_qfloat8", "sequential_cpu_offload", "auto")
-
-
-def _contract_bases():
-    import memmode_core as memmode
-
-    return (
-        memmode.Placement,
-        memmode.Quantizer,
-        memmode.Storage,
-        memmode.StorageSession,
-        memmode.Resolver,
-        memmode.Options,
-    )
-
-
-def _is_plugin_module(name: str) -> bool:
-    """The built-in plugins (loaded by name, like entry points) and plugin distributions."""
-    return name.startswith("memmode_core.builtin") or not name.startswith("memmode_core")
-
-
-def _carries_request(value, mode: str, kinds: tuple[type, ...]) -> bool:
-    """The mode string itself (the very object the user passed: a plugin's name equal to it is not it), or an
-    object made from it."""
-    return value is mode or isinstance(value, kinds)
-
-
-def _arguments(frame):
-    code = frame.f_code
-    count = code.co_argcount + code.co_kwonlyargcount
-    names = list(code.co_varnames[:count])
-    if code.co_flags & 0x04:  # *args
-        names.append(code.co_varnames[count])
-        count += 1
-    if code.co_flags & 0x08:  # **kwargs
-        names.append(code.co_varnames[count])
-    values = []
-    for name in names:
-        value = frame.f_locals.get(name)
-        if isinstance(value, tuple):
-            values.extend(value)
-        elif isinstance(value, dict) and name == names[-1] and code.co_flags & 0x08:
-            values.extend(value.values())
-        else:
-            values.append(value)
-    return values
-
-
-def trace_apply(pipe, mode: str, **kwargs):
-    import memmode_core as memmode
-
-    request_kinds = _request_kinds()
-    bases = _contract_bases()
-    path_stack: list[tuple[object, str]] = []  # (frame, module) of the path's calls now running
-    entered: set[tuple[int, str]] = set()  # (id of the calling frame on the path, module entered)
-    stops: list[tuple[str, str]] = []  # (module, function)
-    ups: collections.Counter = collections.Counter()
-    through_plugins: collections.Counter = collections.Counter()
-
-    def module_of(frame) -> str | None:
-        name = frame.f_globals.get("__name__", "")
-        return name if name.startswith(("memmode_core", "memmode_")) else None
-
-    def profile(frame, event, arg):
-        if event == "return":
-            if path_stack and path_stack[-1][0] is frame:
-                path_stack.pop()
-            return
-        if event != "call":
-            return
-        callee = module_of(frame)
-        if callee is None:
-            return
-        caller_frame = frame.f_back
-        while caller_frame is not None and module_of(caller_frame) is None:
-            caller_frame = caller_frame.f_back
-        caller = module_of(caller_frame) if caller_frame is not None else None
-        function = frame.f_code.co_qualname
-        if caller is not None and caller != callee and layer_of_module(callee) > layer_of_module(caller):
-            owner = frame.f_locals.get("self")
-            into_plugin = _is_plugin_module(callee) or (owner is not None and isinstance(owner, bases))
-            (through_plugins if into_plugin else ups)[(caller, callee, function)] += 1
-        arguments = _arguments(frame)
-        if frame.f_code.co_argcount and frame.f_code.co_varnames[0] == "self":
-            arguments = arguments[1:]  # a method of the request itself is not a stop: it is where the request is
-        if "__create_fn__" in function:  # a dataclass's generated __init__: the request being made, not a stop
-            return
-        if any(_carries_request(v, mode, request_kinds) for v in arguments):
-            parent = path_stack[-1] if path_stack else (None, None)
-            # a loop in one frame calling into one module again (a resolver's candidates) enters it once
-            if parent[1] != callee and (id(parent[0]), callee) not in entered:
-                entered.add((id(parent[0]), callee))
-                stops.append((callee, function))
-            path_stack.append((frame, callee))
-
-    mode = "".join(mode)  # a string object of the caller's own, as a user's is (a literal may be interned)
-    sys.setprofile(profile)
-    try:
-        handle = memmode.apply(pipe, mode, **kwargs)
-    finally:
-        sys.setprofile(None)
-    handle.remove()
-    return stops, ups, through_plugins
-
-
-def _request_kinds() -> tuple[type, ...]:
-    import memmode_core as memmode
-
-    kinds = [memmode.Mode, memmode.Prepared]
-    for where in ("memmode_core.planning.request", "memmode_core.planning.prepared"):  # today's home, then the old
-        try:
-            module = importlib.import_module(where)
-        except ImportError:
-            continue
-        if hasattr(module, "Request"):
-            kinds.append(module.Request)
-            break
-    return tuple(kinds)
 
 
 def type_of(module: str, function: str) -> str:
@@ -167,9 +40,9 @@ def main() -> None:
     short = lambda m: m.removeprefix("memmode_core.")  # noqa: E731
     for mode in args.mode:
         pipe = make_demo_pipeline("tiny", seed=0)
-        stops, ups, plugin_calls = trace_apply(pipe, mode, device="cpu")
-        entered = collections.Counter(module for module, _ in stops)
-        again = {m: n for m, n in entered.items() if n > 1}
+        path = trace_apply(pipe, mode, device="cpu")
+        stops, ups, plugin_calls, again = path.stops, path.calls_up, path.plugin_calls, path.entered_again
+        entered = {module for module, _ in stops}
         print(
             f"\n== {mode}: {len(stops)} stops in {len(entered)} modules, {len(again)} entered more than once, "
             f"{sum(ups.values())} calls up a layer ({len(ups)} distinct), "

@@ -85,4 +85,6 @@ def test_a_layer_selection_made_once_is_followed_not_made_again(monkeypatch):
     assert made == [] and summary.packed_layers == len(selection.to_pack)
     assert summary == quantization.summarize(quantizer, selection, summary.packed_layers, summary.bytes_before)
     with pytest.raises(ValueError):  # a selection of another component is not followed
-        quantization.quantize_component(quantizer, make_pipeline("flux").transformer, weight_dtype=None, selection=selection)
+        quantization.quantize_component(
+            quantizer, make_pipeline("flux").transformer, weight_dtype=None, selection=selection
+        )

@@ -3,8 +3,9 @@
 Everything about the files — naming by content, atomic writes, verification, free-space checks,
 sharing a folder, cleanup — is the plugin kit's group-file machinery (``GroupFileStorage``,
 ``GroupFileSession``: any storage that keeps groups in files shares it). What is particular to ``disk`` is
-how little it keeps: at rest a parameter holds a ``placeholder`` (no memory) and only what the engine marks readable keeps its values: the buffers and a component's own
-loose parameters, small tensors that pipelines read outside any forward. Code that reads a parameter's
+how little it keeps: at rest a parameter holds a ``placeholder`` (no memory) and only what the engine marks
+readable keeps its values: the buffers and a component's own loose parameters, small tensors that pipelines
+read outside any forward. Code that reads a parameter's
 value at rest anyway (``state_dict()``, a parent module) is served from the file by the engine, through
 :meth:`DiskSession.read`. Memory holds the groups that are on the device at the time, whatever the size of the model.
 

@@ -1,0 +1,32 @@
+"""``apply``'s request goes down the layers once: no module entered again, no call up a layer.
+
+``tests/call_tracing.py`` traces ``apply`` on the built-in tiny pipeline (``benchmarks/call_path.py`` prints
+the same figures). Before the planning layer was cut by job, the request went into ``planning.prepared``
+twice (to be made, then to be prepared), and for ``auto`` planning called the resolver's ``budgets`` and
+``choose``, up into the built-in plugins; the engine's rebuilds called back into planning for a layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from call_tracing import DEFAULT_MODES, trace_apply
+from memmode_core.cli.demo import make_demo_pipeline
+
+
+@pytest.mark.parametrize("mode", DEFAULT_MODES)
+def test_the_request_enters_each_module_once_and_nothing_calls_up(mode):
+    path = trace_apply(make_demo_pipeline("tiny", seed=0), mode, device="cpu")
+    modules = [module for module, _ in path.stops]
+    assert modules[0] == "memmode_core.applying" and "memmode_core.handle" in modules
+    assert path.entered_again == {}, path.stops
+    assert not path.calls_up, dict(path.calls_up)
+
+
+def test_planning_calls_no_resolver():
+    """``auto``'s resolution is the resolver's own (``PricingResolver.resolve``, called by ``prepare``): the
+    planning layer prices candidates and never calls into ``builtin.auto``."""
+    path = trace_apply(make_demo_pipeline("tiny", seed=0), "auto", device="cpu")
+    from_planning = {callee for caller, callee, _ in path.plugin_calls if caller.startswith("memmode_core.planning")}
+    assert "memmode_core.builtin.auto" not in from_planning
+    assert ("memmode_core.builtin.auto", "PricingResolver.resolve") in path.stops
