@@ -93,6 +93,15 @@ def trace_apply(pipe, mode: str, **kwargs) -> CallPath:
     """``memmode.apply(pipe, mode, **kwargs)`` traced (then removed)."""
     import memmode_core as memmode
 
+    mode = "".join(mode)  # a string object of the caller's own, as a user's is (a literal may be interned)
+    path, handle = trace(memmode.apply, pipe, mode, mode=mode, **kwargs)
+    handle.remove()
+    return path
+
+
+def trace(function, *args, mode: str | None = None, **kwargs) -> tuple[CallPath, object]:
+    """``function(*args, **kwargs)`` traced, and what it returned (or the path alone where it raised, as the
+    exception's ``call_path``): ``mode`` is the mode string whose path is followed (none: calls up only)."""
     request_kinds = _request_kinds()
     bases = _contract_bases()
     path_stack: list[tuple[object, str]] = []  # (frame, module) of the path's calls now running
@@ -129,7 +138,7 @@ def trace_apply(pipe, mode: str, **kwargs) -> CallPath:
             arguments = arguments[1:]  # a method of the request itself is not a stop: it is where the request is
         if "__create_fn__" in function:  # a dataclass's generated __init__: the request being made, not a stop
             return
-        if any(_carries_request(v, mode, request_kinds) for v in arguments):
+        if mode is not None and any(_carries_request(v, mode, request_kinds) for v in arguments):
             parent = path_stack[-1] if path_stack else (None, None)
             # a loop in one frame calling into one module again (a resolver's candidates) enters it once
             if parent[1] != callee and (id(parent[0]), callee) not in entered:
@@ -137,15 +146,17 @@ def trace_apply(pipe, mode: str, **kwargs) -> CallPath:
                 stops.append((callee, function))
             path_stack.append((frame, callee))
 
-    mode = "".join(mode)  # a string object of the caller's own, as a user's is (a literal may be interned)
     previous = sys.getprofile()
+    path = CallPath(stops, ups, through_plugins)
     sys.setprofile(profile)
     try:
-        handle = memmode.apply(pipe, mode, **kwargs)
+        result = function(*args, **kwargs)
+    except Exception as exc:
+        exc.call_path = path
+        raise
     finally:
         sys.setprofile(previous)
-    handle.remove()
-    return CallPath(stops, ups, through_plugins)
+    return path, result
 
 
 def _request_kinds() -> tuple[type, ...]:

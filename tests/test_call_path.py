@@ -30,3 +30,29 @@ def test_planning_calls_no_resolver():
     from_planning = {callee for caller, callee, _ in path.plugin_calls if caller.startswith("memmode_core.planning")}
     assert "memmode_core.builtin.auto" not in from_planning
     assert ("memmode_core.builtin.auto", "PricingResolver.resolve") in path.stops
+
+
+def test_a_rebuild_and_a_refused_fuse_call_nothing_above_the_engine():
+    """After ``apply``, the engine lays a changed component out again with its own ``Relayout`` (once it called
+    back into planning for that), and refuses fusing into packed weights with quantization's check (once a
+    function of ``applying`` handed down)."""
+    import torch
+    from torch import nn
+
+    import memmode_core as memmode
+    from call_tracing import trace
+    from memmode_core.cli.demo import demo_call
+
+    pipe = make_demo_pipeline("tiny", seed=0)
+    handle = memmode.apply(pipe, "model_group_offload_and_qfloat8", device="cpu", offload_type="leaf_level")
+    block = pipe.transformer.blocks[0]
+    old = block.ffn.net[2]
+    block.ffn.net[2] = nn.Linear(old.in_features, old.out_features, dtype=old.bias.dtype)  # a replaced layer
+    path, output = trace(demo_call, pipe, steps=1)
+    assert torch.isfinite(output).all() and not path.calls_up, dict(path.calls_up)
+    relaid = ("memmode_core.engine.laying_out", "memmode_core.builtin.placements", "ModelGroupOffload.layout")
+    assert relaid in path.plugin_calls, "the component was not laid out again"
+    with pytest.raises(memmode.IncompatibleModeError, match="fuse_qkv_projections") as refused:
+        trace(pipe.transformer.fuse_qkv_projections)
+    assert not refused.value.call_path.calls_up, dict(refused.value.call_path.calls_up)
+    handle.remove()
