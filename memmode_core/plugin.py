@@ -14,7 +14,8 @@ name is explained: docs/writing-a-plugin.md.
 - placements: :class:`Placement`, :class:`Target`, :class:`GroupSpec`, :class:`Policy` and the layout
   helpers the built-in placements use;
 - resolvers: :class:`Resolver`, :class:`PricingResolver` (chooses among the planner's priced candidates:
-  write ``budgets`` and ``choose``), :class:`Budgets`, :class:`Request`, :class:`PlanEntry`;
+  write ``budgets`` and ``choose``), :class:`Budgets`, :class:`Request`, :class:`PlanEntry`,
+  :class:`NoModeFitsError`;
 - quantizers: :class:`Quantizer`, :data:`DEFAULT_EXCLUDE`, core's mechanics for an override that wraps them
   (:func:`check_components`, :func:`quantize_component`), :func:`convert` (pack ahead of ``apply``) and
   :class:`QuantizationSummary`;
@@ -57,6 +58,7 @@ from memmode_core.files.groupfile import GroupFile
 from memmode_core.files.options import GroupFileOptions
 from memmode_core.files.sessions import GroupFileSession, GroupFileStorage
 from memmode_core.files.store import GroupFileStore
+from memmode_core.planning.choosing import NoModeFitsError
 from memmode_core.planning.pricing import PlanEntry
 from memmode_core.planning.request import Request
 from memmode_core.quantization import QuantizationSummary, check_components, quantize_component
@@ -92,6 +94,7 @@ __all__ = [
     "Budgets",
     "Request",
     "PlanEntry",
+    "NoModeFitsError",
     # quantizers
     "Quantizer",
     "DEFAULT_EXCLUDE",

@@ -47,6 +47,8 @@ DOCUMENTED_MEMBERS = {
         "close",
     ),
     "Policy": ("RESIDENT", "STREAM", "EXCLUSIVE"),
+    "Resolver": ("name", "description", "options", "resolve", "budgets", "choose"),
+    "PricingResolver": ("resolve", "budgets", "choose"),
 }
 DOCUMENTED_FIELDS = {
     "GroupSpec": ("key", "component", "owners", "entries", "exits", "policy", "prefetchable"),

@@ -134,3 +134,48 @@ def test_a_third_party_file_storage_built_from_the_kit_alone_is_exact():
     for a, b in zip(got, expected):
         assert_bit_equal(a, b)
     assert not folder.exists() or not any(folder.iterdir())
+
+
+def _registered(obj, kind: str):
+    class Plugin:
+        @kit.hookimpl
+        def memmode_register_placements(self, register):
+            register(obj)
+
+    return memmode_core.temporary_plugin(Plugin(), name=f"test-{obj.name}", distribution=f"memmode-{obj.name}")
+
+
+def test_a_resolver_from_the_guide_chooses_among_the_priced_candidates():
+    """The guide's ``smallest`` resolver subclasses ``PricingResolver`` and writes ``budgets`` and ``choose``: the
+    plan it returns is the candidate with the least on the device, as ``plan`` prices it."""
+    namespace: dict = {}
+    block = _guide_block_after("subclasses `PricingResolver` and writes `budgets` and `choose`")
+    assert outside_the_kit(block) == []
+    exec(compile(block, "smallest", "exec"), namespace)
+    pipe = make_pipeline("flux")
+    with _registered(namespace["Smallest"](), "placement"):
+        prepared = memmode_core.prepare(pipe, "smallest", device="cpu")
+        entries = [e for e in memmode_core.plan(pipe, device="cpu") if e.fits]
+    least = min(e.peak_device_bytes for e in entries)
+    assert prepared.requested_mode == "smallest" and prepared.choice.peak_device_bytes == least
+    assert prepared.choice.prepared is prepared
+
+
+def test_a_resolver_without_resolve_is_refused_naming_what_to_subclass():
+    """A resolver written for the contract before ``resolve`` existed (only ``budgets`` and ``choose`` on
+    ``Resolver``) is refused, typed, before anything is touched, saying to subclass ``PricingResolver``."""
+
+    class OldStyle(kit.Resolver):
+        name = "old_style"
+
+        def budgets(self, options, device):
+            return kit.Budgets(None, None, 20)
+
+        def choose(self, entries, budgets):
+            return entries[0]
+
+    pipe = make_pipeline("flux")
+    with _registered(OldStyle(), "placement"):
+        with pytest.raises(memmode_core.IncompatibleModeError, match="PricingResolver"):
+            memmode_core.apply(pipe, "old_style", device="cpu")
+    assert not hasattr(pipe, "_memmode_handle")
