@@ -63,6 +63,8 @@ def _cpu_convolution(
     batch, in_channels = input.shape[0], input.shape[1]
     kernel = list(weight.shape[2:])
     spatial = len(kernel)
+    # one value stands for every spatial dimension (``padding="valid"`` reaches aten as ``[0]``; SigLIP's patches)
+    stride, padding, dilation = (list(v) * spatial if len(v) == 1 else list(v) for v in (stride, padding, dilation))
     out_spatial = [
         (input.shape[2 + i] + 2 * padding[i] - dilation[i] * (kernel[i] - 1) - 1) // stride[i] + 1
         for i in range(spatial)
