@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 
 from memmode_core.contracts.errors import OffloadedWeightReadError
 from memmode_core.contracts.storage import is_known_placeholder
+from memmode_core.engine.hooks import not_traced
 from memmode_core.engine.operations import METADATA
 from memmode_core.engine.standins import is_stand_in
 
@@ -103,9 +104,12 @@ def placeholder_trap() -> PlaceholderTrap:
     return PlaceholderTrap()
 
 
+@not_traced
 def non_finite(output: Any) -> bool:
     """Whether any floating-point tensor in ``output`` (a tensor, a tuple, a model output, a distribution
-    object holding tensors) holds a NaN or an infinity."""
+    object holding tensors) holds a NaN or an infinity. Never traced: under ``torch.compile`` it ran as a
+    traced frame whose graph break (``bool`` of a tensor) made dynamo realize the walked output's attributes
+    recursively, past Python's recursion limit (seen once, in a fresh clone's run of the suite)."""
     return any(not bool(torch.isfinite(t).all()) for t in _floating_tensors(output, depth=0))
 
 
