@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from helpers import sqnr_db
+from rank_models import forward, shard, wan_transformer
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
@@ -29,40 +30,8 @@ SUPPORTED = ("model_full_load_and_qfloat8_preconverted", "model_full_load_and_qf
 
 
 def build_transformer():
-    """A Wan-shaped transformer in bfloat16 (time embedder kept in float32, as from_pretrained does),
-    frozen for inference (FSDP2 refuses trainable parameters of mixed dtypes in one group)."""
-    from diffusers import WanTransformer3DModel
-
-    from tiny_components import WAN_TRANSFORMER, cast, configured
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = configured(WanTransformer3DModel, WAN_TRANSFORMER)()
-    cast(model, torch.bfloat16)
-    return model.eval().requires_grad_(False)
-
-
-def transformer_inputs() -> dict:
-    generator = torch.Generator().manual_seed(1)
-    return dict(
-        hidden_states=torch.randn(1, 16, 2, 8, 8, generator=generator).to(torch.bfloat16),
-        timestep=torch.tensor([500]),
-        encoder_hidden_states=torch.randn(1, 8, 32, generator=generator).to(torch.bfloat16),
-        return_dict=False,
-    )
-
-
-def forward(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**transformer_inputs())[0].float()
-
-
-def shard(model, mesh) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    """The Wan transformer in bfloat16 (see ``rank_models``)."""
+    return wan_transformer(torch.bfloat16)
 
 
 def refusal(action) -> str:

@@ -188,3 +188,16 @@ def is_known_placeholder(tensor: torch.Tensor) -> bool:
         return False
     held = _PLACEHOLDERS.get(tensor.data_ptr())
     return held is not None and held.dtype == tensor.dtype
+
+
+def data_class(tensor: torch.Tensor) -> type:
+    """The class of a tensor's data: a ``Parameter`` wraps another tensor class (FSDP2's ``DTensor``, a library's
+    quantized tensor), which is what decides whether it can be packed, written through, or stored as bytes."""
+    return type(tensor.data) if isinstance(tensor, torch.nn.Parameter) else type(tensor)
+
+
+def has_own_bytes(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's values are the bytes of its own memory: not for a wrapper subclass (one that flattens
+    into inner tensors: ``DTensor``, torchao's and quanto's quantized tensors), whose ``data_ptr`` is not where
+    its values are. Only such bytes can be copied to a slab or written to a file."""
+    return not hasattr(data_class(tensor), "__tensor_flatten__")

@@ -32,7 +32,7 @@ from torch import nn
 
 from memmode_core.contracts.errors import IncompatibleModeError, RestoreError
 from memmode_core.contracts.layout import Policy
-from memmode_core.contracts.storage import StorageSession, placeholder
+from memmode_core.contracts.storage import StorageSession, data_class, has_own_bytes, placeholder
 from memmode_core.engine import watch
 from memmode_core.engine.changes import Changes
 from memmode_core.engine.forwards import Forwards
@@ -98,6 +98,7 @@ class Runtime(Forwards, Changes, Moving, Serving):
             raise RuntimeError("a placement that offloads needs a storage session")
         try:
             if stored:
+                self._refuse_without_bytes(stored)
                 sizes = {g.key: g.nbytes for g in stored}
                 missing = {k: n for k, n in sizes.items() if (reserved or {}).get(k) != n}
                 if missing:
@@ -129,6 +130,23 @@ class Runtime(Forwards, Changes, Moving, Serving):
         self._install_edit_wrappers()
         self._index_members()
         watch.watch(self)
+
+    def _refuse_without_bytes(self, stored: list[Group]) -> None:
+        """A tensor with no bytes of its own (a ``DTensor`` shard of FSDP2 or tensor parallelism, a library's
+        wrapped tensor) can rest only where nothing is copied: under a storage that copies a resting weight's
+        bytes (to a file, a slab, another device), it is refused before anything is stored or released."""
+        if self.session.zero_copy(self.device):
+            return
+        for group in stored:
+            for slot in group.slots:
+                if not has_own_bytes(slot.tensor):
+                    raise IncompatibleModeError(
+                        f"{group.key}: {slot.name} is a {data_class(slot.tensor).__name__} (sharded by FSDP2 or "
+                        f"tensor parallelism, or a library's wrapped tensor), and storage {self._storage_name!r} "
+                        f"copies a resting weight's bytes, which such a tensor does not hold in one place. Leave it "
+                        f"in place with storage='ram' on a CPU device, leave its component out with unplaced=[...], "
+                        f"or offload it with the sharding library's own option (FSDP2's CPUOffloadPolicy)"
+                    )
 
     def remove(self) -> None:
         """Unhook, and leave every weight in ordinary CPU memory.

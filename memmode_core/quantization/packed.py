@@ -28,6 +28,7 @@ from torch import nn
 
 from memmode_core.contracts.errors import IncompatibleModeError
 from memmode_core.contracts.quantizer import PAYLOAD, Quantizer
+from memmode_core.contracts.storage import data_class
 
 #: attribute of a packed ``nn.Linear`` holding its :class:`PackedLayer` record
 PACKED_ATTRIBUTE = "_memmode_packed"
@@ -97,12 +98,6 @@ def _replace_parameter(module: nn.Module, old: str, new: str, parameter: nn.Para
 
 
 # -- what a weight tensor really is (a packed layer's tensors must be plain, whole and present) ----------
-
-
-def data_class(t: torch.Tensor) -> type:
-    """The class of a tensor's data: a ``Parameter`` wraps another tensor class (DTensor, a library's
-    quantized tensor), which is what decides whether it can be packed or written through."""
-    return type(t.data) if isinstance(t, nn.Parameter) else type(t)
 
 
 def is_dtensor(t: torch.Tensor) -> bool:

@@ -27,10 +27,11 @@ from torch import nn
 
 from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError
 from memmode_core.contracts.quantizer import DEFAULT_EXCLUDE, PAYLOAD, Quantizer
+from memmode_core.contracts.storage import data_class
 from memmode_core.contracts.targets import is_fsdp1
 from memmode_core.files.streamed import give_back_freed_memory
 from memmode_core.quantization.forward import install_forward
-from memmode_core.quantization.packed import COMPUTE_DTYPES, attach_packed, data_class, is_dtensor, packed_record
+from memmode_core.quantization.packed import COMPUTE_DTYPES, attach_packed, is_dtensor, packed_record
 from memmode_core.quantization.selection import LayerSelection, select_layers
 from memmode_core.quantization.sizes import component_bytes, pack_checked
 

@@ -1,0 +1,192 @@
+"""Every mode on N ranks of one machine, as users outgrow one GPU: 2 and 4 CPU ranks of ``torch.distributed``
+(gloo), each a process (``tests/ranks.py``).
+
+- **Context parallelism** (diffusers' ``ContextParallelConfig``, Ulysses: each rank attends over all tokens for
+  a share of the heads, and computes everything else for a share of the tokens): a Wan transformer under every
+  placement x storage x quantizer gives, on every rank, exactly the single-process output — the lossless modes
+  the unquantized one, the quantized modes the single process's quantized one.
+- **Data-parallel serving** (one pipeline per rank, each serving its own request): every rank's output is what
+  one process gives for that request, under every placement, a storage of each kind and a quantizer.
+- **FSDP2** (``fully_shard``: each rank holds a shard of every weight, all-gathered for the forward): every
+  placement keeps it exact where nothing is copied (``ram`` on a CPU device); a storage that copies a resting
+  weight's bytes is refused, typed, before anything is touched (a shard has no bytes of its own in one place:
+  writing one used to crash the process), and the model still runs.
+
+What needs an accelerator is not here (docs/distributed.md): ring attention needs an attention backend that
+returns the log-sum-exp, which the CPU's has not, and diffusers' tensor parallelism shards onto devices.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import assert_bit_equal
+from rank_models import forward, shard, wan_transformer
+from ranks import distributed_available, run_ranks
+from tiny_pipelines import make_pipeline, run
+
+pytestmark = [
+    pytest.mark.skipif(not distributed_available(), reason="needs torch.distributed with gloo"),
+    pytest.mark.slow,
+]
+
+PLACEMENTS = [
+    ("model_cpu_offload", {}),
+    ("model_group_offload", {}),
+    ("model_group_offload", {"offload_type": "leaf_level"}),
+    ("sequential_cpu_offload", {}),
+]
+STORAGES = ("ram", "disk", "mmap")
+QUANTIZERS = (None, "qfloat8", "qfloat4")
+
+
+def matrix() -> list[tuple[str, str, dict]]:
+    """(label, mode, apply's keywords): every placement x storage x quantizer (a full load has no storage)."""
+    cases = []
+    for quantizer in QUANTIZERS:
+        suffix = f"_and_{quantizer}" if quantizer else ""
+        cases.append((f"model_full_load{suffix}", f"model_full_load{suffix}", {}))
+        for placement, options in PLACEMENTS:
+            for storage in STORAGES:
+                label = f"{placement}{suffix}[{','.join(f'{k}={v}' for k, v in options.items())}] {storage}"
+                cases.append((label, placement + suffix, {"storage": storage, **options}))
+    return cases
+
+
+def quantizer_of(mode: str) -> str | None:
+    return mode.rpartition("_and_")[2] if "_and_" in mode else None
+
+
+def single_process_outputs(model_factory) -> dict[str | None, torch.Tensor]:
+    """What one process gives, unquantized and under each quantizer: what every rank must give."""
+    import memmode_core as memmode
+
+    outputs = {}
+    for quantizer in QUANTIZERS:
+        model = model_factory()
+        if quantizer is not None:
+            memmode.apply(model, f"model_full_load_and_{quantizer}", device="cpu")
+        outputs[quantizer] = forward(model)
+    return outputs
+
+
+# -- context parallelism -------------------------------------------------------------------------------------
+
+
+def context_parallel(rank: int, world: int) -> dict:
+    """Every case of the matrix on a Wan transformer split over the ranks by Ulysses."""
+    from diffusers import ContextParallelConfig
+
+    import memmode_core as memmode
+
+    results = {}
+    for label, mode, options in matrix():
+        model = wan_transformer(heads=4)
+        model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+        handle = memmode.apply(model, mode, device="cpu", **options)
+        results[label] = (forward(model), forward(model))  # a first call, and one in the steady state
+        handle.remove()
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallelism_is_exact_under_every_mode(world):
+    expected = single_process_outputs(lambda: wan_transformer(heads=4))
+    for rank, results in enumerate(run_ranks(world, context_parallel)):
+        assert "error" not in results, results.get("error")
+        assert len(results) == len(matrix())
+        for label, mode, _ in matrix():
+            for output in results[label]:
+                assert_bit_equal(output, expected[quantizer_of(mode)], f"rank {rank}/{world}, {label}")
+
+
+# -- data-parallel serving -------------------------------------------------------------------------------------
+
+#: one pipeline per rank: a placement with each storage kind, leaf level, the text encoders alone, a quantizer
+SERVING = [
+    ("model_cpu_offload", {"storage": "ram"}),
+    ("model_group_offload", {"storage": "disk"}),
+    ("sequential_cpu_offload", {"storage": "mmap"}),
+    ("text_encoder_offload", {}),
+    ("model_group_offload_and_qfloat8", {"storage": "mmap", "offload_type": "leaf_level"}),
+]
+SERVED_FAMILY = "wan22"
+
+
+def data_parallel(rank: int, world: int) -> dict:
+    """Each rank builds the pipeline, places it, and serves its own request (its rank is its seed)."""
+    import memmode_core as memmode
+
+    results = {}
+    for mode, options in SERVING:
+        pipe = make_pipeline(SERVED_FAMILY)
+        handle = memmode.apply(pipe, mode, device="cpu", **options)
+        results[mode] = run(pipe, SERVED_FAMILY, rank)
+        handle.remove()
+    return results
+
+
+def test_data_parallel_ranks_each_give_what_one_process_gives():
+    import memmode_core as memmode
+
+    world = 2
+    expected = {}
+    for seed in range(world):
+        expected[None, seed] = run(make_pipeline(SERVED_FAMILY), SERVED_FAMILY, seed)
+        quantized = make_pipeline(SERVED_FAMILY)
+        memmode.apply(quantized, "model_full_load_and_qfloat8", device="cpu")
+        expected["qfloat8", seed] = run(quantized, SERVED_FAMILY, seed)
+    for rank, results in enumerate(run_ranks(world, data_parallel)):
+        assert "error" not in results, results.get("error")
+        for mode, _ in SERVING:
+            assert_bit_equal(results[mode], expected[quantizer_of(mode), rank], f"rank {rank}, {mode}")
+
+
+# -- FSDP2 -----------------------------------------------------------------------------------------------------
+
+
+def fsdp2(rank: int, world: int) -> dict:
+    """Each placement on a sharded transformer, unquantized and converted ahead (the order FSDP2 needs); the
+    storages that copy a resting weight's bytes are refused before anything is touched."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import memmode_core as memmode
+
+    mesh = init_device_mesh("cpu", (world,))
+    results = {}
+    for quantizer in QUANTIZERS:
+        for placement, options in [("model_full_load", {}), *PLACEMENTS]:
+            model = wan_transformer()
+            if quantizer is not None:
+                memmode.convert(quantizer, model)
+            shard(model, mesh)
+            mode = placement + (f"_and_{quantizer}" if quantizer else "")
+            handle = memmode.apply(model, mode, device="cpu", **options)
+            results[f"{mode} {options}"] = forward(model)
+            handle.remove()
+    for storage in ("disk", "mmap"):
+        model = wan_transformer()
+        shard(model, mesh)
+        before = forward(model)
+        try:
+            memmode.apply(model, "model_group_offload", device="cpu", storage=storage)
+            results[f"refused {storage}"] = "accepted"
+        except memmode.IncompatibleModeError as exc:
+            results[f"refused {storage}"] = str(exc)
+        results[f"still runs {storage}"] = torch.equal(forward(model), before)
+        results[f"untouched {storage}"] = not hasattr(model, "_memmode_handle")
+    return results
+
+
+def test_fsdp2_is_exact_where_nothing_is_copied_and_refused_typed_where_a_shard_would_be():
+    expected = single_process_outputs(wan_transformer)
+    for rank, results in enumerate(run_ranks(2, fsdp2)):
+        assert "error" not in results, results.get("error")
+        for quantizer in QUANTIZERS:
+            for placement, options in [("model_full_load", {}), *PLACEMENTS]:
+                mode = placement + (f"_and_{quantizer}" if quantizer else "")
+                assert_bit_equal(results[f"{mode} {options}"], expected[quantizer], f"rank {rank}, {mode} {options}")
+        for storage in ("disk", "mmap"):
+            assert "DTensor" in results[f"refused {storage}"], results[f"refused {storage}"]
+            assert results[f"still runs {storage}"] and results[f"untouched {storage}"]
