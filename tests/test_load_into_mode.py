@@ -127,15 +127,12 @@ def test_the_report_is_the_one_apply_gives(storage, tmp_path):
         if key not in ("transfer_seconds", "storage_bytes", "loading"):
             assert got[key] == want[key], key
     assert want["loading"] == {} and got["loading"]["quantized_bytes"] > 0, "only load says what it staged"
-    # the storage holds the same groups; those kept in place in the streamed qfloat8 file are counted as
-    # borrowed instead of written
+    # the storage holds the same groups, alike: those kept in place in the streamed qfloat8 file are counted as
+    # borrowed instead of written (apply streams its packing too, when the storage is not ram)
     stored, kept = want["storage_bytes"], got["storage_bytes"]
-    assert set(stored) <= set(kept)
-    if storage == "ram":
-        assert kept == stored
-    else:
-        assert kept["borrowed_bytes"] > 0
-        assert 0.9 * stored["disk_bytes"] <= kept["disk_bytes"] + kept["borrowed_bytes"] <= stored["disk_bytes"]
+    assert kept == stored
+    if storage != "ram":
+        assert stored["borrowed_bytes"] > 0 and stored["borrowed_groups"] > 0
 
 
 @pytest.mark.parametrize(

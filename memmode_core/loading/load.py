@@ -46,7 +46,7 @@ from memmode_core.loading.skeleton import (
     pipeline_index,
 )
 from memmode_core.planning.request import Request
-from memmode_core.quantization import component_bytes, install_forward, overrides, saved
+from memmode_core.quantization import install_forward, overrides, saved
 
 logger = logging.getLogger("memmode")
 
@@ -170,18 +170,10 @@ def load(
             "memmode: quantizer %s has its own quantize(); it quantizes the loaded model in memory", quantizer.name
         )
     elif quantizer is not None and quantizer.packs:  # a forward-only quantizer has nothing to pack
-        packing = {
-            name: saved.stream_pack_bytes(selection)
-            for name, selection in prepared._selections.items()
-            if selection.packs_anything
-        }
-        check_room(staging, sum(packing.values()), f"quantizing {', '.join(packing)} with {quantizer.name}")
-        for name, selection in prepared._selections.items():
-            if selection.packs_anything:
-                before = component_bytes(selection.component)
-                packed = saved.stream_pack(selection, staging_dir=staging, mappings=mappings, device=prepared.device)
-                prepared._packed_ahead[name] = (packed, before)
-                packed_bytes += packing[name]
+        streamed = saved.stream_quantize(prepared._selections, staging_dir=staging, device=prepared.device)
+        prepared._packed_ahead.update(streamed.packed)
+        mappings.extend(streamed.mappings)
+        packed_bytes = streamed.nbytes
 
     # the checkpoint's mappings and the streamed files are lent to file storages, which store the groups
     # lying in them by reference rather than writing them again (see memmode_core.files.borrowed)

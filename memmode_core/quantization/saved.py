@@ -7,9 +7,12 @@ weights: the format, and each packed layer's full-precision shape, dtype and com
 reader needs beyond that is the quantizer's (its ``unpack``), which is why a checkpoint in a format no
 installed quantizer reads is refused by name rather than guessed at.
 
-Quantizing while streaming packs one layer at a time from a checkpoint mapping straight into a file
-(:mod:`memmode_core.files.streamed`): peak memory is one layer in full precision plus its packed form,
-where :func:`~memmode_core.quantization.quantizing.quantize_component` holds every packed layer at once.
+Quantizing while streaming packs one layer at a time straight into a file (:mod:`memmode_core.files.streamed`):
+peak memory is one layer in full precision plus its packed form, where
+:func:`~memmode_core.quantization.quantizing.quantize_component` holds every packed layer at once. ``load``
+streams from the checkpoint's mapping; ``apply`` streams when the mode's storage keeps the offloaded bytes
+elsewhere than in memory (a 14B model's packed layers were all in anonymous memory before the first was
+stored).
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ from torch import nn
 from memmode_core.contracts.errors import CheckpointError
 from memmode_core.contracts.quantizer import PAYLOAD, Quantizer
 from memmode_core.engine.streams import active
-from memmode_core.files.streamed import file_size, write_pieces
+from memmode_core.files.streamed import check_room, file_size, write_pieces
 from memmode_core.quantization.packed import attach_packed, packed_record
 from memmode_core.quantization.selection import LayerSelection
-from memmode_core.quantization.sizes import PackedSizes, pack_checked
+from memmode_core.quantization.sizes import PackedSizes, component_bytes, pack_checked
 
 FORMAT_KEY = "memmode.format"
 LAYERS_KEY = "memmode.layers"
@@ -194,3 +197,37 @@ def stream_pack(
         payload, buffers, _ = shared[id(weight)]
         attach_packed(layer.module, quantizer.format_name, weight.shape, weight.dtype, payload, buffers, layer.path)
     return len(selection.to_pack)
+
+
+@dataclass
+class Streamed:
+    """What :func:`stream_quantize` did: component -> (layers packed, bytes before), the mappings of the files
+    the packed layers are views of, and the bytes written to them."""
+
+    packed: dict[str, tuple[int, int]]
+    mappings: list[torch.Tensor]
+    nbytes: int
+
+
+def stream_bytes(selections: Mapping[str, LayerSelection]) -> dict[str, int]:
+    """Bytes :func:`stream_quantize` writes for each component that has layers to pack."""
+    return {name: stream_pack_bytes(s) for name, s in selections.items() if s.packs_anything}
+
+
+def stream_quantize(
+    selections: Mapping[str, LayerSelection], *, staging_dir=None, device: torch.device | None = None
+) -> Streamed:
+    """Quantize each component as ``selections`` say, one layer at a time into streamed files (see the module
+    docstring): the packed layers are views of those files' pages, never all in anonymous memory. Their room
+    is checked first, before a layer is packed."""
+    sizes = stream_bytes(selections)
+    if sizes:
+        quantizer = next(iter(selections.values())).quantizer
+        check_room(staging_dir, sum(sizes.values()), f"quantizing {', '.join(sizes)} with {quantizer.name}")
+    packed: dict[str, tuple[int, int]] = {}
+    mappings: list[torch.Tensor] = []
+    for name in sizes:
+        selection = selections[name]
+        before = component_bytes(selection.component)
+        packed[name] = (stream_pack(selection, staging_dir=staging_dir, mappings=mappings, device=device), before)
+    return Streamed(packed, mappings, sum(sizes.values()))
