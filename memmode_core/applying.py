@@ -36,6 +36,7 @@ from memmode_core.engine.laying_out import Relayout
 from memmode_core.engine.ledger import Ledger
 from memmode_core.engine.runtime import Runtime
 from memmode_core.files.borrowed import lending, source_of_mapping
+from memmode_core.files.node import ranks_share_a_machine
 from memmode_core.files.streamed import give_back_freed_memory
 from memmode_core.handle import HANDLE_ATTRIBUTE, Handle, handle_of
 from memmode_core.planning.prepared import Prepared, prepare_again, prepare_target
@@ -139,6 +140,7 @@ def execute(prepared: Prepared) -> Handle:
         logger.info(
             "memmode: %s quantized %s with %s", prepared._target.label, ", ".join(quantized), prepared.quantizer
         )
+        _say_each_rank_holds_its_own_copy(prepared, quantized)
     handle = Handle(prepared, runtime, ledger, quantized)
     handle._attach()
     _log_moves(prepared, placing)
@@ -205,6 +207,22 @@ def _streams_packing(prepared: Prepared) -> bool:
         and not quantization.overrides(quantizer, "quantize")
         and request.storage is not None
         and request.storage.name != "ram"
+    )
+
+
+def _say_each_rank_holds_its_own_copy(prepared: Prepared, quantized: dict[str, Any]) -> None:
+    """Ranks of one machine that keep their packed weights in their own memory hold one copy each (the weights
+    they loaded may be the page cache's, shared; what they packed is theirs): said, with the storage that keeps
+    one copy for all of them."""
+    request = prepared._request
+    in_memory = request.storage_name == "ram" or (request.storage is None and request.device.type == "cpu")
+    if not (in_memory and ranks_share_a_machine()):
+        return
+    logger.warning(
+        "memmode: rank %d keeps the packed weights of %s in its own memory, and so does every rank of this "
+        "machine: storage='mmap' keeps one copy for all of them (the page cache)",
+        torch.distributed.get_rank(),
+        ", ".join(quantized),
     )
 
 

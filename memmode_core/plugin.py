@@ -27,7 +27,10 @@ name is explained: docs/writing-a-plugin.md.
 - group files — the machinery of the ``disk`` and ``mmap`` storages, in core so that any storage that keeps
   groups in files shares it rather than copies it: :class:`GroupFileStorage` (subclass it and write
   ``session``), :class:`GroupFileSession` (the bookkeeping; subclass it and write ``put``/``fetch``/
-  ``restore``), :class:`GroupFileStore`, :class:`GroupFileOptions`, :class:`GroupFile`.
+  ``restore``), :class:`GroupFileStore`, :class:`GroupFileOptions`, :class:`GroupFile`;
+- ranks of ``torch.distributed`` on one machine: :func:`ranks_share_a_machine`, and :func:`shared_folder`, the
+  folder every rank of the job on this machine uses for a purpose (learnt from ``torch.distributed``'s store),
+  so that their files are one copy (the file storages use it when no ``offload_dir`` is given).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from memmode_core.discovery.sources import temporary_plugin
 from memmode_core.engine.streams import Streams
 from memmode_core.engine.streams import active as active_streams
 from memmode_core.files.groupfile import GroupFile
+from memmode_core.files.node import ranks_share_a_machine, shared_folder
 from memmode_core.files.options import GroupFileOptions
 from memmode_core.files.sessions import GroupFileSession, GroupFileStorage
 from memmode_core.files.store import GroupFileStore
@@ -122,4 +126,7 @@ __all__ = [
     "GroupFileStore",
     "GroupFileOptions",
     "GroupFile",
+    # ranks of torch.distributed on one machine
+    "ranks_share_a_machine",
+    "shared_folder",
 ]

@@ -190,3 +190,83 @@ def test_fsdp2_is_exact_where_nothing_is_copied_and_refused_typed_where_a_shard_
         for storage in ("disk", "mmap"):
             assert "DTensor" in results[f"refused {storage}"], results[f"refused {storage}"]
             assert results[f"still runs {storage}"] and results[f"untouched {storage}"]
+
+
+# -- one host copy per machine ---------------------------------------------------------------------------------
+
+
+def shared_files(rank: int, world: int, storage: str) -> dict:
+    """Each rank places the same transformer with a file storage and no offload_dir: where its files are, and
+    what they are (name and inode), while every rank is placed; then whether the folder outlives the last."""
+    import os
+
+    import torch.distributed as dist
+
+    import memmode_core as memmode
+
+    model = wan_transformer(heads=4)
+    handle = memmode.apply(model, "model_group_offload", device="cpu", storage=storage)
+    output = forward(model)
+    folder = handle._runtime.session.store.folder
+    dist.barrier()  # every rank has placed its model: the files are there for all
+    files = {p.name: os.stat(p).st_ino for p in folder.glob("memmode-*.safetensors")}
+    stats = handle.report().storage_bytes
+    dist.barrier()
+    handle.remove()
+    dist.barrier()  # every rank has removed its mode
+    return {
+        "folder": str(folder),
+        "files": files,
+        "groups": len(handle.prepared.stored_sizes),
+        "written": stats["written_groups"],
+        "output": output,
+        "folder left": folder.exists() and any(folder.iterdir()),
+    }
+
+
+@pytest.mark.parametrize("storage", ["mmap", "disk"])
+def test_ranks_on_one_machine_share_one_copy_of_the_group_files(storage):
+    """Without an offload_dir, every rank of the job on this machine uses one folder (made by the first, found by
+    the others in torch.distributed's store): each group file is written once and mapped by all, so the page
+    cache holds one copy; the last rank to leave removes the folder."""
+    world = 4
+    expected = forward(wan_transformer(heads=4))
+    results = run_ranks(world, shared_files, storage)
+    for result in results:
+        assert "error" not in result, result.get("error")
+        assert_bit_equal(result["output"], expected)
+    assert len({r["folder"] for r in results}) == 1, [r["folder"] for r in results]
+    assert all(r["files"] == results[0]["files"] for r in results), "the ranks map the same files"
+    assert len(results[0]["files"]) == results[0]["groups"], "one file per group, not one per rank"
+    assert not any(r["folder left"] for r in results)
+    from pathlib import Path
+
+    assert not Path(results[0]["folder"]).exists()
+
+
+def packed_in_memory(rank: int, world: int) -> dict:
+    """What memmode says when ranks quantize into their own memory, and when into a storage they share."""
+    import logging
+
+    import memmode_core as memmode
+
+    said: dict[str, list[str]] = {}
+    for storage in ("ram", "mmap"):
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logging.getLogger("memmode").addHandler(handler)
+        try:
+            handle = memmode.apply(wan_transformer(), "model_group_offload_and_qfloat8", device="cpu", storage=storage)
+            handle.remove()
+        finally:
+            logging.getLogger("memmode").removeHandler(handler)
+        said[storage] = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    return said
+
+
+def test_ranks_that_keep_packed_weights_in_their_own_memory_are_told_what_shares_them():
+    for rank, said in enumerate(run_ranks(2, packed_in_memory)):
+        assert "error" not in said, said.get("error")
+        assert any(f"rank {rank} keeps the packed weights" in m and "storage='mmap'" in m for m in said["ram"])
+        assert not any("keeps the packed weights" in m for m in said["mmap"])

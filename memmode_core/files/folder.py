@@ -46,10 +46,12 @@ TEMP_PREFIX, TEMP_SUFFIX = ".memmode-", ".tmp"
 class OffloadFolder:
     """One session's use of a folder (see the module docstring). :meth:`open` it before use."""
 
-    def __init__(self, path: str | os.PathLike | None, *, keep_files: bool) -> None:
+    def __init__(self, path: str | os.PathLike | None, *, keep_files: bool, remove_when_empty: bool = False) -> None:
         self.private = path is None
         self.path: Path | None = None if path is None else Path(os.fsdecode(path)).absolute()
         self._cleanup = _Cleanup(keep_files)
+        #: a folder made for the ranks of one machine (:mod:`memmode_core.files.node`): the last to leave removes it
+        self._cleanup.remove_when_empty = remove_when_empty
         self._finalizer = weakref.finalize(self, self._cleanup)
 
     @property
@@ -151,6 +153,7 @@ class _Cleanup:
         self.private_folder: Path | None = None
         self.folder_fd: int | None = None
         self.lease: _Lease | None = None
+        self.remove_when_empty = False
         #: a child forked from this process inherits the finalizer, not the files: it must not clean up
         self.pid = os.getpid()
 
@@ -164,6 +167,9 @@ class _Cleanup:
                 fcntl.flock(self.folder_fd, fcntl.LOCK_EX)
                 try:
                     self.lease.finish(keep=self.keep_files)
+                    if self.remove_when_empty:
+                        with contextlib.suppress(OSError):  # not empty: another session still uses it
+                            os.rmdir(self.lease.path.parent)
                 finally:
                     fcntl.flock(self.folder_fd, fcntl.LOCK_UN)
         finally:

@@ -24,6 +24,7 @@ from memmode_core.engine.staging import Fill, StagingRing
 from memmode_core.engine.streams import active
 from memmode_core.files import folder as offload_folder
 from memmode_core.files.groupfile import GroupFile
+from memmode_core.files.node import shared_folder
 from memmode_core.files.options import GroupFileOptions, check_offload_dir
 from memmode_core.files.store import GroupFileStore
 
@@ -49,8 +50,13 @@ class GroupFileStorage(Storage):
                 f"keep_files=True needs offload_dir=: without it storage {self.name!r} writes to a private "
                 f"temporary folder that is removed at remove() and at exit"
             )
+        shared = shared_folder("offload") if offload_dir is None else None  # N ranks on one machine: one copy
         store = GroupFileStore(
-            offload_dir, keep_files=options.keep_files, owner=self.name, warn_in_ram=self.warn_in_ram
+            shared if shared is not None else offload_dir,
+            keep_files=options.keep_files,
+            owner=self.name,
+            warn_in_ram=self.warn_in_ram,
+            shared_by_ranks=shared is not None,
         )
         session = self.session(store, device)
         session.verify = options.verify

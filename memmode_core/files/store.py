@@ -82,13 +82,20 @@ class GroupFileStore:
     """The files of one storage session in one folder (see the module docstring)."""
 
     def __init__(
-        self, offload_dir: str | os.PathLike | None, *, keep_files: bool, owner: str, warn_in_ram: bool = False
+        self,
+        offload_dir: str | os.PathLike | None,
+        *,
+        keep_files: bool,
+        owner: str,
+        warn_in_ram: bool = False,
+        shared_by_ranks: bool = False,
     ) -> None:
         self.owner = owner
         self.keep_files = keep_files
         #: warn when the folder is a RAM filesystem, for a storage whose point is to save memory
         self.warn_in_ram = warn_in_ram
-        self._folder = OffloadFolder(offload_dir, keep_files=keep_files)
+        #: ``offload_dir`` is the folder the ranks of this machine share (``files.node``): the last removes it
+        self._folder = OffloadFolder(offload_dir, keep_files=keep_files, remove_when_empty=shared_by_ranks)
         self._sizes: dict[str, int] = {}  # file name -> size, of every file this session uses
         #: bytes of groups stored by reference in a lent checkpoint mapping (nothing written)
         self.borrowed_bytes = 0
