@@ -60,6 +60,7 @@ MARKED = {
     ("docs/getting-started.md", "signature", "memmode_core.apply"),
     ("docs/storages.md", "accelerator", "the pinned storage is unavailable without an accelerator with streams"),
     ("docs/videox-fun.md", "not-run", "VideoX-Fun's own code, quoted; tests/test_videox_fun.py runs a copy of it"),
+    ("docs/distributed.md", "not-run", "torchrun ranks on GPUs; tests/test_ranks.py runs the same on CPU ranks"),
 }
 RUN_LANGUAGES = {"python", "bash", "console"}
 NOT_CODE_LANGUAGES = {"text"}  # a ```toml block is a file of the plugin guide, marked file:
