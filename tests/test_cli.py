@@ -175,6 +175,16 @@ def test_plan_with_an_impossible_budget_says_auto_would_refuse(capsys):
     assert "nothing fits" in capsys.readouterr().out
 
 
+def test_plan_for_the_ranks_of_a_machine_counts_the_machines_memory(capsys):
+    assert tiny_demo("plan", "--world-size", "4", "--json") == 0
+    entries = json.loads(capsys.readouterr().out)["entries"]
+    assert all(e["ranks"] == 4 for e in entries)
+    ram = [e for e in entries if e["storage"] == "ram"]
+    assert ram and all(e["machine_host_bytes"] == 4 * (e["pageable_bytes"] + e["pinned_bytes"]) for e in ram)
+    assert tiny_demo("plan", "--world-size", "4") == 0
+    assert "for 4 ranks of this machine" in capsys.readouterr().out
+
+
 def test_bad_mode_is_a_clean_error(capsys):
     assert tiny_demo("run", "--mode", "model_cpu_ofload", "--no-progress") == 2
     assert "Did you mean 'model_cpu_offload'" in capsys.readouterr().err

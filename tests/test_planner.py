@@ -143,3 +143,60 @@ def test_plan_marks_the_entry_auto_chooses():
     assert all(not e.fits and e.reason for e in entries if e.peak_device_bytes > 200_000)
     data = chosen[0].as_dict()
     assert {"mode", "storage", "peak_device_bytes", "transfer_bytes_per_call", "fits"} <= data.keys()
+
+
+# -- ranks of one machine ------------------------------------------------------------------------------------
+
+
+def test_ranks_of_one_machine_count_what_they_share_once_and_the_rest_once_each():
+    """Four ranks each placing the pipeline: one GPU's device bytes as for one, and the machine's host memory:
+    each rank's own copy under ram, one copy of the files under mmap and disk."""
+    pipe = make_pipeline("wan22")
+    one = {(e.label(), e.storage): e for e in memmode.plan(pipe, device="cpu")}
+    four = {(e.label(), e.storage): e for e in memmode.plan(pipe, device="cpu", ranks=4)}
+    assert one.keys() == four.keys()
+    for key, entry in four.items():
+        alone = one[key]
+        assert entry.ranks == 4 and alone.ranks == 1
+        assert entry.peak_device_bytes == alone.peak_device_bytes and entry.host_bytes == alone.host_bytes
+        assert alone.machine_host_bytes == alone.host_bytes and alone.machine_disk_bytes == alone.disk_bytes
+        if entry.storage in ("mmap", "disk"):
+            assert entry.machine_disk_bytes == entry.disk_bytes > 0
+        if entry.storage == "ram":
+            assert entry.machine_host_bytes == 4 * entry.host_bytes > 0
+
+
+def test_the_ram_budget_is_the_machines_and_auto_chooses_for_its_ranks():
+    pipe = make_pipeline("wan22")
+    ram_entry = next(e for e in memmode.plan(pipe, device="cpu", storage="ram") if e.mode == "model_cpu_offload")
+    budget = 2 * ram_entry.host_bytes  # enough for one or two ranks' own copies, not for four
+    four = memmode.plan(pipe, device="cpu", ranks=4, ram_budget=budget)
+    assert all(not e.fits for e in four if e.storage == "ram")
+    assert any("for the machine's 4 ranks" in (e.reason or "") for e in four)
+    assert any(e.fits for e in four if e.storage == "mmap")
+    prepared = memmode.prepare(pipe, "auto", device="cpu", ranks=4, ram_budget=budget)
+    assert prepared.storage in ("mmap", "disk") and prepared.choice.ranks == 4
+
+
+def test_context_parallel_ranks_share_the_transformers_activations():
+    """Each of the ranks splitting the sequence holds its share of the transformer's activations (a component
+    diffusers can split: one with a ``_cp_plan``); the others keep theirs whole."""
+    from diffusers import WanTransformer3DModel
+
+    from memmode_core.planning.calls import CallTrace
+
+    pipe = make_pipeline("wan22")
+    assert getattr(WanTransformer3DModel, "_cp_plan", None) is not None
+    shapes = {"height": 32, "width": 32, "num_frames": 9}
+    whole = CallTrace.of(pipe, ["transformer"], torch.device("cpu"), shapes)
+    split = CallTrace.of(pipe, ["transformer"], torch.device("cpu"), shapes, context_parallel=4)
+    assert split.activation_bytes == -(-whole.activation_bytes // 4)
+    vae = CallTrace.of(pipe, ["vae"], torch.device("cpu"), shapes, context_parallel=4)
+    assert vae.activation_bytes == whole.traces["vae"].activation_peak
+
+
+@pytest.mark.parametrize("keyword", ["ranks", "context_parallel"])
+@pytest.mark.parametrize("value", [0, -2, 1.5, True])
+def test_a_count_of_ranks_must_be_a_whole_number(keyword, value):
+    with pytest.raises(InvalidOptionError, match=keyword):
+        memmode.plan(make_pipeline("flux"), device="cpu", **{keyword: value})

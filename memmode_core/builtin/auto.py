@@ -47,8 +47,8 @@ class PricingResolver(Resolver):
         base = dataclasses.replace(request, given={k: v for k, v in request.given.items() if k not in own})
         placed = Target.of(target).without(request.unplaced)
         sequence = call_sequence(placed, default_calls(placed, budgets.steps))
-        call = CallTrace.of(target, sequence, request.device, budgets.shapes)
-        entries = priced_candidates(target, base, sequence, call, budgets.vram)
+        call = CallTrace.of(target, sequence, request.device, budgets.shapes, budgets.context_parallel)
+        entries = priced_candidates(target, base, sequence, call, budgets.vram, budgets.ranks)
         judge(entries, budgets.vram, budgets.ram)
         entry = self.choose(entries, budgets)
         chosen = entry.prepared
@@ -81,6 +81,15 @@ class AutoOptions(Options):
     width: int | None = option(None, "the call's width (as height)", positive_int)
     num_frames: int | None = option(None, "the call's frames, for a video pipeline (as height)", positive_int)
     batch: int | None = option(None, "prompts per call (as height)", positive_int)
+    ranks: int = option(
+        1,
+        "ranks of this machine that each place the pipeline (torchrun's --nproc-per-node): vram_budget is one "
+        "GPU's, ram_budget the machine's, and what the ranks share (mmap's and disk's files) counts once",
+        positive_int,
+    )
+    context_parallel: int = option(
+        1, "ranks that split the transformer's sequence (diffusers' ContextParallelConfig)", positive_int
+    )
 
     def shapes(self) -> dict[str, int]:
         """The call's shapes that were given."""
@@ -98,7 +107,7 @@ class Auto(PricingResolver):
         if vram is None:
             vram = default_vram_budget(device, SHAPED_VRAM_SHARE if shapes else DEFAULT_VRAM_SHARE)
         ram = options.ram_budget if options.ram_budget is not None else default_ram_budget()
-        return Budgets(vram, ram, options.steps, shapes)
+        return Budgets(vram, ram, options.steps, shapes, options.ranks, options.context_parallel)
 
     def choose(self, entries: Sequence[PlanEntry], budgets: Budgets) -> PlanEntry:
         return choose(list(entries), budgets.vram, budgets.ram)

@@ -84,5 +84,21 @@ def build_parser() -> argparse.ArgumentParser:
     planning.add_argument("--vram", help="device budget for weights, e.g. 8GiB")
     planning.add_argument("--ram", help="RAM budget for offloaded weights, e.g. 32GiB")
     planning.add_argument("--quantizer", nargs="+", metavar="NAME", help="also plan these quantizers")
+    planning.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ranks of this machine that each place the pipeline (one process per GPU): --vram is one GPU's, "
+        "--ram the machine's, and what ranks share (mmap's and disk's files) counts once",
+    )
+    planning.add_argument(
+        "--context-parallel",
+        type=int,
+        default=1,
+        metavar="K",
+        help="ranks that split the transformer's sequence (diffusers' ContextParallelConfig): its activations "
+        "are that share on each",
+    )
     planning.set_defaults(func=plan_command, subparser=planning, steps=20)
     return parser

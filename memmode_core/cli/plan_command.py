@@ -30,6 +30,8 @@ def plan_command(args: argparse.Namespace) -> int:
             ram_budget=args.ram,
             quantizer=args.quantizer or None,
             steps=args.steps,
+            ranks=args.world_size,
+            context_parallel=args.context_parallel,
             # the call's shapes: activations predicted on fake tensors, counted against --vram with the weights
             # (a --model skeleton's too: its weights stand in as fake tensors, the pipeline's code runs on the host)
             **shapes,
@@ -52,6 +54,11 @@ def plan_command(args: argparse.Namespace) -> int:
         )
         return 0
     print(f"{description}: predicted per call of {args.steps} steps")
+    if args.world_size > 1:
+        print(
+            f"for {args.world_size} ranks of this machine: on the device, one rank's; RAM and disk, the machine's "
+            f"(what the ranks share once)"
+        )
     if args.options:
         print(f"options: {describe_options(args.options)} (for each mode whose plugins declare them)")
     shaped = any(e.activation_bytes for e in entries)

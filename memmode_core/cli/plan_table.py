@@ -1,7 +1,9 @@
 """The table ``memmode plan`` prints: one row per candidate, those that fit first, then the fastest.
 
 The ``+ activations`` column appears only when the planner predicted activations (the call's shapes were
-given): without them it counts weights only, and a column of zeros would read as a prediction.
+given): without them it counts weights only, and a column of zeros would read as a prediction. ``RAM`` and
+``disk`` are the machine's: for ``--world-size`` ranks, what they share once and the rest once per rank (for one
+rank, its own).
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ def _plan_row(e, shaped: bool) -> tuple:
         format_bytes(e.peak_device_bytes),
         *([format_bytes(e.device_bytes)] if shaped else []),
         format_bytes(e.transfer_bytes_per_call),
-        format_bytes(e.host_bytes),
-        format_bytes(e.disk_bytes) if e.disk_bytes else "-",
+        format_bytes(e.machine_host_bytes),
+        format_bytes(e.machine_disk_bytes) if e.machine_disk_bytes else "-",
         f"{e.seconds_per_call:.3f}",
         "yes" if e.fits else f"no: {e.reason}",
     )

@@ -38,6 +38,9 @@ class StorageCost:
     fetch_latency: float = 0.0
     #: whether the figures were measured (by the planner's probe) rather than declared
     measured: bool = False
+    #: whether the ranks of ``torch.distributed`` on one machine hold one copy of what this storage keeps at rest
+    #: between them (files every rank writes once and maps or reads), rather than one each
+    shared_by_ranks: bool = False
 
     def fetch_seconds(self, nbytes: int, onloads: int) -> float:
         copy = 0.0 if self.fetch_bytes_per_second is None or not nbytes else nbytes / self.fetch_bytes_per_second
@@ -56,9 +59,10 @@ def copying_cost(
     pinned: float = 0.0,
     disk: float = 0.0,
     zero_copy_on_cpu: bool = False,
+    shared_by_ranks: bool = False,
 ) -> StorageCost:
     """The declared cost of a storage that copies from memory of ``kind`` (the first-party ones), at the
     default bandwidth of ``kind``; the planner prices copies from host memory to an accelerator at the
     bandwidth it measures there."""
     bandwidth = None if device.type == "cpu" and zero_copy_on_cpu else DEFAULT_BANDWIDTH[kind]
-    return StorageCost(kind, pageable, pinned, disk, bandwidth, onload_latency(device))
+    return StorageCost(kind, pageable, pinned, disk, bandwidth, onload_latency(device), shared_by_ranks=shared_by_ranks)

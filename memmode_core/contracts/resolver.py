@@ -27,13 +27,18 @@ from memmode_core.contracts.options import Option, Options
 @dataclass(frozen=True)
 class Budgets:
     """What a resolver's candidates are priced for: device and host memory limits (None: no limit), the
-    denoising steps of the call profile, and the call's shapes (``height``, ``width``, ``num_frames``,
-    ``batch``; given, the planner predicts the call's activations and ``vram`` counts them with the weights)."""
+    denoising steps of the call profile, the call's shapes (``height``, ``width``, ``num_frames``, ``batch``;
+    given, the planner predicts the call's activations and ``vram`` counts them with the weights), and the ranks
+    of one machine."""
 
     vram: int | None
     ram: int | None
     steps: int
     shapes: Mapping[str, int] = field(default_factory=dict)
+    #: the ranks of one machine that each place the pipeline (``vram`` is one's, ``ram`` the machine's), and how
+    #: many split the transformer's sequence (its activations are that share on each)
+    ranks: int = 1
+    context_parallel: int = 1
 
 
 class Resolver:

@@ -82,17 +82,35 @@ class CallTrace:
     unmodelled_workspace: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, target: Any, sequence: list[str], device: torch.device, shapes: Mapping[str, int]) -> CallTrace:
+    def of(
+        cls,
+        target: Any,
+        sequence: list[str],
+        device: torch.device,
+        shapes: Mapping[str, int],
+        context_parallel: int = 1,
+    ) -> CallTrace:
+        """The call traced at ``shapes``; with ``context_parallel`` ranks splitting the sequence of each component
+        diffusers can split (one with a ``_cp_plan``: its transformer), that component's activations are that
+        share of the traced ones on each rank (an estimate: Ulysses splits every activation but attention's by
+        tokens, and attention's by heads)."""
         if not shapes:
             return cls()
         shapes = dict(shapes)
         batch = shapes.pop("batch", 1)
         traces = trace_pipeline_call(target, batch=batch, device=device, **shapes)
-        ran = [traces[name] for name in set(sequence) if name in traces]
+        components = Target.of(target).components
+        peaks = {
+            name: -(-traces[name].activation_peak // context_parallel)
+            if getattr(components.get(name), "_cp_plan", None) is not None
+            else traces[name].activation_peak
+            for name in set(sequence)
+            if name in traces
+        }
         return cls(
             traces,
-            max((t.activation_peak for t in ran), default=0),
-            tuple(sorted(set().union(*(t.unmodelled for t in ran)))),
+            max(peaks.values(), default=0),
+            tuple(sorted(set().union(*(traces[name].unmodelled for name in peaks)))),
         )
 
     def weights_budget(self, vram: int) -> int:

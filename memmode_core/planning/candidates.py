@@ -24,16 +24,16 @@ from memmode_core.planning.residency import BudgetTooSmallError
 
 
 def priced_candidates(
-    target: Any, base: Request, sequence: list[str], call: CallTrace, vram: int | None
+    target: Any, base: Request, sequence: list[str], call: CallTrace, vram: int | None, ranks: int = 1
 ) -> list[PlanEntry]:
     """Every candidate for ``target`` made from ``base``, priced for the component calls ``sequence`` traced as
-    ``call``. With a device budget ``vram``, a placement that can fit itself to it (group offload keeps groups
-    resident up to what the activations leave) does."""
+    ``call``, on each of ``ranks`` ranks of one machine. With a device budget ``vram``, a placement that can fit
+    itself to it (group offload keeps groups resident up to what the activations leave) does."""
     given = dict(base.given)
     if vram is not None:
         given["vram_budget"] = call.weights_budget(vram)
     base = dataclasses.replace(base, given=given, traces=call.traces)
-    entries = price_all(candidates(target, base), sequence, call.traces)
+    entries = price_all(candidates(target, base), sequence, call.traces, ranks)
     call.mark(entries)
     return entries
 

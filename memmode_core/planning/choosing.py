@@ -1,8 +1,9 @@
 """Which priced candidates fit the budgets, and which one ``auto`` takes: the fastest that fits.
 
 Ties go to the least on the device, then to storages that write nothing (the tie order of the first-party
-table), then to the least host memory. When nothing fits, the refusal says what the smallest candidate needs,
-so that the user knows how far the budget is.
+table), then to the least host memory. The device budget is one rank's (one GPU); the RAM budget is the
+machine's, for all its ranks (:attr:`PlanEntry.machine_host_bytes`). When nothing fits, the refusal says what
+the smallest candidate needs, so that the user knows how far the budget is.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ def judge(entries: list[PlanEntry], vram: int | None, ram: int | None) -> None:
         reasons = []
         if vram is not None and e.device_bytes > vram:
             reasons.append(f"needs {format_bytes(e.device_bytes)} on the device")
-        if ram is not None and e.host_bytes > ram:
-            reasons.append(f"needs {format_bytes(e.host_bytes)} of RAM")
+        if ram is not None and e.machine_host_bytes > ram:
+            reasons.append(f"needs {format_bytes(e.machine_host_bytes)} of RAM{_for_ranks(e)}")
         e.fits, e.reason = not reasons, "; ".join(reasons) or None
     fitting = [e for e in entries if e.fits]
     if fitting:
         best = min(
             fitting,
-            key=lambda e: (e.seconds_per_call, e.peak_device_bytes, _tie_rank(e.storage), e.host_bytes),
+            key=lambda e: (e.seconds_per_call, e.peak_device_bytes, _tie_rank(e.storage), e.machine_host_bytes),
         )
         best.chosen = True
 
@@ -42,7 +43,7 @@ def choose(entries: list[PlanEntry], vram: int | None, ram: int | None) -> PlanE
             return e
     if not entries:
         raise NoModeFitsError("no installed placement can place this target")
-    smallest = min(entries, key=lambda e: (e.device_bytes, e.host_bytes))
+    smallest = min(entries, key=lambda e: (e.device_bytes, e.machine_host_bytes))
     budget = ", ".join(
         f"{n}={format_bytes(v)}" for n, v in (("vram_budget", vram), ("ram_budget", ram)) if v is not None
     )
@@ -54,9 +55,13 @@ def choose(entries: list[PlanEntry], vram: int | None, ram: int | None) -> PlanE
         )
     raise NoModeFitsError(
         f"no mode fits {budget}: the smallest, {smallest.label()} with storage {smallest.storage}, needs "
-        f"{on_device} on the device and {format_bytes(smallest.host_bytes)} of RAM"
-        + (f" ({format_bytes(smallest.disk_bytes)} on disk)" if smallest.disk_bytes else "")
+        f"{on_device} on the device and {format_bytes(smallest.machine_host_bytes)} of RAM{_for_ranks(smallest)}"
+        + (f" ({format_bytes(smallest.machine_disk_bytes)} on disk)" if smallest.machine_disk_bytes else "")
     )
+
+
+def _for_ranks(entry: PlanEntry) -> str:
+    return f" for the machine's {entry.ranks} ranks" if entry.ranks > 1 else ""
 
 
 def _tie_rank(storage: str | None) -> int:

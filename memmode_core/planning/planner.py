@@ -20,6 +20,7 @@ from typing import Any
 
 from memmode_core.contracts.deprecation import moved_names, names_moved_to
 from memmode_core.contracts.devices import resolve_device
+from memmode_core.contracts.errors import InvalidOptionError
 from memmode_core.contracts.targets import Target
 from memmode_core.discovery.grammar import lookup
 from memmode_core.discovery.plugins import current
@@ -53,6 +54,8 @@ def plan(
     width: int | None = None,
     num_frames: int | None = None,
     batch: int | None = None,
+    ranks: int = 1,
+    context_parallel: int = 1,
     **options: Any,
 ) -> list[PlanEntry]:
     """Predict every installed placement × storage (× ``quantizer``) for ``target``; see the module docstring.
@@ -65,14 +68,22 @@ def plan(
     ``height``, ``width``, ``num_frames``, ``batch``: the shapes of the call to plan for. Given any, each
     entry's ``activation_bytes`` is the activation peak of the call's components, predicted by running their
     forwards on fake tensors, and ``vram_budget`` counts weights plus activations (``device_bytes``).
+
+    ``ranks``: the ranks of ``torch.distributed`` on one machine that each place the pipeline (one process per
+    GPU): ``vram_budget`` is one GPU's, ``ram_budget`` the machine's, and each entry's ``machine_host_bytes``
+    and ``machine_disk_bytes`` count what a storage's ranks share once (``mmap``'s and ``disk``'s files) and the
+    rest once per rank. ``context_parallel``: how many ranks split the sequence of the transformer (diffusers'
+    ``ContextParallelConfig``): its activations are that share of one process's on each.
     """
     refuse_renamed(options)
+    ranks = _count("ranks", ranks)
+    context_parallel = _count("context_parallel", context_parallel)
     tgt = Target.of(target).without(unplaced or ())
     dev = resolve_device(device)
     vram = budget_bytes("vram_budget", vram_budget)
     ram = budget_bytes("ram_budget", ram_budget)
     sequence = call_sequence(tgt, calls if calls is not None else default_calls(tgt, steps))
-    call = CallTrace.of(target, sequence, dev, call_shapes(height, width, num_frames, batch))
+    call = CallTrace.of(target, sequence, dev, call_shapes(height, width, num_frames, batch), context_parallel)
     entries: list[PlanEntry] = []
     for qreg in _quantizers(quantizer):
         base = Request.template(
@@ -85,9 +96,15 @@ def plan(
             storage=storage,
             given=options,
         )
-        entries += priced_candidates(target, base, sequence, call, vram)
+        entries += priced_candidates(target, base, sequence, call, vram, ranks)
     judge(entries, vram, ram)
     return entries
+
+
+def _count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidOptionError(f"{name}={value!r} must be a whole number of ranks, 1 or more")
+    return value
 
 
 def _quantizers(quantizer: str | Iterable[str] | None) -> list[Registration | None]:

@@ -47,6 +47,11 @@ class PlanEntry:
     #: the operations of those components whose kernel workspace on the device is not modelled, so not in
     #: ``activation_bytes`` (:mod:`memmode_core.planning.workspace`): leave a margin for them
     unmodelled_workspace: tuple[str, ...] = ()
+    #: the ranks of one machine the entry is priced for (each places the pipeline: one process per GPU), and
+    #: what the machine holds for all of them: a storage whose ranks share one copy (files) counts it once
+    ranks: int = 1
+    machine_host_bytes: int = 0
+    machine_disk_bytes: int = 0
     fits: bool = True
     reason: str | None = None
     chosen: bool = False
@@ -72,14 +77,17 @@ class PlanEntry:
         return f"{self.mode}[{extra}]" if extra else self.mode
 
 
-def price(prepared: Prepared, sequence: list[str], traces: Mapping[str, ComponentTrace] | None = None) -> PlanEntry:
+def price(
+    prepared: Prepared, sequence: list[str], traces: Mapping[str, ComponentTrace] | None = None, ranks: int = 1
+) -> PlanEntry:
     """The predicted cost of executing ``prepared`` for the component calls ``sequence`` (with ``traces``, the
-    components' FLOPs at the call's shapes: copy time hidden behind compute, :mod:`.timing`)."""
-    return _price(prepared, *_replayed(prepared, sequence, traces), sequence)
+    components' FLOPs at the call's shapes: copy time hidden behind compute, :mod:`.timing`), on each of
+    ``ranks`` ranks of one machine."""
+    return _price(prepared, *_replayed(prepared, sequence, traces), sequence, ranks)
 
 
 def price_all(
-    prepared: list[Prepared], sequence: list[str], traces: Mapping[str, ComponentTrace] | None = None
+    prepared: list[Prepared], sequence: list[str], traces: Mapping[str, ComponentTrace] | None = None, ranks: int = 1
 ) -> list[PlanEntry]:
     """Price each candidate; candidates sharing one layout (one per storage) are sized, replayed and (with
     ``traces``) have their groups' compute counted once."""
@@ -87,7 +95,7 @@ def price_all(
     for one in prepared:
         if id(one._groups) not in replays:
             replays[id(one._groups)] = _replayed(one, sequence, traces)
-    return [_price(one, *replays[id(one._groups)], sequence) for one in prepared]
+    return [_price(one, *replays[id(one._groups)], sequence, ranks) for one in prepared]
 
 
 def _lookahead(prepared: Prepared) -> Mapping[str, int]:
@@ -124,8 +132,10 @@ def _price(
     state: Replayed,
     compute: dict[str, float] | None,
     sequence: list[str],
+    ranks: int = 1,
 ) -> PlanEntry:
-    """The entry for ``prepared`` from its sized groups, the replay of its layout and its groups' compute."""
+    """The entry for ``prepared`` from its sized groups, the replay of its layout and its groups' compute; what
+    the machine holds for ``ranks`` ranks: each rank's own copy, but once what a storage's ranks share."""
     request = prepared._request
     storage = request.storage.obj if request.storage is not None else None
     cost = storage_cost(storage, prepared.device) if storage is not None else None
@@ -151,8 +161,12 @@ def _price(
             "pinned": round(offloaded * cost.pinned_per_byte),
             "disk": round(offloaded * cost.disk_per_byte),
         }
-    if prepared.device.type == "cpu":  # the device is the RAM: resident weights are host memory too
-        held["pageable"] += sum(s.nbytes for s in sized if s.group.policy is Policy.RESIDENT)
+    copies = 1 if cost is not None and cost.shared_by_ranks else ranks
+    machine_host = (held["pageable"] + held["pinned"]) * copies
+    if prepared.device.type == "cpu":  # the device is the RAM: resident weights are host memory too, each rank's
+        resident = sum(s.nbytes for s in sized if s.group.policy is Policy.RESIDENT)
+        held["pageable"] += resident
+        machine_host += resident * ranks
     return PlanEntry(
         mode=prepared.mode,
         placement=prepared.placement,
@@ -166,5 +180,8 @@ def _price(
         pinned_bytes=held["pinned"],
         disk_bytes=held["disk"],
         seconds_per_call=seconds,
+        ranks=ranks,
+        machine_host_bytes=machine_host,
+        machine_disk_bytes=held["disk"] * copies,
         prepared=prepared,
     )

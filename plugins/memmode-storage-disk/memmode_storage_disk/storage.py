@@ -123,7 +123,8 @@ class DiskStorage(GroupFileStorage):
     name = "disk"
 
     def cost(self, device: torch.device) -> StorageCost:
-        return copying_cost("disk", device, disk=1.0)  # every onload reads the file
+        # every onload reads the file; the ranks of one machine read the same files (the kit's shared_folder)
+        return copying_cost("disk", device, disk=1.0, shared_by_ranks=True)
 
     #: files on tmpfs are RAM: the point of this storage is lost
     warn_in_ram = True

@@ -117,7 +117,8 @@ class MmapStorage(GroupFileStorage):
 
     def cost(self, device: torch.device) -> StorageCost:
         # on the CPU nothing is copied; to a GPU, copies from the page cache; the files are on disk
-        return copying_cost("mapped", device, disk=1.0, zero_copy_on_cpu=True)
+        # the ranks of one machine map the same files (the kit's shared_folder): one copy between them
+        return copying_cost("mapped", device, disk=1.0, zero_copy_on_cpu=True, shared_by_ranks=True)
 
     description = "memory-mapped safetensors files: zero-copy on CPU, one copy in RAM shared by all processes"
 
