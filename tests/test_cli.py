@@ -382,3 +382,21 @@ def test_run_auto_counts_the_call_it_makes(tmp_path, capsys):
     assert main([*common, *shapes, "--option", "vram_budget=20MB", "--json"]) == 0
     (result,) = json.loads(capsys.readouterr().out)["results"]
     assert result["mode"] == "model_full_load", "20 MB hold the weights and the activations"
+
+
+@pytest.mark.slow
+def test_run_on_ranks_of_this_machine(capsys):
+    """``--nproc 2``: the built-in pipeline on two CPU ranks, its transformers' sequence split over them."""
+    assert tiny_demo("run", "--nproc", "2", "--steps", "1", "--json", "--compare", "model_group_offload", "auto") == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ranks"] == 2 and len(out["results"]) == 2
+    for results in out["results"]:
+        assert [r["requested"] for r in results] == ["model_group_offload", "auto"]
+        assert all(r["refused"] is None and r["seconds_per_call"] > 0 for r in results)
+
+
+def test_run_on_ranks_refuses_what_it_cannot_split(capsys, tmp_path):
+    assert tiny_demo("run", "--nproc", "3", "--steps", "1") == 2  # the tiny transformers have 2 heads
+    assert "2 attention heads cannot be shared evenly by 3 ranks" in capsys.readouterr().err
+    assert main(["run", "--model", str(tmp_path), "--nproc", "2"]) == 2
+    assert "torchrun" in capsys.readouterr().err

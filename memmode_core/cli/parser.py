@@ -77,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--storage", help="where offloaded weights wait (default: pinned on CUDA if installed, else ram)")
     run.add_argument("--plot", metavar="FILE.png", help="draw resident device bytes over time for each mode")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument(
+        "--nproc",
+        type=_ranks,
+        default=1,
+        metavar="N",
+        help="run on N ranks of torch.distributed on this machine, each transformer's sequence split over them "
+        "(context parallelism; gloo on the CPU, one GPU each with CUDA)",
+    )
     run.set_defaults(func=run_command, subparser=run)
 
     planning = commands.add_parser("plan", help="what each mode would cost, and which one auto would pick")
@@ -102,3 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     planning.set_defaults(func=plan_command, subparser=planning, steps=20)
     return parser
+
+
+def _ranks(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a number of ranks is 1 or more, not {value}")
+    return value

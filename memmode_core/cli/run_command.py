@@ -13,6 +13,7 @@ import sys
 
 from memmode_core.cli.pipelines import load_into, pipeline_source, run_call_shapes
 from memmode_core.cli.plugin_options import describe_options, refuse_undeclared
+from memmode_core.contracts.errors import InvalidOptionError
 from memmode_core.contracts.units import format_bytes
 
 
@@ -20,6 +21,8 @@ def run_command(args: argparse.Namespace) -> int:
     from memmode_core.cli.runner import run_modes
     from memmode_core.cli.table import render
 
+    if args.nproc > 1:
+        return _run_on_ranks(args)
     if args.plot:
         from memmode_core.cli.plotting import require_matplotlib
 
@@ -91,3 +94,47 @@ def _run_row(r, with_note: bool) -> tuple:
         format_bytes(r.disk_bytes) if r.disk_bytes else "-",
     )
     return row + ("",) if with_note else row
+
+
+def _run_on_ranks(args: argparse.Namespace) -> int:
+    """``--nproc N``: the job on N ranks of this machine (:mod:`memmode_core.cli.ranks`), a table row per mode
+    and rank."""
+    from memmode_core.cli.ranks import run_on_ranks
+    from memmode_core.cli.runner import RunResult
+    from memmode_core.cli.table import render
+
+    if args.plot:
+        raise InvalidOptionError("--plot draws one process's trace; leave it out with --nproc")
+    refuse_undeclared(args.options)
+    _, _, description = pipeline_source(args)
+    per_rank = [
+        [RunResult(**{**d, "output_shape": tuple(d["output_shape"] or ()) or None}) for d in results]
+        for results in run_on_ranks(args)
+    ]
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "pipeline": description,
+                    "steps": args.steps,
+                    "ranks": args.nproc,
+                    "options": args.options,
+                    "results": [[r.as_dict() for r in results] for results in per_rank],
+                },
+                indent=2,
+                default=repr,
+            )
+        )
+    else:
+        print(
+            f"{description}, {args.steps} step{'s' if args.steps != 1 else ''}, {args.nproc} ranks of this machine "
+            f"(each transformer's sequence split over them: context parallelism)"
+        )
+        refused = any(not r.ran for results in per_rank for r in results)
+        headers = ["rank", "mode", "storage", "s/call", "peak on device", "moved/call", "RAM (offloaded)", "disk"]
+        rows = [(str(rank), *_run_row(r, refused)) for rank, results in enumerate(per_rank) for r in results]
+        print(render(headers + (["note"] if refused else []), rows, right=headers[3:]))
+    if not any(r.ran for results in per_rank for r in results):
+        print("memmode: error: every mode was refused", file=sys.stderr)
+        return 2
+    return 0
