@@ -95,3 +95,14 @@ def wan_inputs(model, *, frames: int = 1, height: int = 16, width: int = 16, tex
 
 def parameter_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def fill_like_initialised(name: str, tensor) -> None:
+    """Random values in place, scaled as an initialised model's (biases small, matrices by their fan-in, norms
+    at one): the checkpoints the benchmarks write, whose outputs stay finite through many blocks."""
+    if name.endswith("bias"):
+        tensor.normal_(0.0, 0.02)
+    elif tensor.ndim >= 2:
+        tensor.normal_(0.0, tensor.shape[-1] ** -0.5)
+    else:
+        tensor.fill_(1.0) if "norm" in name else tensor.normal_(0.0, 0.02)

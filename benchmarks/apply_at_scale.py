@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _models import released_wan_config
+from _models import fill_like_initialised, released_wan_config
 from load_into_mode import Sampler, read_status
 
 #: a shard of the checkpoint, as diffusers' save_pretrained cuts them
@@ -44,7 +44,8 @@ def build(folder: Path, config: dict) -> None:
     torch.manual_seed(0)
     with torch.device("meta"):
         model = WanTransformer3DModel(**config)
-    real = dict(WanTransformer3DModel(**{**config, "num_layers": 1}).state_dict())  # the buffers' real values
+    parameters = {name for name, _ in model.named_parameters()}
+    real = dict(WanTransformer3DModel(**{**config, "num_layers": 1}).named_buffers())  # the buffers' real values
     folder.mkdir(parents=True, exist_ok=True)
     model.save_config(folder)
     weight_map: dict[str, str] = {}
@@ -62,17 +63,11 @@ def build(folder: Path, config: dict) -> None:
             shard, size = {}, 0
 
     for key, meta in model.state_dict().items():
-        if key in real and not key.startswith("blocks."):
-            tensor = real[key].to(torch.bfloat16 if meta.dtype == torch.float32 else meta.dtype).clone()
-            tensor = tensor if tensor.shape == meta.shape else torch.empty(meta.shape, dtype=meta.dtype).normal_()
+        if key not in parameters:  # a persistent buffer: its real value
+            tensor = real[key].clone()
         else:
             tensor = torch.empty(meta.shape, dtype=torch.bfloat16)
-            if key.endswith("bias"):
-                tensor.normal_(0.0, 0.02)
-            elif tensor.ndim >= 2:
-                tensor.normal_(0.0, tensor.shape[-1] ** -0.5)
-            else:
-                tensor.fill_(1.0) if "norm" in key else tensor.normal_(0.0, 0.02)
+            fill_like_initialised(key, tensor)
         nbytes = tensor.numel() * tensor.element_size()
         if size + nbytes > SHARD_BYTES:
             flush()

@@ -58,7 +58,7 @@ import threading
 import time
 from pathlib import Path
 
-from _models import flags, released_wan_config
+from _models import fill_like_initialised, flags, released_wan_config
 
 #: variant -> (checkpoint: "bf16" / "f32", reference variant of its ratios)
 VARIANTS = {
@@ -128,12 +128,7 @@ def build(base: Path, config: dict) -> None:
     model = model.to_empty(device="cpu").to(torch.bfloat16)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0.0, 0.02)
-            elif param.ndim >= 2:
-                param.normal_(0.0, param.shape[-1] ** -0.5)
-            else:
-                param.fill_(1.0) if "norm" in name else param.normal_(0.0, 0.02)
+            fill_like_initialised(name, param)
         real = dict(WanTransformer3DModel(**{**config, "num_layers": 1}).named_buffers())
         for name, buffer in model.named_buffers():
             buffer.copy_(real[name])
