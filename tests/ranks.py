@@ -69,4 +69,7 @@ def run_ranks(world: int, scenario: Callable, *args: Any, timeout: float = RANKS
             pytest.fail(f"{', '.join(hung)} of {world} did not finish in {timeout:.0f} s")
         crashed = {p.name: p.exitcode for p in processes if p.exitcode != 0}
         assert not crashed, f"ranks that crashed (exit codes): {crashed}"
-        return [torch.load(Path(folder) / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
+        results = [torch.load(Path(folder) / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
+    failed = {rank: r["error"] for rank, r in enumerate(results) if "error" in r}
+    assert not failed, "\n".join(f"rank {rank} of {world}:\n{error}" for rank, error in failed.items())
+    return results

@@ -680,3 +680,26 @@ def test_staging_ring_uploads_across_chunk_boundaries(chunk_bytes, strict_stream
     ring.close()
     if strict_streams is not None:
         assert strict_streams.counts["async_copies"] > 0 and strict_streams.counts["pinned_copies"] > 0
+
+
+def test_a_shared_folder_its_last_user_removes_while_another_opens_it_is_made_again(tmp_path, monkeypatch):
+    """The folder the ranks of one machine share is removed by the last to leave (``remove_when_empty``); a rank
+    opening it just then — after its ``mkdir``, before it holds the folder's lock — makes it again and takes its
+    lease there, instead of failing to create a file in a folder that is gone (seen under load, 2 ranks)."""
+    shared = tmp_path / "shared"
+    real_open = os.open
+    removed: list[bool] = []
+
+    def open_then_lose_it(path, flags, *args):
+        fd = real_open(path, flags, *args)
+        if Path(path) == shared and not removed:  # the last user leaves right after our mkdir
+            removed.append(True)
+            os.rmdir(shared)
+        return fd
+
+    monkeypatch.setattr(offload_folder.os, "open", open_then_lose_it)
+    folder = offload_folder.OffloadFolder(shared, keep_files=False, remove_when_empty=True)
+    folder.open()
+    assert removed and shared.is_dir() and list(shared.glob(".memmode-*.lease"))
+    folder.close()
+    assert not shared.exists(), "the last user removes the shared folder"

@@ -5,9 +5,9 @@ Each rank is a process of its own (``spawn``): it builds the built-in pipeline, 
 sequence over the ranks with diffusers' context parallelism (Ulysses, ``ContextParallelConfig(ulysses_degree=
 N)``: each rank attends over every token for its share of the heads), applies the mode and measures a call as
 one process does (:func:`~memmode_core.cli.runner.run_modes`); every rank's output is the single-process one.
-Without an accelerator the ranks meet over gloo and compute on the CPU — diffusers builds its device mesh from
-``torch.accelerator.device_count()``, which a rank then reports as 1, as one CPU process is one device; with
-CUDA they meet over NCCL, one GPU each.
+Without an accelerator (or with ``--device cpu``) the ranks meet over gloo and compute on the CPU — diffusers
+builds its device mesh from ``torch.accelerator.device_count()``, which a rank then reports as 1, as one CPU
+process is one device; with an accelerator they meet over its backend (NCCL for CUDA), one device each.
 """
 
 from __future__ import annotations
@@ -83,21 +83,21 @@ def _rank_main(rank: int, nproc: int, folder: str, given: dict) -> None:
     import torch.distributed as dist
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     # diffusers' context parallelism says at every enable that it is experimental, and warns of its own use of a
     # deprecated torch collective at every call: N ranks of it would bury the table
     diffusers.utils.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", category=FutureWarning, module="diffusers")
-    on_cuda = torch.cuda.is_available() and (given["device"] or "cuda").startswith("cuda")
-    if on_cuda:
-        torch.cuda.set_device(rank)
-        given = {**given, "device": f"cuda:{rank}"}
+    if accelerator is not None and given["device"] != "cpu":
+        torch.accelerator.set_device_index(rank)
+        device = torch.device(accelerator.type, rank)
+        backend = dist.get_default_backend_for_device(device)  # NCCL for CUDA
     else:
         torch.set_num_threads(1)
         torch.accelerator.device_count = lambda: 1  # one CPU process is one device (see the module docstring)
-        given = {**given, "device": "cpu"}
-    dist.init_process_group(
-        "nccl" if on_cuda else "gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=nproc
-    )
+        device, backend = torch.device("cpu"), "gloo"
+    given = {**given, "device": str(device)}
+    dist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=rank, world_size=nproc)
     outcome: dict = {}
     try:
         outcome = {"results": [r.as_dict() for r in _run(nproc, argparse.Namespace(**given))]}

@@ -36,6 +36,8 @@ try:
 except ImportError:  # Windows
     fcntl = None
 
+#: times :meth:`OffloadFolder.open` makes a shared folder again that its last user removed meanwhile
+_OPEN_ATTEMPTS = 8
 #: memmode's bookkeeping files start with a dot: leases, and temporary files being written
 LEASE_PATTERN = ".memmode-*.lease"
 #: a lease being created: locked first, then renamed to its ``.lease`` name
@@ -65,12 +67,27 @@ class OffloadFolder:
         if self.private:
             self.path = Path(tempfile.mkdtemp(prefix="memmode-"))
             self._cleanup.private_folder = self.path
-        else:
+            self._cleanup.folder_fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            return
+        for _ in range(_OPEN_ATTEMPTS):
             self.path.mkdir(parents=True, exist_ok=True)
-        self._cleanup.folder_fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        if not self.private:
+            self._cleanup.folder_fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
             with self.locked():  # a scan (lock held) never meets a lease being created
-                self._cleanup.lease = _Lease.create(self.path, keep=self._cleanup.keep_files)
+                if self._still_there():
+                    self._cleanup.lease = _Lease.create(self.path, keep=self._cleanup.keep_files)
+                    return
+            # the folder the ranks of this machine share was removed by its last user between our mkdir and our
+            # lock (``remove_when_empty``): make it again
+            os.close(self._cleanup.folder_fd)
+            self._cleanup.folder_fd = None
+        raise OSError(f"{self.path} kept disappearing while it was opened")
+
+    def _still_there(self) -> bool:
+        """Whether the folder we opened is still the one at our path (its last user may have removed it)."""
+        try:
+            return os.stat(self.path).st_ino == os.fstat(self._cleanup.folder_fd).st_ino
+        except FileNotFoundError:
+            return False
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
