@@ -173,8 +173,7 @@ def _quantize(prepared: Prepared) -> tuple[dict[str, Any], list[torch.Tensor]]:
     streamed = None
     if _streams_packing(prepared):
         checked = {name: _checked(prepared, name, s) for name, s in prepared._selections.items() if name not in ahead}
-        staging = request.offload_dir
-        streamed = saved.stream_quantize(checked, staging_dir=staging, device=request.device)
+        streamed = saved.stream_quantize(checked, staging_dir=request.offload_dir, device=request.device)
         ahead |= streamed.packed
     done: dict[str, Any] = {}
     targets = prepared._whole.components

@@ -2,16 +2,12 @@
 measures a storage that declares nothing with ``memmode_core.planning.measuring.probe``."""
 
 from memmode_core.contracts import costs as _costs
-from memmode_core.contracts.deprecation import moved_names
+from memmode_core.contracts.deprecation import moved_names, names_moved_to
 from memmode_core.planning import measuring as _measuring
 
 __getattr__ = moved_names(
     __name__,
-    {
-        "StorageCost": (_costs, "from memmode_core.plugin import StorageCost"),
-        "copying_cost": (_costs, "from memmode_core.plugin import copying_cost"),
-        "onload_latency": (_costs, "from memmode_core.contracts.costs import onload_latency"),
-        "DEFAULT_BANDWIDTH": (_costs, "from memmode_core.contracts.costs import DEFAULT_BANDWIDTH"),
-        "probe": (_measuring, "from memmode_core.planning.measuring import probe"),
-    },
+    names_moved_to(_costs, "StorageCost", "copying_cost", public="memmode_core.plugin")
+    | names_moved_to(_costs, "onload_latency", "DEFAULT_BANDWIDTH")
+    | names_moved_to(_measuring, "probe"),
 )

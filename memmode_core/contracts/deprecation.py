@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -24,27 +25,43 @@ class MemmodeDeprecationWarning(FutureWarning):
     ``DeprecationWarning`` outside ``__main__``)."""
 
 
-def moved_names(old: str, names: Mapping[str, tuple[ModuleType, str]]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` for the module at the old path ``old``: ``names`` maps each old name to its
-    new home (a module) and the import to write instead, ``from <module> import <new name>`` (a name renamed
-    on the way is looked up in its home under the new name)."""
+@dataclass(frozen=True)
+class Moved:
+    """Where an old name lives now: the attribute ``name`` of the module ``home``, to be imported from ``public``
+    (default: ``home`` itself; ``memmode_core.plugin`` for what the kit re-exports)."""
+
+    home: ModuleType
+    name: str
+    public: str | None = None
+
+    @property
+    def instead(self) -> str:
+        return f"from {self.public or self.home.__name__} import {self.name}"
+
+
+def moved_names(old: str, names: Mapping[str, Moved]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for the module at the old path ``old``, serving each old name of ``names`` from
+    where it lives now, with a warning that gives the import to write instead."""
 
     def __getattr__(name: str) -> Any:
         if name not in names:
             raise AttributeError(f"module {old!r} has no attribute {name!r}")
-        home, instead = names[name]
+        moved = names[name]
         warnings.warn(
-            f"{old}.{name} has moved: {instead} (the old name goes away in {REMOVED_IN})",
+            f"{old}.{name} has moved: {moved.instead} (the old name goes away in {REMOVED_IN})",
             MemmodeDeprecationWarning,
             stacklevel=2,
         )
-        return getattr(home, instead.rpartition(" import ")[2])
+        return getattr(moved.home, moved.name)
 
     return __getattr__
 
 
-def names_moved_to(home: ModuleType, *names: str, renamed: Mapping[str, str] | None = None):
-    """``moved_names``' entries for ``names`` now in the module ``home`` (``renamed``: old name -> new name)."""
-    entries = {name: (home, f"from {home.__name__} import {name}") for name in names}
-    entries |= {old: (home, f"from {home.__name__} import {new}") for old, new in (renamed or {}).items()}
+def names_moved_to(
+    home: ModuleType, *names: str, renamed: Mapping[str, str] | None = None, public: str | None = None
+) -> dict[str, Moved]:
+    """``moved_names``' entries for ``names`` now in the module ``home`` (``renamed``: old name -> new name),
+    imported from ``public`` (default: ``home``)."""
+    entries = {name: Moved(home, name, public) for name in names}
+    entries |= {old: Moved(home, new, public) for old, new in (renamed or {}).items()}
     return entries

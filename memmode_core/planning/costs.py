@@ -1,12 +1,8 @@
 """Deprecated: how the planner prices and measures a storage is :mod:`memmode_core.planning.measuring`."""
 
-from memmode_core.contracts.deprecation import moved_names
+from memmode_core.contracts.deprecation import moved_names, names_moved_to
 from memmode_core.planning import measuring as _measuring
 
 __getattr__ = moved_names(
-    __name__,
-    {
-        name: (_measuring, f"from memmode_core.planning.measuring import {name}")
-        for name in ("storage_cost", "measured_bandwidth", "probe", "PROBE_BYTES")
-    },
+    __name__, names_moved_to(_measuring, "storage_cost", "measured_bandwidth", "probe", "PROBE_BYTES")
 )

@@ -134,10 +134,10 @@ class Request:
             given=given,
             **what_is_touched(asked["weight_dtype"], asked["components"], asked["exclude"], asked["unplaced"]),
         )
-        request._check_arguments_apply()
+        request._refuse_arguments_the_mode_ignores()
         return request
 
-    def _check_arguments_apply(self) -> None:
+    def _refuse_arguments_the_mode_ignores(self) -> None:
         """Arguments the mode has nothing to do with are refused, not ignored."""
         if self.quantizer is None and (self.components is not None or self.exclude):
             raise InvalidOptionError(
