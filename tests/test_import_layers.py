@@ -161,7 +161,9 @@ def test_the_folders_are_the_layers():
 
 #: where memmode may name ``torch.cuda``: only what is CUDA-only by nature (``cudaHostRegister`` slabs); every
 #: other stream, event, copy and memory call goes through ``memmode_core/engine/streams.py``
-CUDA_ONLY = {"plugins/memmode-storage-pinned/memmode_storage_pinned/slabs.py"}
+#: the one CUDA-only call has no device-generic form: page-locking memory in place (``cudaHostRegister``), in the
+#: stream layer, where the strict model replaces it
+CUDA_ONLY = {"memmode_core/engine/streams.py"}
 
 
 def _uses_torch_cuda(tree: ast.AST) -> list[int]:
@@ -173,7 +175,8 @@ def _uses_torch_cuda(tree: ast.AST) -> list[int]:
 
 
 def test_only_the_stream_layer_speaks_to_the_accelerator():
-    """No ``torch.cuda`` in memmode_core or the plugins outside the CUDA-only slabs: the rest is device-generic,
+    """No ``torch.cuda`` in memmode_core or the plugins outside the stream layer's page-locking in place: the rest
+    is device-generic,
     and the strict model of asynchronous copies, which replaces the stream layer, sees every call."""
     root = PACKAGE.parent
     found = {}

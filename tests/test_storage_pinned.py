@@ -121,7 +121,10 @@ def test_the_offloaded_copies_are_in_exactly_sized_slabs_and_copied_asynchronous
     slabs = session._pins.slabs
     handle.remove()
     assert all(p.device.type == "cpu" for p in offloaded)
-    assert not any(_in_a_slab(p, slabs) for p in offloaded), "back in ordinary memory"
+    assert not any(slab.registered for slab in slabs), "back in ordinary (pageable) memory"
+    if strict_streams is not None:
+        assert strict_streams.counts["registered"] == len(slabs), "each slab page-locked in place, once"
+        assert not strict_streams._pinned, "every registration undone at remove"
 
 
 @requires_cuda("is_pinned() reports the page-locking done by cudaHostRegister and undone by cudaHostUnregister")
@@ -170,13 +173,20 @@ class FakeCudart:
         return 0
 
 
-def test_session_packs_copies_reuses_and_unlocks(monkeypatch):
-    from memmode_storage_pinned.storage import PinnedSession
-
-    fake = FakeCudart()
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+@pytest.fixture
+def fake(monkeypatch) -> FakeCudart:
+    """CUDA's runtime, faked: the real stream layer's page-locking in place, seen call by call."""
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
     monkeypatch.setattr(torch.cuda, "check_error", lambda code: None if code == 0 else pytest.fail(str(code)))
     monkeypatch.setattr(streams.active(), "synchronize", lambda device: None)
+    monkeypatch.setattr(streams.active(), "can_register_host", lambda device: True)
+    return cudart
+
+
+def test_session_packs_copies_reuses_and_unlocks(fake):
+    from memmode_storage_pinned.storage import PinnedSession
+
     g = torch.Generator().manual_seed(0)
     groups = {
         "a": {
@@ -215,13 +225,9 @@ def test_session_packs_copies_reuses_and_unlocks(monkeypatch):
     session.close()  # idempotent
 
 
-def test_later_reservations_add_slabs_without_moving_earlier_groups(monkeypatch):
+def test_later_reservations_add_slabs_without_moving_earlier_groups(fake):
     from memmode_storage_pinned.storage import PinnedSession
 
-    fake = FakeCudart()
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
-    monkeypatch.setattr(torch.cuda, "check_error", lambda code: None)
-    monkeypatch.setattr(streams.active(), "synchronize", lambda device: None)
     session = PinnedSession(CUDA, limit=None)
     session.reserve({"g": 4096})
     first = session.put("g", {"w": torch.arange(1024, dtype=torch.float32)})

@@ -53,6 +53,12 @@ class Streams:
         """Whether page-locked host memory speeds up copies to ``device`` (asynchronous DMA)."""
         return self.has_streams(device)
 
+    def can_register_host(self, device: torch.device) -> bool:
+        """Whether host memory that is already there (ordinary pages, a shared mapping) can be page-locked in
+        place for asynchronous copies to ``device`` (:meth:`register_host`): CUDA's ``cudaHostRegister``, which
+        ROCm builds map to HIP's. Other accelerators only have a host allocator of their own (:meth:`pinned_empty`)."""
+        return device.type == "cuda" and self.has_streams(device)
+
     # -- streams and events -----------------------------------------------------------------------
 
     def new_stream(self, device: torch.device) -> torch.Stream:
@@ -118,6 +124,21 @@ class Streams:
         """``nbytes`` of page-locked host memory (``uint8``), from PyTorch's host allocator."""
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
+    def register_host(self, tensor: torch.Tensor, *, read_only: bool = False) -> None:
+        """Page-lock ``tensor``'s memory in place (whole pages it alone uses), for every device of the process.
+
+        ``read_only`` for memory mapped without write permission (a mapping shared with other processes): without
+        ``cudaHostRegisterReadOnly`` the driver pins the pages for writing, which a read-only mapping refuses and
+        which would break copy-on-write sharing of a private one (each process would pin its own copy)."""
+        flags = _HOST_REGISTER_PORTABLE | (_HOST_REGISTER_READ_ONLY if read_only else 0)
+        nbytes = tensor.numel() * tensor.element_size()
+        registered = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, flags)
+        _cuda_check(registered, f"cudaHostRegister of {nbytes} bytes")
+
+    def unregister_host(self, tensor: torch.Tensor) -> None:
+        """Undo :meth:`register_host` (the memory stays, pageable). The caller makes sure no copy still reads it."""
+        _cuda_check(torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr()), "cudaHostUnregister")
+
     def memory_info(self, device: torch.device) -> tuple[int, int]:
         """``(free, total)`` bytes of ``device``'s memory."""
         free, total = torch.accelerator.get_memory_info(device)
@@ -126,6 +147,20 @@ class Streams:
     def label(self, name: str) -> contextlib.AbstractContextManager:
         """The work issued in the block is for ``name`` (a group key); a double names it in what it reports."""
         return _NULL
+
+
+#: ``cudaHostRegisterPortable``: the memory counts as page-locked for every CUDA context of the process, not only
+#: the current device's, so copies to any GPU of the process are asynchronous
+_HOST_REGISTER_PORTABLE = 1
+#: ``cudaHostRegisterReadOnly``: the device only reads the memory (needed for a read-only mapping)
+_HOST_REGISTER_READ_ONLY = 8
+
+
+def _cuda_check(result, what: str) -> None:
+    try:
+        torch.cuda.check_error(result)
+    except torch.cuda.CudaError as exc:
+        raise RuntimeError(f"{what} failed: {exc}") from None
 
 
 @functools.cache

@@ -120,6 +120,9 @@ class StrictStreams(Streams):
     def can_pin(self, device: torch.device) -> bool:
         return self.has_streams(device)
 
+    def can_register_host(self, device: torch.device) -> bool:
+        return self.has_streams(device)
+
     # -- streams and events ------------------------------------------------------------------------------
 
     def _stack(self) -> list[FakeStream]:
@@ -248,6 +251,37 @@ class StrictStreams(Streams):
             self._pinned[key] = pinned
             weakref.finalize(storage, self._unpinned, key, pinned)
             return tensor
+
+    def register_host(self, tensor: torch.Tensor, *, read_only: bool = False) -> None:
+        """Guard ``tensor``'s memory as page-locked until :meth:`unregister_host`. As the driver does, refuse memory
+        already registered; unlike it, an error also names memory freed (unmapped) while still registered."""
+        with self._lock:
+            self._raise_new()
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key in self._pinned:
+                raise RuntimeError(f"cudaHostRegister of {storage.nbytes()} bytes failed: already registered")
+            pinned = Pinned(storage.nbytes(), self._label())
+            self._pinned[key] = pinned
+            self.counts["registered"] += 1
+            weakref.finalize(storage, self._released_registered, key, pinned)
+
+    def unregister_host(self, tensor: torch.Tensor) -> None:
+        with self._lock:
+            key = tensor.untyped_storage().data_ptr()
+            pinned = self._pinned.get(key)
+            if pinned is None:
+                raise RuntimeError("cudaHostUnregister failed: memory not registered")
+            self._unpinned(key, pinned)
+
+    def _released_registered(self, key: int, pinned: Pinned) -> None:
+        with self._lock:
+            if self._pinned.get(key) is pinned:
+                self._fail(
+                    f"group {pinned.label!r}: {pinned.nbytes} bytes of host memory were freed while still "
+                    f"registered (page-locked): unregister_host() comes first"
+                )
+                del self._pinned[key]
 
     def memory_info(self, device: torch.device) -> tuple[int, int]:
         used = sum(b.nbytes for b in self._buffers.values())

@@ -12,9 +12,9 @@ A slab is page-aligned and made of whole pages that belong to it alone: ``cudaHo
 locks whole pages and refuses a page that is already registered, so two registrations must never
 share one.
 
-``cudaHostRegister`` is CUDA's (ROCm builds map it to HIP's); it is the only CUDA call of the storage. On
-any other accelerator a slab is allocated page-locked by PyTorch's host allocator instead
-(the kit's ``active_streams().pinned_empty``), which rounds it up to its block size.
+Registering memory in place is CUDA's ``cudaHostRegister`` (ROCm builds map it to HIP's), reached through the
+kit's ``active_streams().register_host``. On any other accelerator a slab is allocated page-locked by
+PyTorch's host allocator instead (``active_streams().pinned_empty``), which rounds it up to its block size.
 """
 
 from __future__ import annotations
@@ -33,9 +33,6 @@ SLAB_BYTES = 256 << 20
 #: every group starts at a multiple of this within its slab (cache line; also covers every dtype)
 GROUP_ALIGNMENT = 64
 PAGE = mmap.PAGESIZE
-#: cudaHostRegisterPortable: the memory counts as pinned for every CUDA context, not only the
-#: current device's, so copies to any GPU of the process are asynchronous
-PORTABLE = 1
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -78,13 +75,15 @@ def assign_spots(
 class Slab:
     """``nbytes`` (whole pages) of CPU memory, page-locked from :meth:`register` until :meth:`unregister`.
 
-    For a CUDA ``device`` it is ordinary page-aligned memory that ``register`` locks in place, exactly
-    (``exact``); elsewhere ``register`` allocates it from the accelerator's page-locked host allocator.
+    Where memory can be page-locked in place (CUDA) it is ordinary page-aligned memory that ``register`` locks,
+    exactly (``exact``); elsewhere ``register`` allocates it from the accelerator's page-locked host allocator.
     """
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.nbytes = nbytes
-        self.exact = device.type == "cuda"
+        #: the stream layer that locks the slab also unlocks it (a slab may be freed after a test's layer is gone)
+        self.streams = active_streams()
+        self.exact = self.streams.can_register_host(device)
         self.tensor: torch.Tensor | None = None
         if self.exact:
             # one spare page so that a page-aligned range of nbytes fits whatever malloc returned
@@ -95,12 +94,9 @@ class Slab:
 
     def register(self) -> None:
         if not self.exact:
-            self.tensor = active_streams().pinned_empty(self.nbytes)
-        else:  # CUDA only, by nature: cudaHostRegister
-            _check(
-                torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, PORTABLE),
-                f"cudaHostRegister of {self.nbytes} bytes",
-            )
+            self.tensor = self.streams.pinned_empty(self.nbytes)
+        else:
+            self.streams.register_host(self.tensor)
         self.registered = True
 
     def unregister(self) -> None:
@@ -108,11 +104,4 @@ class Slab:
         if self.registered:
             self.registered = False
             if self.exact:
-                _check(torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr()), "cudaHostUnregister")
-
-
-def _check(result, what: str) -> None:
-    try:
-        torch.cuda.check_error(result)
-    except torch.cuda.CudaError as exc:
-        raise RuntimeError(f"{what} failed: {exc}") from None
+                self.streams.unregister_host(self.tensor)
