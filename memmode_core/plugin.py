@@ -30,7 +30,8 @@ name is explained: docs/writing-a-plugin.md.
   ``restore``), :class:`GroupFileStore`, :class:`GroupFileOptions`, :class:`GroupFile`;
 - ranks of ``torch.distributed`` on one machine: :func:`ranks_share_a_machine`, and :func:`shared_folder`, the
   folder every rank of the job on this machine uses for a purpose (learnt from ``torch.distributed``'s store),
-  so that their files are one copy (the file storages use it when no ``offload_dir`` is given).
+  so that their files are one copy (the file storages use it when no ``offload_dir`` is given), and
+  :func:`shared_memory`, the machine's shared-memory filesystem (``pinned`` keeps the ranks' one copy there).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from memmode_core.discovery.sources import temporary_plugin
 from memmode_core.engine.streams import Streams
 from memmode_core.engine.streams import active as active_streams
 from memmode_core.files.groupfile import GroupFile
-from memmode_core.files.node import ranks_share_a_machine, shared_folder
+from memmode_core.files.node import ranks_share_a_machine, shared_folder, shared_memory
 from memmode_core.files.options import GroupFileOptions
 from memmode_core.files.sessions import GroupFileSession, GroupFileStorage
 from memmode_core.files.store import GroupFileStore
@@ -129,4 +130,5 @@ __all__ = [
     # ranks of torch.distributed on one machine
     "ranks_share_a_machine",
     "shared_folder",
+    "shared_memory",
 ]

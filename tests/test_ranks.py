@@ -240,6 +240,143 @@ def test_ranks_on_one_machine_share_one_copy_of_the_group_files(storage):
     assert not Path(results[0]["folder"]).exists()
 
 
+def shared_pinned(rank: int, world: int, options: dict) -> dict:
+    """Each rank places the same transformer with ``pinned`` under the strict model of an accelerator's copies (the
+    CPU made one): where its groups are, which it page-locked, and its output, first and steady-state."""
+    import os
+
+    import torch.distributed as dist
+
+    import memmode_core as memmode
+    from memmode_core.engine.streams import installed
+    from memmode_core.testing import StrictStreams
+
+    strict = StrictStreams(seed=rank)
+    with installed(strict):
+        model = wan_transformer(heads=4)
+        handle = memmode.apply(model, "model_group_offload", device="cpu", storage="pinned", **options)
+        outputs = [forward(model), forward(model)]
+        session = handle._runtime.session
+        shared = hasattr(session, "store")
+        folder = session.store.folder if shared else None
+        dist.barrier()  # every rank has placed its model
+        files = {p.name: os.stat(p).st_ino for p in folder.glob("memmode-*.safetensors")} if shared else {}
+        stats = handle.report().storage_bytes
+        locked = {key: flat.data_ptr() for key, (flat, _) in session._mapped.items()} if shared else {}
+        mapped_files = {key: session.files[key].path.name for key in locked}
+        dist.barrier()
+        handle.remove()
+        strict.check()
+        dist.barrier()  # every rank has removed its mode
+    return {
+        "outputs": outputs,
+        "shared": shared,
+        "folder": str(folder),
+        "on shared memory": folder is not None and str(folder).startswith("/dev/shm/"),
+        "files": files,
+        "groups": len(handle.prepared.stored_sizes),
+        "mapped files": mapped_files,
+        "stats": stats,
+        "registered": strict.counts["registered"],
+        "pinned copies": strict.counts["pinned_copies"],
+        "still registered": len(strict._pinned),
+        "folder left": folder is not None and folder.exists(),
+    }
+
+
+def test_pinned_ranks_on_one_machine_page_lock_one_shared_copy():
+    """``pinned`` on 4 ranks: each group is one file in the machine's shared memory, written once, mapped by every
+    rank and page-locked in each rank's process (the registration on a device is CUDA's; here the strict model
+    checks that every copy reads registered memory and that nothing is unlocked while a copy reads it); the
+    outputs are exact; the last rank removes the files."""
+    world = 4
+    expected = forward(wan_transformer(heads=4))
+    results = run_ranks(world, shared_pinned, {})
+    for rank, result in enumerate(results):
+        for output in result["outputs"]:
+            assert_bit_equal(output, expected, f"rank {rank}")
+        assert result["shared"] and result["on shared memory"], result["folder"]
+        assert result["registered"] == result["groups"] + 1, "each group's mapping page-locked (and the probe)"
+        assert result["pinned copies"] > 0 and result["still registered"] == 0
+        assert result["stats"]["pinned_bytes"] > 0 and result["stats"]["disk_bytes"] == 0
+        assert set(result["mapped files"].values()) <= set(result["files"])
+    assert len({r["folder"] for r in results}) == 1
+    assert all(r["files"] == results[0]["files"] for r in results), "the ranks map the same files"
+    assert len(results[0]["files"]) == results[0]["groups"], "one file per group, not one per rank"
+    assert not any(r["folder left"] for r in results)
+
+
+def test_pinned_ranks_can_pin_a_copy_each_or_lock_part_of_the_shared_one():
+    world = 2
+    expected = forward(wan_transformer(heads=4))
+    own = run_ranks(world, shared_pinned, {"share_between_ranks": False})
+    limited = run_ranks(world, shared_pinned, {"pinned_limit": 64 << 10})
+    for result in own + limited:
+        for output in result["outputs"]:
+            assert_bit_equal(output, expected)
+    assert not any(r["shared"] for r in own), "a slab of its own in each rank"
+    for result in limited:
+        assert result["shared"] and 0 < result["stats"]["pinned_bytes"] <= 64 << 10
+        assert result["registered"] == 1 + 1, "one group fits the limit (and the probe); the others stay unlocked"
+
+
+def shared_pinned_faults(rank: int, world: int) -> dict:
+    """What a rank sees when the accelerator cannot lock a shared mapping (refused before anything is touched),
+    and when a shared file is cut short under the running ranks (a typed error naming it, no wrong number)."""
+    import torch.distributed as dist
+
+    import memmode_core as memmode
+    from memmode_core.engine.streams import installed
+    from memmode_core.testing import StrictStreams
+
+    said = {}
+    strict = StrictStreams(seed=rank)
+    with installed(strict):
+        model = wan_transformer(heads=4)
+        before = forward(model)
+
+        def cannot_lock(tensor, *, read_only=False):
+            raise RuntimeError("cudaHostRegister failed: operation not supported")
+
+        strict.register_host, real = cannot_lock, strict.register_host
+        try:
+            memmode.apply(model, "model_group_offload", device="cpu", storage="pinned")
+            said["refused"] = "accepted"
+        except memmode.StorageUnavailableError as exc:
+            said["refused"] = str(exc)
+        strict.register_host = real
+        said["untouched"] = not hasattr(model, "_memmode_handle") and torch.equal(forward(model), before)
+        handle = memmode.apply(model, "model_group_offload", device="cpu", storage="pinned")
+        forward(model)
+        dist.barrier()
+        victim = sorted(handle._runtime.session.store.folder.glob("memmode-*.safetensors"))[0]
+        if rank == 0:
+            with open(victim, "r+b") as file:
+                file.truncate(100)
+        dist.barrier()
+        try:
+            forward(model)
+            said["cut short"] = "ran"
+        except memmode.StorageUnavailableError as exc:
+            said["cut short"] = str(exc)
+        said["victim"] = victim.name
+        dist.barrier()
+        try:
+            handle.remove()
+            said["removed"] = "every group restored"
+        except memmode.RestoreError as exc:
+            said["removed"] = str(exc)
+    return said
+
+
+def test_pinned_ranks_refuse_before_touching_and_name_a_shared_file_cut_short():
+    for said in run_ranks(2, shared_pinned_faults):
+        assert "cannot page-lock memory shared by the ranks" in said["refused"], said["refused"]
+        assert "share_between_ranks=False" in said["refused"] and said["untouched"]
+        assert said["victim"] in said["cut short"] and "truncated" in said["cut short"], said["cut short"]
+        assert said["victim"] in said["removed"] and "except 1 group" in said["removed"], said["removed"]
+
+
 def packed_in_memory(rank: int, world: int) -> dict:
     """What memmode says when ranks quantize into their own memory, and when into a storage they share."""
     import logging

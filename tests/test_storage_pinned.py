@@ -54,9 +54,10 @@ def test_the_limit_bounds_what_is_pinned_and_the_rest_stays_pageable():
     assert assign_spots(sizes, limit=0)[1] == []
 
 
-def test_pinned_limit_is_a_size_option():
-    (option,) = PinnedStorage.options.declarations()
+def test_pinned_options_are_a_size_and_whether_ranks_share():
+    option, share = PinnedStorage.options.declarations()
     assert option.name == "pinned_limit" and option.default is None
+    assert share.name == "share_between_ranks" and share.default is True and share.validate(False) is False
     assert option.validate("24GiB") == 24 << 30 and option.validate(1000) == 1000
     with pytest.raises(InvalidOptionError, match="pinned_limit"):
         option.validate("lots")

@@ -22,7 +22,7 @@ from memmode_core.contracts.storage import Tensors
 from memmode_core.engine.staging import Fill
 from memmode_core.files import readwrite
 from memmode_core.files.layout import FileLayout, byte_view
-from memmode_core.files.mapping import map_private, map_private_kept
+from memmode_core.files.mapping import map_private, map_private_kept, map_readonly
 from memmode_core.files.naming import file_digest_name
 from memmode_core.files.pages import drop_pages, holds_own_pages, page_range
 
@@ -116,6 +116,14 @@ class GroupFile:
         """The file mapped privately (see :func:`~memmode_core.files.mapping.map_private`): its bytes as
         one flat ``uint8`` tensor, and typed views of every tensor in it. Nothing is copied."""
         flat = map_private(self.path)
+        return flat, packing.views(flat, self.layout.entries, self.layout.data_start)
+
+    def map_shared(self) -> tuple[torch.Tensor, Tensors]:
+        """The file mapped shared and read-only (see :func:`~memmode_core.files.mapping.map_readonly`): the page
+        cache's own pages, which every process mapping the file shares and which stay one copy when page-locked
+        for reading (a private mapping locked for writing would get a copy of its own). Writing into a view
+        faults: hand out copies of what a caller may change."""
+        flat = map_readonly(self.path)
         return flat, packing.views(flat, self.layout.entries, self.layout.data_start)
 
     def onload_views(self) -> Tensors:

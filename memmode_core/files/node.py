@@ -23,6 +23,8 @@ import tempfile
 from pathlib import Path
 
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+#: Linux's shared-memory filesystem: a file there is memory that every process mapping it shares
+_SHARED_MEMORY = Path("/dev/shm")
 
 
 def ranks_share_a_machine() -> bool:
@@ -42,16 +44,22 @@ def machine_key() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def shared_folder(purpose: str) -> Path | None:
+def shared_memory() -> Path | None:
+    """The machine's shared-memory filesystem (``/dev/shm``), where a file is memory every process that maps it
+    shares, counted once; None where there is none (not Linux)."""
+    return _SHARED_MEMORY if _SHARED_MEMORY.is_dir() and os.access(_SHARED_MEMORY, os.W_OK) else None
+
+
+def shared_folder(purpose: str, under: str | os.PathLike | None = None) -> Path | None:
     """The folder every rank of this job on this machine uses for ``purpose`` (one name per kind of file:
-    ``"offload"``), made in the system's temporary folder by the first rank to ask; None when this process is
-    not one of several ranks. See the module docstring."""
+    ``"offload"``), made under ``under`` (default: the system's temporary folder) by the first rank to ask; None
+    when this process is not one of several ranks. See the module docstring."""
     if not ranks_share_a_machine():
         return None
     from torch.distributed.distributed_c10d import _get_default_store
 
     store = _get_default_store()
-    candidate = tempfile.mkdtemp(prefix=f"memmode-{purpose}-")
+    candidate = tempfile.mkdtemp(prefix=f"memmode-{purpose}-", dir=under)
     published = store.compare_set(f"memmode/{purpose}/{machine_key()}", "", candidate).decode()
     if published != candidate:
         os.rmdir(candidate)

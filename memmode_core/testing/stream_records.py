@@ -77,10 +77,12 @@ class Buffer:
 
 @dataclass(eq=False)
 class Pinned:
-    """A page-locked host buffer the model allocated."""
+    """A page-locked host buffer the model allocated, or host memory it registered (``read_only``: a mapping
+    the process cannot write, so nothing it does can change it under a copy)."""
 
     nbytes: int
     label: str
+    read_only: bool = False
 
 
 @dataclass(eq=False)

@@ -261,7 +261,7 @@ class StrictStreams(Streams):
             key = storage.data_ptr()
             if key in self._pinned:
                 raise RuntimeError(f"cudaHostRegister of {storage.nbytes()} bytes failed: already registered")
-            pinned = Pinned(storage.nbytes(), self._label())
+            pinned = Pinned(storage.nbytes(), self._label(), read_only)
             self._pinned[key] = pinned
             self.counts["registered"] += 1
             weakref.finalize(storage, self._released_registered, key, pinned)
@@ -329,7 +329,9 @@ class StrictStreams(Streams):
         pinned = self._pinned.get(src_storage.data_ptr()) if src_storage is not None else None
         if pinned is not None and non_blocking:  # read by DMA later: must stay as it is until finished
             copy.src_storage, copy.src_geometry, copy.src_pinned = weakref.ref(src_storage), geometry_of(src), pinned
-            copy.src_content = src.clone()
+            # a read-only mapping cannot change under the copy by anything this process does (and, its file cut
+            # short by another, reading it again would fault): only its release is guarded
+            copy.src_content = None if pinned.read_only else src.clone()
             self.counts["pinned_copies"] += 1
         self.counts["copies"] += 1
         self._in_flight[copy] = None
@@ -381,7 +383,11 @@ class StrictStreams(Streams):
         for copy in copies:
             if copy.src_pinned is not None:
                 storage = copy.src_storage()
-                if storage is not None and not torch.equal(view_of(storage, copy.src_geometry), copy.src_content):
+                if (
+                    storage is not None
+                    and copy.src_content is not None
+                    and not torch.equal(view_of(storage, copy.src_geometry), copy.src_content)
+                ):
                     self._fail(
                         f"group {copy.label!r}: a page-locked host buffer was overwritten while a copy from it on "
                         f"stream {copy.stream.name} was in flight (no wait_host/synchronize before reusing it)"

@@ -11,6 +11,7 @@ keeps the remaining groups in pageable memory.
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from memmode_core.plugin import (
+    GroupFileStore,
     Options,
     Storage,
     StorageCost,
@@ -26,15 +28,22 @@ from memmode_core.plugin import (
     StorageUnavailableError,
     Tensors,
     active_streams,
+    boolean,
     byte_size,
     copying_cost,
     host_copy,
     option,
     packing,
+    ranks_share_a_machine,
     resolve_device,
+    shared_folder,
+    shared_memory,
 )
 
+from .shared import SharedPinnedSession
 from .slabs import SLAB_BYTES, Slab, Spot, assign_spots
+
+logger = logging.getLogger("memmode")
 
 
 class _Pins:
@@ -159,6 +168,12 @@ class PinnedOptions(Options):
         "every offloaded group)",
         byte_size,
     )
+    share_between_ranks: bool = option(
+        True,
+        "when several ranks of torch.distributed share this machine, keep one copy of the groups in shared memory "
+        "that every rank page-locks, instead of one pinned copy per rank (default True)",
+        boolean,
+    )
 
 
 class PinnedStorage(Storage):
@@ -172,6 +187,10 @@ class PinnedStorage(Storage):
     Option ``pinned_limit`` (default None: pin everything): pin at most this many bytes — an int or
     a string such as ``"24GiB"`` — and keep the groups beyond it in pageable memory (their copies
     are synchronous). Groups are pinned in the placement's order until the limit is reached.
+
+    Ranks of ``torch.distributed`` on one machine share one copy (:mod:`.shared`): the groups are files in the
+    machine's shared memory, written once, and each rank page-locks its mapping of them. Option
+    ``share_between_ranks=False`` pins a copy per rank instead.
     """
 
     name = "pinned"
@@ -179,7 +198,10 @@ class PinnedStorage(Storage):
     options = PinnedOptions
 
     def cost(self, device: torch.device) -> StorageCost:
-        return copying_cost("pinned", device, pinned=1.0)  # copies run at page-locked bandwidth
+        # copies run at page-locked bandwidth; ranks of one machine share one copy where a shared mapping can be
+        # page-locked (and a machine has shared memory)
+        shared = active_streams().can_register_host(device) and shared_memory() is not None
+        return copying_cost("pinned", device, pinned=1.0, shared_by_ranks=shared)
 
     def unavailable_reason(self, device: torch.device | None = None) -> str | None:
         streams = active_streams()
@@ -195,4 +217,28 @@ class PinnedStorage(Storage):
         return f"page-locked memory only speeds up copies to an accelerator, and the compute device is {device}"
 
     def open(self, *, device: torch.device, offload_dir: str | None, options: PinnedOptions) -> StorageSession:
+        if options.share_between_ranks and ranks_share_a_machine():
+            why_not = self._why_ranks_cannot_share(device)
+            if why_not is None:
+                store = GroupFileStore(
+                    shared_folder("pinned", under=shared_memory()),
+                    keep_files=False,
+                    owner=self.name,
+                    shared_by_ranks=True,
+                )
+                return SharedPinnedSession(store, device, options.pinned_limit)
+            logger.warning(
+                "memmode: storage 'pinned' pins one copy per rank (%d ranks of torch.distributed share this machine): "
+                "%s; storage='mmap' keeps one copy for all of them",
+                torch.distributed.get_world_size(),
+                why_not,
+            )
         return PinnedSession(device, options.pinned_limit)
+
+    @staticmethod
+    def _why_ranks_cannot_share(device: torch.device) -> str | None:
+        if shared_memory() is None:
+            return "this system has no shared-memory filesystem (/dev/shm)"
+        if not active_streams().can_register_host(device):
+            return f"{device.type} cannot page-lock memory it did not allocate (a shared mapping)"
+        return None
