@@ -18,6 +18,8 @@ returns the log-sum-exp, which the CPU's has not, and diffusers' tensor parallel
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -235,8 +237,6 @@ def test_ranks_on_one_machine_share_one_copy_of_the_group_files(storage):
     assert all(r["files"] == results[0]["files"] for r in results), "the ranks map the same files"
     assert len(results[0]["files"]) == results[0]["groups"], "one file per group, not one per rank"
     assert not any(r["folder left"] for r in results)
-    from pathlib import Path
-
     assert not Path(results[0]["folder"]).exists()
 
 
@@ -375,6 +375,42 @@ def test_pinned_ranks_refuse_before_touching_and_name_a_shared_file_cut_short():
         assert "share_between_ranks=False" in said["refused"] and said["untouched"]
         assert said["victim"] in said["cut short"] and "truncated" in said["cut short"], said["cut short"]
         assert said["victim"] in said["removed"] and "except 1 group" in said["removed"], said["removed"]
+
+
+def load_quantized(rank: int, world: int, folder: str, storage: str) -> dict:
+    """Each rank loads the saved transformer straight into a quantized mode: how many components it packed and
+    how many it found packed by another rank, the file its packed weights view, and its output."""
+    import torch.distributed as dist
+
+    import memmode_core as memmode
+
+    handle = memmode.load(folder, "model_group_offload_and_qfloat8", device="cpu", storage=storage)
+    output = forward(handle.target)
+    made_once = handle.loading.get("packed_once_by_ranks")
+    dist.barrier()  # every rank has loaded: the shared files are all there
+    shared = sorted(p.name for p in Path(made_once["folder"]).glob("memmode-made-*.safetensors"))
+    dist.barrier()
+    handle.remove()
+    return {"output": output, "made once": made_once, "shared files": shared}
+
+
+@pytest.mark.parametrize("storage", ["ram", "mmap"])
+def test_ranks_loading_into_a_quantized_mode_pack_each_component_once_per_machine(storage, tmp_path):
+    """``load(folder, "..._and_qfloat8")`` on 4 ranks: one rank packs the transformer, the other three map its file
+    (one copy in the page cache, the packing's time spent once); every rank's output is the single process's."""
+    import memmode_core as memmode
+
+    wan_transformer(heads=4).save_pretrained(tmp_path / "model")
+    single = memmode.load(tmp_path / "model", "model_group_offload_and_qfloat8", device="cpu", storage=storage)
+    expected = forward(single.target)
+    single.remove()
+    results = run_ranks(4, load_quantized, str(tmp_path / "model"), storage)
+    for rank, result in enumerate(results):
+        assert_bit_equal(result["output"], expected, f"rank {rank}")
+        assert result["shared files"] == results[0]["shared files"] and len(result["shared files"]) == 1
+    assert sum(r["made once"]["made"] for r in results) == 1, [r["made once"] for r in results]
+    assert sum(r["made once"]["found"] for r in results) == 3
+    assert not Path(results[0]["made once"]["folder"]).exists(), "the last rank to leave removed the shared folder"
 
 
 def packed_in_memory(rank: int, world: int) -> dict:

@@ -32,6 +32,7 @@ import torch
 from memmode_core.contracts.errors import CheckpointError
 from memmode_core.files.layout import DTYPE_NAMES, PADDING_PREFIX
 from memmode_core.files.mapping import Windows, map_private_range
+from memmode_core.files.naming import file_identity
 
 #: safetensors dtype name -> torch dtype (the inverse of the names the group files write)
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
@@ -178,6 +179,11 @@ class Checkpoint:
                 other = self._by_key.setdefault(key, file)
                 if other is not file:
                     raise CheckpointError(f"{where}: tensor {key!r} is in both {other.path.name} and {file.path.name}")
+
+    def identity(self) -> tuple:
+        """What names the weights without reading them: each file's path, device, inode, size and modification
+        time (the ranks of one machine agree on it before packing: :mod:`memmode_core.files.made_once`)."""
+        return tuple(file_identity(file.path) for file in self.files)
 
     @classmethod
     def open(cls, where: str | os.PathLike, *, variant: str | None = None) -> Checkpoint:

@@ -146,6 +146,13 @@ def _piece_digest(piece: memoryview) -> bytes:
 _HASHERS = LazyPool("memmode-hash", lambda cores: min(4, max(2, cores)))
 
 
+def file_identity(path: str | os.PathLike) -> tuple:
+    """What names a file's content without reading it: its real path, device, inode, size and modification time
+    (a file rewritten in place keeps its inode but not its modification time)."""
+    st = os.stat(path)
+    return (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def file_digest_name(path: str | os.PathLike, layout: FileLayout) -> str:
     """The content name of the bytes in the file now (what :func:`content_name` gave when it was
     written), read through a mapping: equal to the file's name unless its content changed."""

@@ -73,7 +73,11 @@ class StreamedFile:
         folder: str | os.PathLike | None = None,
         metadata: dict[str, str] | None = None,
         keep_as: str | os.PathLike | None = None,
+        into: tuple[int, str] | None = None,
     ) -> None:
+        """``keep_as``: the file is renamed there when finished (and ``fsync``-ed first), instead of being nameless
+        from the start. ``into``: an open temporary file ``(fd, path)`` to write, which :meth:`finish` leaves at its
+        path for the caller to rename (:mod:`memmode_core.files.made_once`); deleted if abandoned."""
         self.layout = FileLayout.of(dict(specs), metadata)
         self._entries = {e.name: e for e in self.layout.entries}
         self._written: set[str] = set()
@@ -84,13 +88,16 @@ class StreamedFile:
         #: the file's name while it had one (for messages: a streamed file is unlinked at once)
         self.name = str(self.folder / "memmode-loading-*.safetensors")
         try:
-            if self.keep_as is not None:
+            if into is not None:
+                fd, name = into
+                self.folder = Path(name).parent
+            elif self.keep_as is not None:
                 self.keep_as.parent.mkdir(parents=True, exist_ok=True)
                 fd, name = tempfile.mkstemp(prefix=".memmode-", suffix=".partial", dir=self.keep_as.parent)
             else:
                 fd, name = tempfile.mkstemp(prefix="memmode-loading-", suffix=".safetensors", dir=folder)
             self.path, self._fd, self.name = Path(name), fd, name
-            if self.keep_as is None:  # nameless from the start: even a kill -9 leaves nothing behind
+            if self.keep_as is None and into is None:  # nameless from the start: a kill -9 leaves nothing behind
                 os.unlink(name)
                 self.path = None
             os.ftruncate(fd, self.layout.file_size)  # alignment gaps read back as zeros
@@ -138,12 +145,11 @@ class StreamedFile:
         if missing:
             self.abandon()
             raise ValueError(f"{len(missing)} tensors were never written (e.g. {sorted(missing)[0]})")
-        start = self.layout.data_start
-        windows = Windows((start + e.start, start + e.end) for e in self.layout.entries)
         try:
             if self.keep_as is not None:
                 os.fsync(self._fd)
-            windows.map_all(lambda offset, length: map_private_fd(self._fd, offset, length))
+            fd = self._fd
+            mapped = mapped_tensors(self.layout, lambda offset, length: map_private_fd(fd, offset, length))
             os.close(self._fd)
             self._fd = -1
             if self.keep_as is not None:
@@ -155,14 +161,7 @@ class StreamedFile:
         except BaseException:
             self.abandon()
             raise
-        tensors = {}
-        for e in self.layout.entries:
-            if e.end == e.start:
-                tensors[e.name] = torch.empty(e.shape, dtype=e.dtype)
-            else:
-                raw = windows.slice(start + e.start, start + e.end, None)
-                tensors[e.name] = raw.view(e.dtype).view(e.shape)
-        return MappedTensors(tensors, windows.mapped, self.layout.file_size)
+        return mapped
 
     def abandon(self) -> None:
         """Close and delete the partial file. Idempotent."""
@@ -173,6 +172,29 @@ class StreamedFile:
         if self.path is not None and self.path != self.keep_as:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
+
+
+def mapped_tensors(layout: FileLayout, map_window) -> MappedTensors:
+    """Every tensor of a file laid out as ``layout``, as views of its windows, each mapped by
+    ``map_window(offset, length)`` (see :class:`~memmode_core.files.mapping.Windows`)."""
+    start = layout.data_start
+    windows = Windows((start + e.start, start + e.end) for e in layout.entries)
+    windows.map_all(map_window)
+    tensors = {}
+    for e in layout.entries:
+        if e.end == e.start:
+            tensors[e.name] = torch.empty(e.shape, dtype=e.dtype)
+        else:
+            raw = windows.slice(start + e.start, start + e.end, None)
+            tensors[e.name] = raw.view(e.dtype).view(e.shape)
+    return MappedTensors(tensors, windows.mapped, layout.file_size)
+
+
+def map_file(path: str | os.PathLike, layout: FileLayout) -> MappedTensors:
+    """A finished file laid out as ``layout``, mapped privately as :meth:`StreamedFile.finish` maps one."""
+    with open(path, "rb") as file:
+        fd = file.fileno()
+        return mapped_tensors(layout, lambda offset, length: map_private_fd(fd, offset, length))
 
 
 class MappedTensors(dict):
@@ -220,9 +242,10 @@ def write_pieces(
     folder=None,
     metadata: dict[str, str] | None = None,
     keep_as=None,
+    into: tuple[int, str] | None = None,
 ) -> MappedTensors:
     """Write every piece of ``pieces`` into a :class:`StreamedFile` laid out from ``specs``; its mapped views."""
-    streamed = StreamedFile(specs, folder, metadata, keep_as)
+    streamed = StreamedFile(specs, folder, metadata, keep_as, into)
     try:
         for piece in pieces:
             streamed.write(piece)

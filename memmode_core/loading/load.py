@@ -34,6 +34,7 @@ from memmode_core.contracts.units import format_bytes
 from memmode_core.discovery.plugins import current
 from memmode_core.files.borrowed import lending, source_of_mapping
 from memmode_core.files.checkpoint import Checkpoint
+from memmode_core.files.made_once import MadeOnce
 from memmode_core.files.streamed import check_room, staging_folder
 from memmode_core.handle import Handle
 from memmode_core.loading.binding import Binding, bind, binding_for
@@ -164,16 +165,21 @@ def load(
                 )
 
     # -- quantize while streaming, as the selection says -----------------------------------------------------
-    packed_bytes = 0
+    streamed = saved.Streamed({}, [], 0)
     if quantizer is not None and overrides(quantizer, "quantize"):
         logger.info(
             "memmode: quantizer %s has its own quantize(); it quantizes the loaded model in memory", quantizer.name
         )
     elif quantizer is not None and quantizer.packs:  # a forward-only quantizer has nothing to pack
-        streamed = saved.stream_quantize(prepared._selections, staging_dir=staging, device=prepared.device)
+        streamed = saved.stream_quantize(
+            prepared._selections,
+            staging_dir=staging,
+            device=prepared.device,
+            made_once=MadeOnce.for_ranks(under=staging),  # ranks of one machine: each component packed once
+            sources={item.name: (item.checkpoint.identity(), str(item.torch_dtype), variant) for item in loads},
+        )
         prepared._packed_ahead.update(streamed.packed)
         mappings.extend(streamed.mappings)
-        packed_bytes = streamed.nbytes
 
     # the checkpoint's mappings and the streamed files are lent to file storages, which store the groups
     # lying in them by reference rather than writing them again (see memmode_core.files.borrowed)
@@ -197,20 +203,24 @@ def load(
     finally:
         for item in loads:
             item.checkpoint.release()
-    handle.loading = _summary(handle, converting, sum(len(i.binding.convert) for i in converted), packed_bytes, staging)
+    handle.loading = _summary(handle, converting, sum(len(i.binding.convert) for i in converted), streamed, staging)
     _say_what_was_done(folder, handle)
     return handle
 
 
-def _summary(handle: Handle, converted_bytes: int, converted_tensors: int, packed_bytes: int, staging) -> dict:
-    """What the load did: staged bytes, and for file storages where the groups went (``in_place``)."""
+def _summary(handle: Handle, converted_bytes: int, converted_tensors: int, streamed: saved.Streamed, staging) -> dict:
+    """What the load did: staged bytes, for ranks of one machine what this one packed and what it found packed,
+    and for file storages where the groups went (``in_place``)."""
     stats = handle.report().storage_bytes
     summary = {
         "staging_dir": str(staging_folder(staging)),
         "converted_tensors": converted_tensors,
         "converted_bytes": converted_bytes,
-        "quantized_bytes": packed_bytes,
+        "quantized_bytes": streamed.nbytes,
     }
+    if streamed.made_once is not None:
+        made = streamed.made_once
+        summary["packed_once_by_ranks"] = {"folder": str(made.path), "made": made.made, "found": made.found}
     if "borrowed_groups" in stats:
         summary.update(
             kept_in_place_groups=stats["borrowed_groups"],

@@ -12,12 +12,15 @@ peak memory is one layer in full precision plus its packed form, where
 :func:`~memmode_core.quantization.quantizing.quantize_component` holds every packed layer at once. ``load``
 streams from the checkpoint's mapping; ``apply`` streams when the mode's storage keeps the offloaded bytes
 elsewhere than in memory (a 14B model's packed layers were all in anonymous memory before the first was
-stored).
+stored). Ranks of one machine loading the same checkpoint pack each component once between them
+(:mod:`memmode_core.files.made_once`): the file is named by how it is made, so the first rank packs and the
+others map its file.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -27,6 +30,8 @@ from torch import nn
 from memmode_core.contracts.errors import CheckpointError
 from memmode_core.contracts.quantizer import PAYLOAD, Quantizer
 from memmode_core.engine.streams import active
+from memmode_core.files.layout import FileLayout
+from memmode_core.files.made_once import MadeOnce, recipe_of
 from memmode_core.files.streamed import check_room, file_size, write_pieces
 from memmode_core.quantization.packed import attach_packed, packed_record
 from memmode_core.quantization.selection import LayerSelection
@@ -155,11 +160,21 @@ def stream_pack_bytes(selection: LayerSelection) -> int:
 
 
 def stream_pack(
-    selection: LayerSelection, *, staging_dir=None, mappings: list | None = None, device: torch.device | None = None
+    selection: LayerSelection,
+    *,
+    staging_dir=None,
+    mappings: list | None = None,
+    device: torch.device | None = None,
+    made_once: MadeOnce | None = None,
+    source: object = None,
 ) -> int:
     """Pack what ``selection`` says one layer at a time into a streamed file and make the layers hold views
     of it. Returns the number of layers packed. Tied weights are packed once and stay shared. The file's
     mapping is appended to ``mappings`` when given.
+
+    With ``made_once`` (ranks of one machine), the file is the one the ranks share, named by ``source`` (what
+    names the weights: the checkpoint's files and the dtype they are read in) and by how they are packed: the
+    first rank to ask packs, the others map its file.
 
     With an accelerator ``device`` each weight is packed there — uploaded, packed, its packed bytes brought
     back — instead of on the CPU's few cores (a 14B model packs at ~42 M parameters/s on two CPU cores): only
@@ -183,7 +198,14 @@ def stream_pack(
 
     if not specs:
         return 0
-    mapped = write_pieces(specs, pieces(), folder=staging_dir)
+    if made_once is None:
+        mapped = write_pieces(specs, pieces(), folder=staging_dir)
+    elif source is None:
+        raise ValueError("packing once for the ranks of a machine needs the source that names the weights")
+    else:
+        layout = FileLayout.of(specs)
+        recipe = _recipe(selection, source, layout, device.type if on_device else "cpu")
+        mapped = made_once.mapped(recipe, layout, lambda into: write_pieces(specs, pieces(), into=into))
     if mappings is not None:
         mappings.extend(mapped.flats)
     shared: dict[int, tuple[nn.Parameter, dict[str, torch.Tensor]]] = {}
@@ -199,14 +221,37 @@ def stream_pack(
     return len(selection.to_pack)
 
 
+def _recipe(selection: LayerSelection, source: object, layout: FileLayout, where: str) -> str:
+    """What names a component's packed file before it is packed: the weights' source, the quantizer (its name,
+    format, module and version), where it packs, each packed layer's path, shape and dtype, and the file's
+    layout."""
+    quantizer = selection.quantizer
+    package = sys.modules.get(type(quantizer).__module__.partition(".")[0])
+    layers = [
+        (layer.path, tuple(layer.module.weight.shape), str(layer.module.weight.dtype)) for layer in selection.to_pack
+    ]
+    return recipe_of(
+        source,
+        quantizer.name,
+        quantizer.format_name,
+        type(quantizer).__module__,
+        getattr(package, "__version__", None),
+        where,
+        layers,
+        layout.header,
+    )
+
+
 @dataclass
 class Streamed:
     """What :func:`stream_quantize` did: component -> (layers packed, bytes before), the mappings of the files
-    the packed layers are views of, and the bytes written to them."""
+    the packed layers are views of, and the bytes written to them (or found written by another rank)."""
 
     packed: dict[str, tuple[int, int]]
     mappings: list[torch.Tensor]
     nbytes: int
+    #: the files the ranks of this machine share, when this process is one of them
+    made_once: MadeOnce | None = None
 
 
 def stream_bytes(selections: Mapping[str, LayerSelection]) -> dict[str, int]:
@@ -215,19 +260,34 @@ def stream_bytes(selections: Mapping[str, LayerSelection]) -> dict[str, int]:
 
 
 def stream_quantize(
-    selections: Mapping[str, LayerSelection], *, staging_dir=None, device: torch.device | None = None
+    selections: Mapping[str, LayerSelection],
+    *,
+    staging_dir=None,
+    device: torch.device | None = None,
+    made_once: MadeOnce | None = None,
+    sources: Mapping[str, object] | None = None,
 ) -> Streamed:
     """Quantize each component as ``selections`` say, one layer at a time into streamed files (see the module
     docstring): the packed layers are views of those files' pages, never all in anonymous memory. Their room
-    is checked first, before a layer is packed."""
+    is checked first, before a layer is packed. With ``made_once``, each component's file is packed once by the
+    ranks of this machine (``sources``: component -> what names its weights; see :func:`stream_pack`)."""
     sizes = stream_bytes(selections)
     if sizes:
         quantizer = next(iter(selections.values())).quantizer
-        check_room(staging_dir, sum(sizes.values()), f"quantizing {', '.join(sizes)} with {quantizer.name}")
+        where = made_once.path if made_once is not None else staging_dir
+        check_room(where, sum(sizes.values()), f"quantizing {', '.join(sizes)} with {quantizer.name}")
     packed: dict[str, tuple[int, int]] = {}
     mappings: list[torch.Tensor] = []
     for name in sizes:
         selection = selections[name]
         before = component_bytes(selection.component)
-        packed[name] = (stream_pack(selection, staging_dir=staging_dir, mappings=mappings, device=device), before)
-    return Streamed(packed, mappings, sum(sizes.values()))
+        count = stream_pack(
+            selection,
+            staging_dir=staging_dir,
+            mappings=mappings,
+            device=device,
+            made_once=made_once,
+            source=None if sources is None else sources.get(name),
+        )
+        packed[name] = (count, before)
+    return Streamed(packed, mappings, sum(sizes.values()), made_once)
