@@ -36,6 +36,7 @@ from memmode_core.engine.laying_out import Relayout
 from memmode_core.engine.ledger import Ledger
 from memmode_core.engine.runtime import Runtime
 from memmode_core.files.borrowed import lending, source_of_mapping
+from memmode_core.files.made_once import MadeOnce
 from memmode_core.files.node import ranks_share_a_machine
 from memmode_core.files.streamed import give_back_freed_memory
 from memmode_core.handle import HANDLE_ATTRIBUTE, Handle, handle_of
@@ -171,10 +172,19 @@ def _quantize(prepared: Prepared) -> tuple[dict[str, Any], list[torch.Tensor]]:
     quantizer = request.quantizer.obj
     ahead = dict(prepared._packed_ahead)
     streamed = None
-    if _streams_packing(prepared):
+    in_memory = _core_packs(quantizer) and _packed_bytes_stay_on_host(prepared)
+    made_once = MadeOnce.for_ranks(under=request.offload_dir) if in_memory else None  # None: not one of N ranks
+    if _streams_packing(prepared) or made_once is not None:
         checked = {name: _checked(prepared, name, s) for name, s in prepared._selections.items() if name not in ahead}
-        streamed = saved.stream_quantize(checked, staging_dir=request.offload_dir, device=request.device)
+        streamed = saved.stream_quantize(
+            checked,
+            staging_dir=request.offload_dir,
+            device=request.device,
+            made_once=made_once,  # ranks of one machine: each component packed once, one copy for all
+            sources={name: saved.weights_source(selection) for name, selection in checked.items()},
+        )
         ahead |= streamed.packed
+        prepared._packed_by_ranks.update(streamed.shared)
     done: dict[str, Any] = {}
     targets = prepared._whole.components
     for name, selection in prepared._selections.items():
@@ -196,32 +206,37 @@ def _quantize(prepared: Prepared) -> tuple[dict[str, Any], list[torch.Tensor]]:
     return done, streamed.mappings if streamed is not None else []
 
 
+def _core_packs(quantizer) -> bool:
+    """A packing quantizer of core's mechanics (one with its own ``quantize`` packs its own way)."""
+    return quantizer.packs and not quantization.overrides(quantizer, "quantize")
+
+
 def _streams_packing(prepared: Prepared) -> bool:
     """Whether to pack into streamed files: a packing quantizer of core's mechanics, and a storage other than
     ``ram`` (which keeps the offloaded bytes in memory: there the packed layers are the stored copy)."""
     request = prepared._request
-    quantizer = request.quantizer.obj
-    return (
-        quantizer.packs
-        and not quantization.overrides(quantizer, "quantize")
-        and request.storage is not None
-        and request.storage.name != "ram"
-    )
+    return _core_packs(request.quantizer.obj) and request.storage is not None and request.storage.name != "ram"
+
+
+def _packed_bytes_stay_on_host(prepared: Prepared) -> bool:
+    """Whether the packed layers rest in host memory: in ``ram``, or in a full load on the CPU."""
+    request = prepared._request
+    return request.storage_name == "ram" or (request.storage is None and request.device.type == "cpu")
 
 
 def _say_each_rank_holds_its_own_copy(prepared: Prepared, quantized: dict[str, Any]) -> None:
-    """Ranks of one machine that keep their packed weights in their own memory hold one copy each (the weights
-    they loaded may be the page cache's, shared; what they packed is theirs): said, with the storage that keeps
-    one copy for all of them."""
-    request = prepared._request
-    in_memory = request.storage_name == "ram" or (request.storage is None and request.device.type == "cpu")
-    if not (in_memory and ranks_share_a_machine()):
+    """Ranks of one machine that keep packed weights in their own memory hold one copy each: said, with the
+    storage that keeps one copy for all of them. The components packed into a file the ranks share
+    (:mod:`memmode_core.files.made_once`) are one copy already; those whose weights nothing names (not all in CPU
+    memory) or that a quantizer packs its own way are not."""
+    own = [name for name in quantized if name not in prepared._packed_by_ranks]
+    if not (own and _packed_bytes_stay_on_host(prepared) and ranks_share_a_machine()):
         return
     logger.warning(
         "memmode: rank %d keeps the packed weights of %s in its own memory, and so does every rank of this "
         "machine: storage='mmap' keeps one copy for all of them (the page cache)",
         torch.distributed.get_rank(),
-        ", ".join(quantized),
+        ", ".join(own),
     )
 
 

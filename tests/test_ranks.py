@@ -413,28 +413,68 @@ def test_ranks_loading_into_a_quantized_mode_pack_each_component_once_per_machin
     assert not Path(results[0]["made once"]["folder"]).exists(), "the last rank to leave removed the shared folder"
 
 
-def packed_in_memory(rank: int, world: int) -> dict:
-    """What memmode says when ranks quantize into their own memory, and when into a storage they share."""
+def mapped_from(tensor: torch.Tensor) -> str | None:
+    """The file whose mapping holds ``tensor``'s bytes in this process (``/proc/self/maps``), if any."""
+    address = tensor.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        low, high = (int(bound, 16) for bound in fields[0].split("-"))
+        if low <= address < high:
+            return fields[5] if len(fields) == 6 else None
+    return None
+
+
+def packed_in_memory(rank: int, world: int, weights_differ: bool) -> dict:
+    """Ranks quantizing into their own memory: what memmode says, and which file each rank's packed weights are
+    mapped from (the same weights are packed once into a file the ranks share; different ones each their own)."""
     import logging
+
+    import torch.distributed as dist
 
     import memmode_core as memmode
 
     said: dict[str, list[str]] = {}
+    mapped: dict[str, str | None] = {}
+    outputs = {}
     for storage in ("ram", "mmap"):
         records: list[logging.LogRecord] = []
         handler = logging.Handler()
         handler.emit = records.append
         logging.getLogger("memmode").addHandler(handler)
         try:
-            handle = memmode.apply(wan_transformer(), "model_group_offload_and_qfloat8", device="cpu", storage=storage)
+            model = wan_transformer()
+            if weights_differ:
+                with torch.no_grad():
+                    model.blocks[0].ffn.net[0].proj.weight.add_(rank)
+            handle = memmode.apply(model, "model_group_offload_and_qfloat8", device="cpu", storage=storage)
+            outputs[storage] = forward(model)
+            mapped[storage] = mapped_from(model.blocks[0].ffn.net[0].proj.weight_packed)
+            dist.barrier()  # every rank has packed: the files are there for all
             handle.remove()
         finally:
             logging.getLogger("memmode").removeHandler(handler)
         said[storage] = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
-    return said
+    return {"said": said, "mapped": mapped, "outputs": outputs}
 
 
-def test_ranks_that_keep_packed_weights_in_their_own_memory_are_told_what_shares_them():
-    for rank, said in enumerate(run_ranks(2, packed_in_memory)):
-        assert any(f"rank {rank} keeps the packed weights" in m and "storage='mmap'" in m for m in said["ram"])
-        assert not any("keeps the packed weights" in m for m in said["mmap"])
+@pytest.mark.parametrize("weights_differ", [False, True])
+def test_ranks_packing_into_their_own_memory_share_one_file_of_the_same_weights(weights_differ):
+    """``apply(..., "..._and_qfloat8", storage="ram")`` on 2 ranks: weights that hash the same are packed once
+    into a file in the machine's shared folder, and every rank's packed layers are mapped from it (one copy in
+    the page cache); ranks with different weights each get their own. Nothing needs saying; outputs exact."""
+    import memmode_core as memmode
+
+    results = run_ranks(2, packed_in_memory, weights_differ)
+    for rank, result in enumerate(results):
+        model = wan_transformer()
+        if weights_differ:
+            with torch.no_grad():
+                model.blocks[0].ffn.net[0].proj.weight.add_(rank)
+        memmode.apply(model, "model_full_load_and_qfloat8", device="cpu")
+        expected = forward(model)
+        for storage in ("ram", "mmap"):
+            assert_bit_equal(result["outputs"][storage], expected, f"rank {rank}, {storage}")
+        assert not any("keeps the packed weights" in m for m in result["said"]["ram"] + result["said"]["mmap"])
+        assert "memmode-loading-" in result["mapped"]["ram"] and "/memmode-made-" in result["mapped"]["ram"]
+    same_file = results[0]["mapped"]["ram"] == results[1]["mapped"]["ram"]
+    assert same_file != weights_differ, [r["mapped"]["ram"] for r in results]

@@ -179,6 +179,7 @@ def load(
             sources={item.name: (item.checkpoint.identity(), str(item.torch_dtype), variant) for item in loads},
         )
         prepared._packed_ahead.update(streamed.packed)
+        prepared._packed_by_ranks.update(streamed.shared)
         mappings.extend(streamed.mappings)
 
     # the checkpoint's mappings and the streamed files are lent to file storages, which store the groups

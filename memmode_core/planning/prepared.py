@@ -104,6 +104,8 @@ class Prepared:
     #: component -> (layers packed, bytes before) by a quantization done before executing (``load`` packs
     #: while it streams the checkpoint, as planned here): executing only installs their forward
     _packed_ahead: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: components packed into a file the ranks of this machine share (one copy for all of them)
+    _packed_by_ranks: set[str] = field(default_factory=set)
     #: the option values the planner set for this candidate (``Placement.plan_variants``)
     _variant: dict[str, Any] = field(default_factory=dict)
     #: with a ``vram_budget``: the groups kept on the device while their component runs, and the prefetch
@@ -317,7 +319,12 @@ def prepare_again(prepared: Prepared) -> Prepared:
 def with_storage(prepared: Prepared, storage: Registration, options: Options) -> Prepared:
     """The same plan with another storage (the planner prices one layout with every storage)."""
     request = dataclasses.replace(prepared._request, storage=storage, storage_options=options)
-    return dataclasses.replace(prepared, _request=request, _packed_ahead=dict(prepared._packed_ahead))
+    return dataclasses.replace(
+        prepared,
+        _request=request,
+        _packed_ahead=dict(prepared._packed_ahead),
+        _packed_by_ranks=set(prepared._packed_by_ranks),
+    )
 
 
 def quantize_targets(whole: Target, placed: Target, request: Request) -> dict[str, nn.Module]:
