@@ -41,6 +41,7 @@ measure host time between their records.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import random
 import threading
 import time
@@ -253,8 +254,9 @@ class StrictStreams(Streams):
             return tensor
 
     def register_host(self, tensor: torch.Tensor, *, read_only: bool = False) -> None:
-        """Guard ``tensor``'s memory as page-locked until :meth:`unregister_host`. As the driver does, refuse memory
-        already registered; unlike it, an error also names memory freed (unmapped) while still registered."""
+        """Guard ``tensor``'s memory as page-locked until :meth:`unregister_host`. As the driver does, fault its pages
+        in and refuse memory already registered; unlike it, an error also names memory freed (unmapped) while still
+        registered."""
         with self._lock:
             self._raise_new()
             storage = tensor.untyped_storage()
@@ -262,6 +264,8 @@ class StrictStreams(Streams):
             if key in self._pinned:
                 raise RuntimeError(f"cudaHostRegister of {storage.nbytes()} bytes failed: already registered")
             pinned = Pinned(storage.nbytes(), self._label(), read_only)
+            # the driver faults every page in and locks it: read one byte of each, so the pages are resident here too
+            torch.empty(0, dtype=torch.uint8).set_(storage)[:: mmap.PAGESIZE].max() if storage.nbytes() else None
             self._pinned[key] = pinned
             self.counts["registered"] += 1
             weakref.finalize(storage, self._released_registered, key, pinned)
