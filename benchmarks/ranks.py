@@ -12,7 +12,8 @@ with one variant:
 - ``ram+qfloat8``: ``from_pretrained`` + ``apply(model_group_offload_and_qfloat8, storage="ram")``;
 - ``load+qfloat8``: ``memmode.load(folder, "model_group_offload_and_qfloat8")`` (``ram``).
 
-**Node memory** is what the ranks hold for the model once every rank has placed it: the sum over ranks of the
+**Node memory** is what the ranks hold for the model once every rank has placed it and called it once (a call
+maps what ``mmap`` keeps zero-copy on the CPU): the sum over ranks of the
 proportional set size (``Pss`` of ``/proc/self/smaps_rollup``) each process gained since before it built the
 model. A page k processes map counts 1/k in each, so what the ranks share (the page cache of a file they all
 map, shared memory) counts once on the machine and each rank's own memory counts in full, N times; the issue's
@@ -95,7 +96,16 @@ def place(rank: int, world: int, variant: str, folder: str, workdir: str) -> dic
             )
             handle = memmode.apply(model, mode, device="cpu", storage=storage, offload_dir=None)
         seconds = time.perf_counter() - began
-        dist.barrier()  # every rank has placed its model
+        model = handle.target
+        generator = torch.Generator().manual_seed(rank)
+        with torch.no_grad():  # one call: what a call maps (mmap's zero-copy pages) is counted too
+            model(
+                hidden_states=torch.randn(1, 16, 1, 8, 8, generator=generator).to(torch.bfloat16),
+                timestep=torch.tensor([500]),
+                encoder_hidden_states=torch.randn(1, 8, 4096, generator=generator).to(torch.bfloat16),
+                return_dict=False,
+            )
+        dist.barrier()  # every rank has placed its model and called it once
         after = memory()
         shared = shared_memory_bytes()
         dist.barrier()  # every rank has measured

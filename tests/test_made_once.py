@@ -211,3 +211,20 @@ def test_the_lease_lasts_while_a_mapping_lives_then_the_last_removes_the_folder(
 
     gc.collect()
     assert not folder.exists(), "its last user gone, the folder went with its files"
+
+
+def test_folders_whose_every_user_died_are_removed_and_those_in_use_kept(tmp_path):
+    """What ``shared_folder`` does before it makes a new one: an earlier job's folder whose ranks were all killed
+    (in /dev/shm it would hold memory until a restart) goes; one a live process uses stays."""
+    from memmode_core.files.folder import remove_abandoned
+
+    live = MadeOnce(tmp_path / "memmode-loading-live")
+    kept = live.mapped(RECIPE, LAYOUT, make())
+    dead = tmp_path / "memmode-loading-dead"
+    writer = _child(dead, tmp_path / "ready", "hang")
+    _wait_for(tmp_path / "ready", writer)
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.wait()
+    assert list(dead.iterdir()), "a killed writer leaves its lease and temporary file"
+    assert remove_abandoned(tmp_path, "memmode-loading-*") == [dead]
+    assert not dead.exists() and made_files(tmp_path / "memmode-loading-live") and kept

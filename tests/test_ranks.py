@@ -115,12 +115,16 @@ SERVING = [
 SERVED_FAMILY = "wan22"
 
 
-def data_parallel(rank: int, world: int) -> dict:
+#: on four ranks, the two that share the most between them: group files, and packed weights mapped from them
+SERVING_ON_FOUR = [SERVING[1], SERVING[4]]
+
+
+def data_parallel(rank: int, world: int, serving: list) -> dict:
     """Each rank builds the pipeline, places it, and serves its own request (its rank is its seed)."""
     import memmode_core as memmode
 
     results = {}
-    for mode, options in SERVING:
+    for mode, options in serving:
         pipe = make_pipeline(SERVED_FAMILY)
         handle = memmode.apply(pipe, mode, device="cpu", **options)
         results[mode] = run(pipe, SERVED_FAMILY, rank)
@@ -128,25 +132,29 @@ def data_parallel(rank: int, world: int) -> dict:
     return results
 
 
-def test_data_parallel_ranks_each_give_what_one_process_gives():
+@pytest.mark.parametrize("world, serving", [(2, SERVING), (4, SERVING_ON_FOUR)], ids=["2 ranks", "4 ranks"])
+def test_data_parallel_ranks_each_give_what_one_process_gives(world, serving):
     import memmode_core as memmode
 
-    world = 2
     expected = {}
     for seed in range(world):
         expected[None, seed] = run(make_pipeline(SERVED_FAMILY), SERVED_FAMILY, seed)
         quantized = make_pipeline(SERVED_FAMILY)
         memmode.apply(quantized, "model_full_load_and_qfloat8", device="cpu")
         expected["qfloat8", seed] = run(quantized, SERVED_FAMILY, seed)
-    for rank, results in enumerate(run_ranks(world, data_parallel)):
-        for mode, _ in SERVING:
+    for rank, results in enumerate(run_ranks(world, data_parallel, serving)):
+        for mode, _ in serving:
             assert_bit_equal(results[mode], expected[quantizer_of(mode), rank], f"rank {rank}, {mode}")
 
 
 # -- FSDP2 -----------------------------------------------------------------------------------------------------
 
 
-def fsdp2(rank: int, world: int) -> dict:
+#: on four ranks: a full load and group offload, unquantized and with one quantizer
+FSDP2_ON_FOUR = ((None, "qfloat8"), [("model_full_load", {}), ("model_group_offload", {})])
+
+
+def fsdp2(rank: int, world: int, quantizers=QUANTIZERS, placements=None) -> dict:
     """Each placement on a sharded transformer, unquantized and converted ahead (the order FSDP2 needs); the
     storages that copy a resting weight's bytes are refused before anything is touched."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -155,8 +163,9 @@ def fsdp2(rank: int, world: int) -> dict:
 
     mesh = init_device_mesh("cpu", (world,))
     results = {}
-    for quantizer in QUANTIZERS:
-        for placement, options in [("model_full_load", {}), *PLACEMENTS]:
+    placements = [("model_full_load", {}), *PLACEMENTS] if placements is None else placements
+    for quantizer in quantizers:
+        for placement, options in placements:
             model = wan_transformer()
             if quantizer is not None:
                 memmode.convert(quantizer, model)
@@ -179,11 +188,16 @@ def fsdp2(rank: int, world: int) -> dict:
     return results
 
 
-def test_fsdp2_is_exact_where_nothing_is_copied_and_refused_typed_where_a_shard_would_be():
+@pytest.mark.parametrize(
+    "world, quantizers, placements",
+    [(2, QUANTIZERS, [("model_full_load", {}), *PLACEMENTS]), (4, *FSDP2_ON_FOUR)],
+    ids=["2 ranks", "4 ranks"],
+)
+def test_fsdp2_is_exact_where_nothing_is_copied_and_refused_typed_where_a_shard_would_be(world, quantizers, placements):
     expected = single_process_outputs(wan_transformer)
-    for rank, results in enumerate(run_ranks(2, fsdp2)):
-        for quantizer in QUANTIZERS:
-            for placement, options in [("model_full_load", {}), *PLACEMENTS]:
+    for rank, results in enumerate(run_ranks(world, fsdp2, quantizers, placements)):
+        for quantizer in quantizers:
+            for placement, options in placements:
                 mode = placement + (f"_and_{quantizer}" if quantizer else "")
                 assert_bit_equal(results[f"{mode} {options}"], expected[quantizer], f"rank {rank}, {mode} {options}")
         for storage in ("disk", "mmap"):

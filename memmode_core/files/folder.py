@@ -274,6 +274,47 @@ def _scan(folder: Path, own: Path | None = None) -> tuple[dict[Path, dict], dict
     return live, dead
 
 
+def remove_abandoned(parent: Path, pattern: str) -> list[Path]:
+    """Remove, with everything in them, the folders under ``parent`` matching ``pattern`` that no live session uses:
+    the folders ranks of earlier jobs shared (:mod:`memmode_core.files.node`), left behind when every rank was
+    killed — in ``/dev/shm`` they hold memory until the machine restarts. A folder is judged and removed holding
+    its lock, so a session opening it meanwhile finds it gone and makes it again (:meth:`OffloadFolder.open`); one
+    whose lock is held, or with a live lease or a temporary file still being written, is left. Returns the removed."""
+    removed = []
+    for folder in parent.glob(pattern):
+        try:
+            fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            live, _ = _scan(folder)
+            if not live and not _being_written(folder):
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+        except OSError:  # locked: in use
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _being_written(folder: Path) -> bool:
+    """Whether a temporary file of ``folder`` is locked by its writer."""
+    for path in folder.glob(f"{TEMP_PREFIX}*{TEMP_SUFFIX}"):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        finally:
+            os.close(fd)
+    return False
+
+
 def collect_dead(folder: Path, live: dict[Path, dict] | None = None, dead: dict[Path, dict] | None = None) -> list[str]:
     """Clean up after sessions whose process died (a crash, ``kill -9``): delete the files they
     owned that no live session uses and nobody asked to keep, hand the others over to a live user,

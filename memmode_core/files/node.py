@@ -12,7 +12,8 @@ own: the first rank of the job on this machine to ask makes the folder and publi
 key-value store (the one its ranks met through), under a key naming the machine, with ``compare_set``; every
 later rank finds it there. No rank waits for another, so a rank that applies a mode alone (a preview on rank
 0) does not hang; it simply is the first. What is published is a folder that exists: it is made before it is
-published, and a rank that finds it gone (the last user removed it) makes it again.
+published, and a rank that finds it gone (the last user removed it) makes it again. A folder of an earlier job
+that no live process uses any more (every rank killed) is removed by the next job's first rank to ask.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import os
 import socket
 import tempfile
 from pathlib import Path
+
+from memmode_core.files.folder import remove_abandoned
 
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 #: Linux's shared-memory filesystem: a file there is memory that every process mapping it shares
@@ -59,7 +62,9 @@ def shared_folder(purpose: str, under: str | os.PathLike | None = None) -> Path 
     from torch.distributed.distributed_c10d import _get_default_store
 
     store = _get_default_store()
-    candidate = tempfile.mkdtemp(prefix=f"memmode-{purpose}-", dir=under)
+    parent = Path(under) if under is not None else Path(tempfile.gettempdir())
+    remove_abandoned(parent, f"memmode-{purpose}-*")  # earlier jobs' folders whose every rank was killed
+    candidate = tempfile.mkdtemp(prefix=f"memmode-{purpose}-", dir=parent)
     published = store.compare_set(f"memmode/{purpose}/{machine_key()}", "", candidate).decode()
     if published != candidate:
         os.rmdir(candidate)
