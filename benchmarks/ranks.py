@@ -13,7 +13,8 @@ with one variant:
 - ``load+qfloat8``: ``memmode.load(folder, "model_group_offload_and_qfloat8")`` (``ram``).
 
 **Node memory** is what the ranks hold for the model once every rank has placed it and called it once (a call
-maps what ``mmap`` keeps zero-copy on the CPU): the sum over ranks of the
+maps what ``mmap`` keeps zero-copy on the CPU; ``pinned`` is not called: under the strict model the CPU's memory
+stands for the GPU's too): the sum over ranks of the
 proportional set size (``Pss`` of ``/proc/self/smaps_rollup``) each process gained since before it built the
 model. A page k processes map counts 1/k in each, so what the ranks share (the page cache of a file they all
 map, shared memory) counts once on the machine and each rank's own memory counts in full, N times; the issue's
@@ -25,13 +26,14 @@ Each rank's time is from before it builds the model to when its mode is placed; 
 rank's. Targets (issue 34): 4 ranks within 1.15x of one rank's node memory; ``load+qfloat8`` on 4 ranks within
 1.5x of one rank's time.
 
-    python benchmarks/ranks.py [--variants pinned,mmap,disk,ram+qfloat8,load+qfloat8] [--ranks 1,2,4]
+    python benchmarks/ranks.py [--variants pinned,mmap,disk,ram+qfloat8,load+qfloat8] [--ranks 1,2,4] [--rounds 3]
     python benchmarks/ranks.py --layers 4      # a 4-block checkpoint of the same width: a smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -96,15 +98,17 @@ def place(rank: int, world: int, variant: str, folder: str, workdir: str) -> dic
             )
             handle = memmode.apply(model, mode, device="cpu", storage=storage, offload_dir=None)
         seconds = time.perf_counter() - began
-        model = handle.target
-        generator = torch.Generator().manual_seed(rank)
-        with torch.no_grad():  # one call: what a call maps (mmap's zero-copy pages) is counted too
-            model(
-                hidden_states=torch.randn(1, 16, 1, 8, 8, generator=generator).to(torch.bfloat16),
-                timestep=torch.tensor([500]),
-                encoder_hidden_states=torch.randn(1, 8, 4096, generator=generator).to(torch.bfloat16),
-                return_dict=False,
-            )
+        if variant != "pinned":
+            # one call: what a call maps (mmap's zero-copy pages) is counted too; not under the strict model, whose
+            # memory stands for the GPU's (and holds every copy's record until it is synchronised)
+            generator = torch.Generator().manual_seed(rank)
+            with torch.no_grad():
+                handle.target(
+                    hidden_states=torch.randn(1, 16, 1, 8, 8, generator=generator).to(torch.bfloat16),
+                    timestep=torch.tensor([500]),
+                    encoder_hidden_states=torch.randn(1, 8, 4096, generator=generator).to(torch.bfloat16),
+                    return_dict=False,
+                )
         dist.barrier()  # every rank has placed its model and called it once
         after = memory()
         shared = shared_memory_bytes()
@@ -126,7 +130,7 @@ def run(variant: str, world: int, folder: Path, workdir: Path) -> list[dict]:
     outcomes = on_ranks(world, place, variant, str(folder), str(workdir), accelerator=False, timeout=1800)
     failed = [o for o in outcomes if "value" not in o]
     if failed:
-        raise SystemExit(f"{variant} on {world} ranks failed: {failed[0]}")
+        raise SystemExit(f"{variant} on {world} ranks failed: " + "\n".join(o["error"] for o in failed))
     return [o["value"] for o in outcomes]
 
 
@@ -134,6 +138,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--ranks", default="1,2,4")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds (the table shows medians)")
     parser.add_argument("--layers", type=int, default=30, help="transformer blocks (30: Wan 2.1 1.3B, 2.8 GB)")
     parser.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "memmode-ranks-bench"))
     args = parser.parse_args()
@@ -154,25 +159,37 @@ def main() -> None:
     mib = 2**20
     ranks = [int(n) for n in args.ranks.split(",")]
     print(f"Wan 2.1 1.3B-shaped transformer, {args.layers} blocks, {checkpoint / mib:.0f} MiB in bfloat16")
+    runs: dict[tuple[str, int], list[tuple[int, int, int, float]]] = {}
+    for _ in range(args.rounds):  # interleaved: each round runs every variant on every count of ranks
+        for variant in args.variants.split(","):
+            for world in ranks:
+                with tempfile.TemporaryDirectory(dir=args.cache) as workdir:
+                    results = run(variant, world, folder, Path(workdir))
+                shared = results[0]["shared"]
+                runs.setdefault((variant, world), []).append(
+                    (
+                        sum(r["pss"] for r in results),
+                        sum(r["anon"] for r in results) + shared,
+                        shared,
+                        max(r["seconds"] for r in results),
+                    )
+                )
     print(
+        f"median of {args.rounds} rounds (range); x one rank: the medians' ratio\n"
         "| variant | ranks | node memory (Pss gained) | x one rank | RssAnon gained + shared memory | x one rank | "
         "shared memory | node s | x one rank |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for variant in args.variants.split(","):
-        one = None
+        one = [statistics.median(column) for column in zip(*runs[variant, ranks[0]], strict=True)]
         for world in ranks:
-            with tempfile.TemporaryDirectory(dir=args.cache) as workdir:
-                results = run(variant, world, folder, Path(workdir))
-            shared = results[0]["shared"]
-            node = sum(r["anon"] for r in results) + shared
-            pss = sum(r["pss"] for r in results)
-            seconds = max(r["seconds"] for r in results)
-            if one is None:
-                one = (node, pss, seconds)
+            columns = list(zip(*runs[variant, world], strict=True))
+            median = [statistics.median(column) for column in columns]
+            pss, node, shared, seconds = median
             print(
-                f"| {variant} | {world} | {pss / mib:.0f} MiB | {pss / one[1]:.2f} | {node / mib:.0f} MiB | "
-                f"{node / one[0]:.2f} | {shared / mib:.0f} MiB | {seconds:.1f} | {seconds / one[2]:.2f} |",
+                f"| {variant} | {world} | {pss / mib:.0f} MiB | {pss / one[0]:.2f} | {node / mib:.0f} MiB | "
+                f"{node / one[1]:.2f} | {shared / mib:.0f} MiB | {seconds:.1f} ({min(columns[3]):.1f}-"
+                f"{max(columns[3]):.1f}) | {seconds / one[3]:.2f} |",
                 flush=True,
             )
 

@@ -172,8 +172,8 @@ def _quantize(prepared: Prepared) -> tuple[dict[str, Any], list[torch.Tensor]]:
     quantizer = request.quantizer.obj
     ahead = dict(prepared._packed_ahead)
     streamed = None
-    in_memory = _core_packs(quantizer) and _packed_bytes_stay_on_host(prepared)
-    made_once = MadeOnce.for_ranks(under=request.offload_dir) if in_memory else None  # None: not one of N ranks
+    once = request.packs_once_per_machine
+    made_once = MadeOnce.for_ranks(under=request.offload_dir) if once else None  # None: not one of N ranks
     if _streams_packing(prepared) or made_once is not None:
         checked = {name: _checked(prepared, name, s) for name, s in prepared._selections.items() if name not in ahead}
         streamed = saved.stream_quantize(
@@ -206,22 +206,17 @@ def _quantize(prepared: Prepared) -> tuple[dict[str, Any], list[torch.Tensor]]:
     return done, streamed.mappings if streamed is not None else []
 
 
-def _core_packs(quantizer) -> bool:
-    """A packing quantizer of core's mechanics (one with its own ``quantize`` packs its own way)."""
-    return quantizer.packs and not quantization.overrides(quantizer, "quantize")
-
-
 def _streams_packing(prepared: Prepared) -> bool:
     """Whether to pack into streamed files: a packing quantizer of core's mechanics, and a storage other than
     ``ram`` (which keeps the offloaded bytes in memory: there the packed layers are the stored copy)."""
     request = prepared._request
-    return _core_packs(request.quantizer.obj) and request.storage is not None and request.storage.name != "ram"
-
-
-def _packed_bytes_stay_on_host(prepared: Prepared) -> bool:
-    """Whether the packed layers rest in host memory: in ``ram``, or in a full load on the CPU."""
-    request = prepared._request
-    return request.storage_name == "ram" or (request.storage is None and request.device.type == "cpu")
+    quantizer = request.quantizer.obj
+    return (
+        quantizer.packs
+        and not quantization.overrides(quantizer, "quantize")
+        and request.storage is not None
+        and request.storage.name != "ram"
+    )
 
 
 def _say_each_rank_holds_its_own_copy(prepared: Prepared, quantized: dict[str, Any]) -> None:
@@ -230,7 +225,7 @@ def _say_each_rank_holds_its_own_copy(prepared: Prepared, quantized: dict[str, A
     (:mod:`memmode_core.files.made_once`) are one copy already; those whose weights nothing names (not all in CPU
     memory) or that a quantizer packs its own way are not."""
     own = [name for name in quantized if name not in prepared._packed_by_ranks]
-    if not (own and _packed_bytes_stay_on_host(prepared) and ranks_share_a_machine()):
+    if not (own and prepared._request.packed_rest_on_host and ranks_share_a_machine()):
         return
     logger.warning(
         "memmode: rank %d keeps the packed weights of %s in its own memory, and so does every rank of this "

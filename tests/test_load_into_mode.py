@@ -9,8 +9,10 @@ Every placement x storage combination runs on one family of a rotation (each fam
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,6 +48,7 @@ def saved_folder(family: str, dtype: torch.dtype = torch.float32, shard: str | N
     key = (family, dtype, shard)
     if key not in _SAVED:
         folder = Path(tempfile.mkdtemp(prefix=f"memmode-saved-{family}-"))
+        atexit.register(shutil.rmtree, folder, True)  # kept for the session's other tests, then removed
         kwargs = {"max_shard_size": shard} if shard else {}
         make_pipeline(family, dtype=dtype).save_pretrained(folder, **kwargs)
         _SAVED[key] = folder

@@ -254,7 +254,12 @@ def test_ranks_on_one_machine_share_one_copy_of_the_group_files(storage):
     assert not Path(results[0]["folder"]).exists()
 
 
-def shared_pinned(rank: int, world: int, options: dict) -> dict:
+def shared_pinned(rank: int, world: int, variants: list[dict]) -> list[dict]:
+    """:func:`pinned_once` with each of ``variants``' options, in one process per rank."""
+    return [pinned_once(rank, options) for options in variants]
+
+
+def pinned_once(rank: int, options: dict) -> dict:
     """Each rank places the same transformer with ``pinned`` under the strict model of an accelerator's copies (the
     CPU made one): where its groups are, which it page-locked, and its output, first and steady-state."""
     import os
@@ -305,7 +310,7 @@ def test_pinned_ranks_on_one_machine_page_lock_one_shared_copy():
     outputs are exact; the last rank removes the files."""
     world = 4
     expected = forward(wan_transformer(heads=4))
-    results = run_ranks(world, shared_pinned, {})
+    results = [each for (each,) in run_ranks(world, shared_pinned, [{}])]
     for rank, result in enumerate(results):
         for output in result["outputs"]:
             assert_bit_equal(output, expected, f"rank {rank}")
@@ -323,8 +328,8 @@ def test_pinned_ranks_on_one_machine_page_lock_one_shared_copy():
 def test_pinned_ranks_can_pin_a_copy_each_or_lock_part_of_the_shared_one():
     world = 2
     expected = forward(wan_transformer(heads=4))
-    own = run_ranks(world, shared_pinned, {"share_between_ranks": False})
-    limited = run_ranks(world, shared_pinned, {"pinned_limit": 64 << 10})
+    ranks = run_ranks(world, shared_pinned, [{"share_between_ranks": False}, {"pinned_limit": 64 << 10}])
+    own, limited = [rank[0] for rank in ranks], [rank[1] for rank in ranks]
     for result in own + limited:
         for output in result["outputs"]:
             assert_bit_equal(output, expected)
@@ -391,40 +396,52 @@ def test_pinned_ranks_refuse_before_touching_and_name_a_shared_file_cut_short():
         assert said["victim"] in said["removed"] and "except 1 group" in said["removed"], said["removed"]
 
 
-def load_quantized(rank: int, world: int, folder: str, storage: str) -> dict:
-    """Each rank loads the saved transformer straight into a quantized mode: how many components it packed and
-    how many it found packed by another rank, the file its packed weights view, and its output."""
+def load_quantized(rank: int, world: int, folder: str, storages: tuple[str, ...]) -> dict:
+    """Each rank loads the saved transformer straight into a quantized mode with each storage: how many components
+    it packed and how many it found packed by another rank, the files its packed weights view, and its output."""
     import torch.distributed as dist
 
     import memmode_core as memmode
 
-    handle = memmode.load(folder, "model_group_offload_and_qfloat8", device="cpu", storage=storage)
-    output = forward(handle.target)
-    made_once = handle.loading.get("packed_once_by_ranks")
-    dist.barrier()  # every rank has loaded: the shared files are all there
-    shared = sorted(p.name for p in Path(made_once["folder"]).glob("memmode-made-*.safetensors"))
-    dist.barrier()
-    handle.remove()
-    return {"output": output, "made once": made_once, "shared files": shared}
+    results = {}
+    for storage in storages:
+        handle = memmode.load(folder, "model_group_offload_and_qfloat8", device="cpu", storage=storage)
+        output = forward(handle.target)
+        made_once = handle.loading.get("packed_once_by_ranks")
+        dist.barrier()  # every rank has loaded: the shared files are all there
+        shared = sorted(p.name for p in Path(made_once["folder"]).glob("memmode-made-*.safetensors"))
+        dist.barrier()
+        handle.remove()
+        results[storage] = {"output": output, "made once": made_once, "shared files": shared}
+    return results
 
 
-@pytest.mark.parametrize("storage", ["ram", "mmap"])
-def test_ranks_loading_into_a_quantized_mode_pack_each_component_once_per_machine(storage, tmp_path):
-    """``load(folder, "..._and_qfloat8")`` on 4 ranks: one rank packs the transformer, the other three map its file
-    (one copy in the page cache, the packing's time spent once); every rank's output is the single process's."""
+LOADED_INTO = ("ram", "mmap")
+
+
+def test_ranks_loading_into_a_quantized_mode_pack_each_component_once_per_machine(tmp_path):
+    """``load(folder, "..._and_qfloat8")`` on 4 ranks, with ``ram`` and ``mmap``: one rank packs the transformer,
+    the other three map its file (one copy in the page cache, the packing's time spent once); every rank's output
+    is the single process's; the last rank to leave removes the shared folder."""
     import memmode_core as memmode
 
     wan_transformer(heads=4).save_pretrained(tmp_path / "model")
-    single = memmode.load(tmp_path / "model", "model_group_offload_and_qfloat8", device="cpu", storage=storage)
-    expected = forward(single.target)
-    single.remove()
-    results = run_ranks(4, load_quantized, str(tmp_path / "model"), storage)
-    for rank, result in enumerate(results):
-        assert_bit_equal(result["output"], expected, f"rank {rank}")
-        assert result["shared files"] == results[0]["shared files"] and len(result["shared files"]) == 1
-    assert sum(r["made once"]["made"] for r in results) == 1, [r["made once"] for r in results]
-    assert sum(r["made once"]["found"] for r in results) == 3
-    assert not Path(results[0]["made once"]["folder"]).exists(), "the last rank to leave removed the shared folder"
+    expected = {}
+    for storage in LOADED_INTO:
+        single = memmode.load(tmp_path / "model", "model_group_offload_and_qfloat8", device="cpu", storage=storage)
+        expected[storage] = forward(single.target)
+        single.remove()
+    ranks = run_ranks(4, load_quantized, str(tmp_path / "model"), LOADED_INTO)
+    for storage in LOADED_INTO:
+        results = [rank[storage] for rank in ranks]
+        for rank, result in enumerate(results):
+            assert_bit_equal(result["output"], expected[storage], f"rank {rank}, {storage}")
+            assert result["shared files"] == results[0]["shared files"] and len(result["shared files"]) == 1
+        made = [r["made once"]["made"] for r in results]
+        assert all(r["made once"]["made"] + r["made once"]["found"] == 1 for r in results)
+        # the first load packs it once; the second finds that file while a rank still maps it, or packs it once again
+        assert sum(made) == 1 if storage == LOADED_INTO[0] else sum(made) <= 1, [r["made once"] for r in results]
+        assert not Path(results[0]["made once"]["folder"]).exists(), "the last rank to leave removed the folder"
 
 
 def mapped_from(tensor: torch.Tensor) -> str | None:
@@ -438,7 +455,12 @@ def mapped_from(tensor: torch.Tensor) -> str | None:
     return None
 
 
-def packed_in_memory(rank: int, world: int, weights_differ: bool) -> dict:
+def packed_in_memory(rank: int, world: int) -> dict:
+    """:func:`packed_by_each` with the same weights on every rank, then with weights that differ by rank."""
+    return {differ: packed_by_each(rank, differ) for differ in (False, True)}
+
+
+def packed_by_each(rank: int, weights_differ: bool) -> dict:
     """Ranks quantizing into their own memory: what memmode says, and which file each rank's packed weights are
     mapped from (the same weights are packed once into a file the ranks share; different ones each their own)."""
     import logging
@@ -471,14 +493,18 @@ def packed_in_memory(rank: int, world: int, weights_differ: bool) -> dict:
     return {"said": said, "mapped": mapped, "outputs": outputs}
 
 
-@pytest.mark.parametrize("weights_differ", [False, True])
-def test_ranks_packing_into_their_own_memory_share_one_file_of_the_same_weights(weights_differ):
+def test_ranks_packing_into_their_own_memory_share_one_file_of_the_same_weights():
     """``apply(..., "..._and_qfloat8", storage="ram")`` on 2 ranks: weights that hash the same are packed once
     into a file in the machine's shared folder, and every rank's packed layers are mapped from it (one copy in
     the page cache); ranks with different weights each get their own. Nothing needs saying; outputs exact."""
+    ranks = run_ranks(2, packed_in_memory)
+    for weights_differ in (False, True):
+        _check_packed_by_each([rank[weights_differ] for rank in ranks], weights_differ)
+
+
+def _check_packed_by_each(results: list[dict], weights_differ: bool) -> None:
     import memmode_core as memmode
 
-    results = run_ranks(2, packed_in_memory, weights_differ)
     for rank, result in enumerate(results):
         model = wan_transformer()
         if weights_differ:

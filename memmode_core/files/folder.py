@@ -27,6 +27,7 @@ import re
 import secrets
 import shutil
 import tempfile
+import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -274,15 +275,24 @@ def _scan(folder: Path, own: Path | None = None) -> tuple[dict[Path, dict], dict
     return live, dead
 
 
-def remove_abandoned(parent: Path, pattern: str) -> list[Path]:
+#: seconds a folder is left alone by :func:`remove_abandoned` after it last changed: one a rank has just made may
+#: not have its first lease yet
+ABANDONED_AFTER = 60.0
+
+
+def remove_abandoned(parent: Path, pattern: str, *, min_age: float = ABANDONED_AFTER) -> list[Path]:
     """Remove, with everything in them, the folders under ``parent`` matching ``pattern`` that no live session uses:
     the folders ranks of earlier jobs shared (:mod:`memmode_core.files.node`), left behind when every rank was
     killed — in ``/dev/shm`` they hold memory until the machine restarts. A folder is judged and removed holding
     its lock, so a session opening it meanwhile finds it gone and makes it again (:meth:`OffloadFolder.open`); one
-    whose lock is held, or with a live lease or a temporary file still being written, is left. Returns the removed."""
+    whose lock is held, or with a live lease or a temporary file still being written, or that changed in the last
+    ``min_age`` seconds, is left. Returns the removed."""
     removed = []
+    now = time.time()
     for folder in parent.glob(pattern):
         try:
+            if now - folder.stat().st_mtime < min_age:
+                continue
             fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         except OSError:
             continue

@@ -18,6 +18,7 @@ that no live process uses any more (every rank killed) is removed by the next jo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -67,5 +68,6 @@ def shared_folder(purpose: str, under: str | os.PathLike | None = None) -> Path 
     candidate = tempfile.mkdtemp(prefix=f"memmode-{purpose}-", dir=parent)
     published = store.compare_set(f"memmode/{purpose}/{machine_key()}", "", candidate).decode()
     if published != candidate:
-        os.rmdir(candidate)
+        with contextlib.suppress(FileNotFoundError):  # another rank's sweep may have taken it already
+            os.rmdir(candidate)
     return Path(published)

@@ -161,12 +161,14 @@ def _price(
             "pinned": round(offloaded * cost.pinned_per_byte),
             "disk": round(offloaded * cost.disk_per_byte),
         }
-    copies = 1 if cost is not None and cost.shared_by_ranks else ranks
+    # what the ranks of a machine share counts once: a storage's shared copy, and layers they pack once between them
+    packed_once = request.packs_once_per_machine
+    copies = 1 if (cost is not None and cost.shared_by_ranks) or packed_once else ranks
     machine_host = (held["pageable"] + held["pinned"]) * copies
     if prepared.device.type == "cpu":  # the device is the RAM: resident weights are host memory too, each rank's
         resident = sum(s.nbytes for s in sized if s.group.policy is Policy.RESIDENT)
         held["pageable"] += resident
-        machine_host += resident * ranks
+        machine_host += resident * (1 if packed_once else ranks)
     return PlanEntry(
         mode=prepared.mode,
         placement=prepared.placement,

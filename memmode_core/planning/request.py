@@ -26,6 +26,7 @@ from memmode_core.discovery.grammar import Mode, resolve
 from memmode_core.discovery.plugins import current
 from memmode_core.discovery.registrations import Registration
 from memmode_core.planning.trace import ComponentTrace
+from memmode_core.quantization import overrides
 
 #: the keyword arguments ``apply``, ``prepare`` and ``load`` share, with their defaults (each entry's signature
 #: lists them so, a test checks it): :meth:`Request.from_call` takes them from a call by these names
@@ -95,6 +96,20 @@ class Request:
     @property
     def storage_name(self) -> str | None:
         return self.storage.name if self.storage is not None else None
+
+    @property
+    def packed_rest_on_host(self) -> bool:
+        """Whether the packed layers rest in host memory: ``ram``, or a full load on the CPU."""
+        return self.storage_name == "ram" or (self.storage is None and self.device.type == "cpu")
+
+    @property
+    def packs_once_per_machine(self) -> bool:
+        """Whether the ranks of one machine pack the layers once between them and map one file
+        (:mod:`memmode_core.files.made_once`): core packs them (a quantizer without a ``quantize`` of its own)
+        and they rest in host memory (other storages keep their own copy, shared or not)."""
+        quantizer = self.quantizer.obj if self.quantizer is not None else None
+        core_packs = quantizer is not None and quantizer.packs and not overrides(quantizer, "quantize")
+        return core_packs and self.packed_rest_on_host
 
     @classmethod
     def from_call(cls, arguments: Mapping[str, Any]) -> Request:
