@@ -166,6 +166,16 @@ def test_ranks_of_one_machine_count_what_they_share_once_and_the_rest_once_each(
             assert entry.machine_host_bytes == 4 * entry.host_bytes > 0
 
 
+def test_layers_the_ranks_pack_once_between_them_count_once():
+    """With a quantizer and ``ram`` the ranks pack each component once into a file they all map: the machine holds
+    one copy of the packed layers; unquantized, each rank's own."""
+    pipe = make_pipeline("wan22")
+    quantized = memmode.plan(pipe, device="cpu", ranks=4, storage="ram", quantizer="qfloat8")
+    plain = memmode.plan(pipe, device="cpu", ranks=4, storage="ram")
+    assert quantized and all(e.machine_host_bytes == e.host_bytes for e in quantized if e.storage == "ram")
+    assert any(e.machine_host_bytes == 4 * e.host_bytes > 0 for e in plain if e.storage == "ram")
+
+
 def test_the_ram_budget_is_the_machines_and_auto_chooses_for_its_ranks():
     pipe = make_pipeline("wan22")
     ram_entry = next(e for e in memmode.plan(pipe, device="cpu", storage="ram") if e.mode == "model_cpu_offload")
