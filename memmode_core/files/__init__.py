@@ -28,4 +28,11 @@ Checkpoints and loads:
 - :mod:`.checkpoint` — safetensors checkpoints read header first, tensors as views of private mappings;
 - :mod:`.streamed` — converted weights written to a file piece by piece, then mapped;
 - :mod:`.borrowed` — groups stored by reference in the pages a load lends, nothing written.
+
+Ranks of ``torch.distributed`` on one machine:
+
+- :mod:`.node` — which ranks share this machine, and the folder they share (learnt from ``torch.distributed``'s
+  store), and the machine's shared memory (``/dev/shm``);
+- :mod:`.made_once` — files the ranks make once between them, named before they exist by how they are made
+  (packed layers: one rank packs, the others map its file).
 """
