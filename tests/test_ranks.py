@@ -266,7 +266,12 @@ def test_fsdp2_is_exact_where_nothing_is_copied_and_refused_typed_where_a_shard_
 # -- one host copy per machine ---------------------------------------------------------------------------------
 
 
-def shared_files(rank: int, world: int, storage: str) -> dict:
+def shared_files(rank: int, world: int, storages: tuple[str, ...]) -> dict:
+    """:func:`files_of_one_storage` for each of ``storages``, in one process per rank."""
+    return {storage: files_of_one_storage(storage) for storage in storages}
+
+
+def files_of_one_storage(storage: str) -> dict:
     """Each rank places the same transformer with a file storage and no offload_dir: where its files are, and
     what they are (name and inode), while every rank is placed; then whether the folder outlives the last."""
     import os
@@ -295,14 +300,20 @@ def shared_files(rank: int, world: int, storage: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("storage", ["mmap", "disk"])
-def test_ranks_on_one_machine_share_one_copy_of_the_group_files(storage):
+FILE_STORAGES = ("mmap", "disk")
+
+
+def test_ranks_on_one_machine_share_one_copy_of_the_group_files():
     """Without an offload_dir, every rank of the job on this machine uses one folder (made by the first, found by
     the others in torch.distributed's store): each group file is written once and mapped by all, so the page
     cache holds one copy; the last rank to leave removes the folder."""
-    world = 4
     expected = forward(wan_transformer(heads=4))
-    results = run_ranks(world, shared_files, storage)
+    ranks = run_ranks(4, shared_files, FILE_STORAGES)
+    for storage in FILE_STORAGES:
+        _check_shared_files([rank[storage] for rank in ranks], expected)
+
+
+def _check_shared_files(results: list[dict], expected: torch.Tensor) -> None:
     for result in results:
         assert_bit_equal(result["output"], expected)
     assert len({r["folder"] for r in results}) == 1, [r["folder"] for r in results]
