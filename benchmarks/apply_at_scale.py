@@ -88,6 +88,24 @@ def build(folder: Path, config: dict) -> None:
     (folder / "complete").write_text("ok\n")
 
 
+def ensure_checkpoint(folder: Path, configured_by: str, layers: int) -> None:
+    """Write the checkpoint into ``folder`` unless it is complete there, in a child process (its memory goes back
+    when it exits); ``configured_by`` names the benchmark module whose ``config_for(layers)`` is its config."""
+    if (folder / "complete").is_file():
+        return
+    print(f"writing the checkpoint into {folder} (once) ...", file=sys.stderr, flush=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"from apply_at_scale import build; from {configured_by} import config_for; from pathlib import Path; "
+            f"build(Path({str(folder)!r}), config_for({layers}))",
+        ],
+        check=True,
+    )
+
+
 def worker(folder: Path, storage: str, workdir: Path) -> None:
     import diffusers
     import torch
@@ -158,18 +176,7 @@ def main() -> None:
         worker(Path(args.worker[0]), args.worker[1], Path(args.worker[2]))
         return
     folder = Path(args.cache) / f"wan14b-{args.layers}"
-    if not (folder / "complete").is_file():
-        print(f"writing the checkpoint into {folder} (once) ...", file=sys.stderr, flush=True)
-        subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-                f"from apply_at_scale import build, config_for; from pathlib import Path; "
-                f"build(Path({str(folder)!r}), config_for({args.layers}))",
-            ],
-            check=True,
-        )
+    ensure_checkpoint(folder, "apply_at_scale", args.layers)
     group = group_bytes(folder)
     gib, mib = 2**30, 2**20
     print(f"Wan 14B-shaped transformer, {args.layers} blocks; one group (a block, bf16): {group / mib:.0f} MiB")

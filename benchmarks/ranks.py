@@ -34,13 +34,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from _models import released_wan_config
+from apply_at_scale import ensure_checkpoint
 
 VARIANTS = ("pinned", "mmap", "disk", "ram+qfloat8", "load+qfloat8")
 
@@ -143,18 +142,7 @@ def main() -> None:
     parser.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "memmode-ranks-bench"))
     args = parser.parse_args()
     folder = Path(args.cache) / f"wan1.3b-{args.layers}"
-    if not (folder / "complete").is_file():
-        print(f"writing the checkpoint into {folder} (once) ...", file=sys.stderr, flush=True)
-        subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-                f"from apply_at_scale import build; from ranks import config_for; from pathlib import Path; "
-                f"build(Path({str(folder)!r}), config_for({args.layers}))",
-            ],
-            check=True,
-        )
+    ensure_checkpoint(folder, "ranks", args.layers)
     checkpoint = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     mib = 2**20
     ranks = [int(n) for n in args.ranks.split(",")]

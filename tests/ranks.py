@@ -25,9 +25,12 @@ def distributed_available() -> bool:
     return dist.is_available() and dist.is_gloo_available()
 
 
-def run_ranks(world: int, scenario: Callable, *args: Any, timeout: float = RANKS_TIMEOUT) -> list[dict[str, Any]]:
-    """``scenario(rank, world, *args)`` on ``world`` CPU ranks; each rank's returned dict, in rank order."""
-    outcomes = on_ranks(world, scenario, *args, accelerator=False, timeout=timeout)
+def run_ranks(
+    world: int, scenario: Callable, *args: Any, timeout: float = RANKS_TIMEOUT, accelerator: bool = False
+) -> list[Any]:
+    """``scenario(rank, world, *args)`` on ``world`` CPU ranks (one GPU each with ``accelerator``); what each
+    returned, in rank order."""
+    outcomes = on_ranks(world, scenario, *args, accelerator=accelerator, timeout=timeout)
     failed = {rank: o.get("error") or o.get("refused") for rank, o in enumerate(outcomes) if "value" not in o}
     if failed:
         pytest.fail("\n".join(f"rank {rank} of {world}:\n{why}" for rank, why in failed.items()))

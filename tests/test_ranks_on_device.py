@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from helpers import assert_bit_equal
-from memmode_core.cli.ranks import on_ranks
 from rank_models import transformer_inputs, wan_transformer
+from ranks import run_ranks
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 two_gpus = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA devices, one per rank (found {GPUS})")
@@ -62,10 +62,7 @@ def ring(rank: int, world: int) -> dict:
 
 @two_gpus
 def test_ring_attention_under_group_offload_with_one_pinned_copy_is_exact():
-    outcomes = on_ranks(2, ring, accelerator=True, timeout=600)
-    for rank, outcome in enumerate(outcomes):
-        assert "value" in outcome, outcome
-        result = outcome["value"]
+    for rank, result in enumerate(run_ranks(2, ring, accelerator=True)):
         assert_bit_equal(result["model_group_offload"], result[None], f"rank {rank}")
         assert result["pinned shared"], "the ranks of one machine page-lock one shared copy"
 
@@ -94,10 +91,7 @@ def tensor_parallel(rank: int, world: int) -> dict:
 
 @two_gpus
 def test_tensor_parallel_full_load_is_exact_and_offloading_a_shard_is_refused_typed():
-    outcomes = on_ranks(2, tensor_parallel, accelerator=True, timeout=600)
-    for rank, outcome in enumerate(outcomes):
-        assert "value" in outcome, outcome
-        result = outcome["value"]
+    for rank, result in enumerate(run_ranks(2, tensor_parallel, accelerator=True)):
         assert_bit_equal(result["full load"], result["alone"], f"rank {rank}")
         assert "DTensor" in result["offload"] and result["still runs"], result["offload"]
 
@@ -122,10 +116,7 @@ def test_ranks_on_one_gpu_page_lock_their_mappings_of_one_shared_copy():
     model = wan_transformer(torch.bfloat16, heads=4).to("cuda:0")
     expected = device_forward(model, torch.device("cuda:0"))
     del model
-    outcomes = on_ranks(2, shared_pinned_on_cuda, accelerator=False, timeout=600)
-    for rank, outcome in enumerate(outcomes):
-        assert "value" in outcome, outcome
-        result = outcome["value"]
+    for rank, result in enumerate(run_ranks(2, shared_pinned_on_cuda)):
         assert_bit_equal(result["output"], expected, f"rank {rank}")
         assert result["locked"] and all(result["locked"]), "each rank page-locked its shared mappings"
         assert result["folder"].startswith("/dev/shm/")

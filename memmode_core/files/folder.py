@@ -120,18 +120,8 @@ class OffloadFolder:
         background while the folder is unlocked); the kernel drops the lock of a process that died, so
         every temporary file that can be locked is an orphan."""
         for stale in self.path.glob(f"{TEMP_PREFIX}*{TEMP_SUFFIX}"):
-            try:
-                fd = os.open(stale, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except OSError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:  # locked: its writer is alive
-                continue
-            else:
+            if _writer_alive(stale) is False:  # nobody locks a dead writer's file again: its name is unique
                 stale.unlink(missing_ok=True)
-            finally:
-                os.close(fd)
 
     def collect_dead(self) -> list[str]:
         """Remove what sessions killed mid-run left here (see :func:`collect_dead`). Call with the
@@ -311,17 +301,22 @@ def remove_abandoned(parent: Path, pattern: str, *, min_age: float = ABANDONED_A
 
 def _being_written(folder: Path) -> bool:
     """Whether a temporary file of ``folder`` is locked by its writer."""
-    for path in folder.glob(f"{TEMP_PREFIX}*{TEMP_SUFFIX}"):
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return True
-        finally:
-            os.close(fd)
+    return any(_writer_alive(path) for path in folder.glob(f"{TEMP_PREFIX}*{TEMP_SUFFIX}"))
+
+
+def _writer_alive(path: Path) -> bool | None:
+    """Whether the temporary file at ``path`` is locked by its writer (None: it is gone). The kernel drops the lock
+    of a process that died, so a file that can be locked is an orphan."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
     return False
 
 
