@@ -27,7 +27,6 @@ import torch
 from helpers import assert_bit_equal
 from rank_models import forward, shard, wan_transformer
 from ranks import distributed_available, run_ranks
-from tiny_pipelines import make_pipeline, run
 
 pytestmark = [
     pytest.mark.skipif(not distributed_available(), reason="needs torch.distributed with gloo"),
@@ -129,6 +128,7 @@ def context_parallel_pipelines(rank: int, world: int, modes: list) -> dict:
     from diffusers import ContextParallelConfig
 
     import memmode_core as memmode
+    from tiny_pipelines import make_pipeline, run
 
     references = [("model_full_load" + (f"_and_{q}" if q else ""), {}) for q in QUANTIZERS]
     results = {}
@@ -147,6 +147,8 @@ def test_context_parallelism_of_every_family_diffusers_splits_is_exact():
     rank gives exactly what the same ranks give with the model fully loaded (unquantized, or quantized alike).
     Ulysses itself changes the last bits on Flux (its matmuls see split token counts): that is diffusers', and the
     outputs stay within float32 rounding of one process's."""
+    from tiny_pipelines import make_pipeline, run
+
     modes = family_modes()
     single = {family: run(make_pipeline(family), family) for family in CP_FAMILIES}
     for rank, results in enumerate(run_ranks(2, context_parallel_pipelines, modes)):
@@ -180,6 +182,7 @@ SERVING_ON_FOUR = [SERVING[1], SERVING[4]]
 def data_parallel(rank: int, world: int, serving: list) -> dict:
     """Each rank builds the pipeline, places it, and serves its own request (its rank is its seed)."""
     import memmode_core as memmode
+    from tiny_pipelines import make_pipeline, run
 
     results = {}
     for mode, options in serving:
@@ -193,6 +196,7 @@ def data_parallel(rank: int, world: int, serving: list) -> dict:
 @pytest.mark.parametrize("world, serving", [(2, SERVING), (4, SERVING_ON_FOUR)], ids=["2 ranks", "4 ranks"])
 def test_data_parallel_ranks_each_give_what_one_process_gives(world, serving):
     import memmode_core as memmode
+    from tiny_pipelines import make_pipeline, run
 
     expected = {}
     for seed in range(world):
@@ -323,9 +327,25 @@ def _check_shared_files(results: list[dict], expected: torch.Tensor) -> None:
     assert not Path(results[0]["folder"]).exists()
 
 
-def shared_pinned(rank: int, world: int, variants: list[dict]) -> list[dict]:
-    """:func:`pinned_once` with each of ``variants``' options, in one process per rank."""
-    return [pinned_once(rank, options) for options in variants]
+#: what each of the tests of ``pinned`` on ranks looks at, with the options it is placed with
+PINNED_VARIANTS = {"shared": {}, "own": {"share_between_ranks": False}, "limited": {"pinned_limit": 64 << 10}}
+
+
+def shared_pinned(rank: int, world: int) -> dict:
+    """:func:`pinned_once` with each of :data:`PINNED_VARIANTS`, then :func:`shared_pinned_faults`, in one process
+    per rank (one spawn of ranks serves the three tests of ``pinned``)."""
+    said = {name: pinned_once(rank, options) for name, options in PINNED_VARIANTS.items()}
+    return {**said, "faults": shared_pinned_faults(rank, world)}
+
+
+def test_pinned_on_the_ranks_of_one_machine():
+    """``pinned`` on 2 ranks, one spawn of ranks for its three checks (each a spawn cost ~10 s of the suite): one
+    page-locked copy shared, a copy each or part of the shared one locked, and its faults."""
+    ranks = run_ranks(2, shared_pinned)
+    expected = forward(wan_transformer(heads=4))
+    _check_one_shared_copy([rank["shared"] for rank in ranks], expected)
+    _check_own_and_limited([rank["own"] for rank in ranks], [rank["limited"] for rank in ranks], expected)
+    _check_faults([rank["faults"] for rank in ranks])
 
 
 def pinned_once(rank: int, options: dict) -> dict:
@@ -372,14 +392,11 @@ def pinned_once(rank: int, options: dict) -> dict:
     }
 
 
-def test_pinned_ranks_on_one_machine_page_lock_one_shared_copy():
-    """``pinned`` on 4 ranks: each group is one file in the machine's shared memory, written once, mapped by every
+def _check_one_shared_copy(results: list[dict], expected: torch.Tensor) -> None:
+    """``pinned`` on 2 ranks: each group is one file in the machine's shared memory, written once, mapped by every
     rank and page-locked in each rank's process (the registration on a device is CUDA's; here the strict model
     checks that every copy reads registered memory and that nothing is unlocked while a copy reads it); the
     outputs are exact; the last rank removes the files."""
-    world = 4
-    expected = forward(wan_transformer(heads=4))
-    results = [each for (each,) in run_ranks(world, shared_pinned, [{}])]
     for rank, result in enumerate(results):
         for output in result["outputs"]:
             assert_bit_equal(output, expected, f"rank {rank}")
@@ -394,11 +411,7 @@ def test_pinned_ranks_on_one_machine_page_lock_one_shared_copy():
     assert not any(r["folder left"] for r in results)
 
 
-def test_pinned_ranks_can_pin_a_copy_each_or_lock_part_of_the_shared_one():
-    world = 2
-    expected = forward(wan_transformer(heads=4))
-    ranks = run_ranks(world, shared_pinned, [{"share_between_ranks": False}, {"pinned_limit": 64 << 10}])
-    own, limited = [rank[0] for rank in ranks], [rank[1] for rank in ranks]
+def _check_own_and_limited(own: list[dict], limited: list[dict], expected: torch.Tensor) -> None:
     for result in own + limited:
         for output in result["outputs"]:
             assert_bit_equal(output, expected)
@@ -457,8 +470,10 @@ def shared_pinned_faults(rank: int, world: int) -> dict:
     return said
 
 
-def test_pinned_ranks_refuse_before_touching_and_name_a_shared_file_cut_short():
-    for said in run_ranks(2, shared_pinned_faults):
+def _check_faults(faults: list[dict]) -> None:
+    """A refused registration leaves the model untouched; a shared file cut short is named at the next call and at
+    remove()."""
+    for said in faults:
         assert "cannot page-lock memory shared by the ranks" in said["refused"], said["refused"]
         assert "share_between_ranks=False" in said["refused"] and said["untouched"]
         assert said["victim"] in said["cut short"] and "truncated" in said["cut short"], said["cut short"]
