@@ -188,25 +188,34 @@ def data_parallel(rank: int, world: int, serving: list) -> dict:
     for mode, options in serving:
         pipe = make_pipeline(SERVED_FAMILY)
         handle = memmode.apply(pipe, mode, device="cpu", **options)
-        results[mode] = run(pipe, SERVED_FAMILY, rank)
+        results[mode, str(options)] = run(pipe, SERVED_FAMILY, rank)
         handle.remove()
     return results
 
 
-@pytest.mark.parametrize("world, serving", [(2, SERVING), (4, SERVING_ON_FOUR)], ids=["2 ranks", "4 ranks"])
+def serving_on_two() -> list[tuple[str, dict]]:
+    """:data:`SERVING`; every case of the matrix under MEMMODE_TEST_FULL_MATRIX."""
+    if os.environ.get("MEMMODE_TEST_FULL_MATRIX"):
+        return [(mode, options) for _, mode, options in matrix()]
+    return SERVING
+
+
+@pytest.mark.parametrize("world, serving", [(2, serving_on_two()), (4, SERVING_ON_FOUR)], ids=["2 ranks", "4 ranks"])
 def test_data_parallel_ranks_each_give_what_one_process_gives(world, serving):
     import memmode_core as memmode
     from tiny_pipelines import make_pipeline, run
 
     expected = {}
     for seed in range(world):
-        expected[None, seed] = run(make_pipeline(SERVED_FAMILY), SERVED_FAMILY, seed)
-        quantized = make_pipeline(SERVED_FAMILY)
-        memmode.apply(quantized, "model_full_load_and_qfloat8", device="cpu")
-        expected["qfloat8", seed] = run(quantized, SERVED_FAMILY, seed)
+        for quantizer in {quantizer_of(mode) for mode, _ in serving}:
+            pipe = make_pipeline(SERVED_FAMILY)
+            if quantizer is not None:
+                memmode.apply(pipe, f"model_full_load_and_{quantizer}", device="cpu")
+            expected[quantizer, seed] = run(pipe, SERVED_FAMILY, seed)
     for rank, results in enumerate(run_ranks(world, data_parallel, serving)):
-        for mode, _ in serving:
-            assert_bit_equal(results[mode], expected[quantizer_of(mode), rank], f"rank {rank}, {mode}")
+        for mode, options in serving:
+            got = results[mode, str(options)]
+            assert_bit_equal(got, expected[quantizer_of(mode), rank], f"rank {rank}, {mode} {options}")
 
 
 # -- FSDP2 -----------------------------------------------------------------------------------------------------
