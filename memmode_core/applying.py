@@ -171,17 +171,16 @@ def _quantize(prepared: Prepared) -> tuple[dict[str, Any], list[torch.Tensor]]:
         return {}, []
     quantizer = request.quantizer.obj
     ahead = dict(prepared._packed_ahead)
+    pending = [name for name in prepared._selections if name not in ahead]  # not packed ahead by ``load``
     streamed = None
-    once = request.packs_once_per_machine
-    made_once = MadeOnce.for_ranks(under=request.offload_dir) if once else None  # None: not one of N ranks
-    if _streams_packing(prepared) or made_once is not None:
-        checked = {name: _checked(prepared, name, s) for name, s in prepared._selections.items() if name not in ahead}
+    # ranks of one machine: each component packed once, one copy for all (None: not one of N ranks)
+    made_once = MadeOnce.for_ranks(request.offload_dir) if pending and request.packs_once_per_machine else None
+    if pending and (_streams_packing(request) or made_once is not None):
+        checked = {name: _checked(prepared, name, prepared._selections[name]) for name in pending}
+        # what names the weights, for the ranks to agree on one file: a digest of them, taken only when shared
+        sources = None if made_once is None else {name: saved.weights_source(s) for name, s in checked.items()}
         streamed = saved.stream_quantize(
-            checked,
-            staging_dir=request.offload_dir,
-            device=request.device,
-            made_once=made_once,  # ranks of one machine: each component packed once, one copy for all
-            sources={name: saved.weights_source(selection) for name, selection in checked.items()},
+            checked, staging_dir=request.offload_dir, device=request.device, made_once=made_once, sources=sources
         )
         ahead |= streamed.packed
         prepared._packed_by_ranks.update(streamed.shared)
@@ -206,17 +205,10 @@ def _quantize(prepared: Prepared) -> tuple[dict[str, Any], list[torch.Tensor]]:
     return done, streamed.mappings if streamed is not None else []
 
 
-def _streams_packing(prepared: Prepared) -> bool:
-    """Whether to pack into streamed files: a packing quantizer of core's mechanics, and a storage other than
-    ``ram`` (which keeps the offloaded bytes in memory: there the packed layers are the stored copy)."""
-    request = prepared._request
-    quantizer = request.quantizer.obj
-    return (
-        quantizer.packs
-        and not quantization.overrides(quantizer, "quantize")
-        and request.storage is not None
-        and request.storage.name != "ram"
-    )
+def _streams_packing(request: Request) -> bool:
+    """Whether to pack into streamed files: core packs, and the storage is other than ``ram`` (which keeps the
+    offloaded bytes in memory: there the packed layers are the stored copy)."""
+    return request.core_packs and request.storage is not None and request.storage.name != "ram"
 
 
 def _say_each_rank_holds_its_own_copy(prepared: Prepared, quantized: dict[str, Any]) -> None:

@@ -103,13 +103,17 @@ class Request:
         return self.storage_name == "ram" or (self.storage is None and self.device.type == "cpu")
 
     @property
+    def core_packs(self) -> bool:
+        """Whether core's mechanics pack the layers: a packing quantizer without a ``quantize`` of its own."""
+        quantizer = self.quantizer.obj if self.quantizer is not None else None
+        return quantizer is not None and quantizer.packs and not overrides(quantizer, "quantize")
+
+    @property
     def packs_once_per_machine(self) -> bool:
         """Whether the ranks of one machine pack the layers once between them and map one file
-        (:mod:`memmode_core.files.made_once`): core packs them (a quantizer without a ``quantize`` of its own)
-        and they rest in host memory (other storages keep their own copy, shared or not)."""
-        quantizer = self.quantizer.obj if self.quantizer is not None else None
-        core_packs = quantizer is not None and quantizer.packs and not overrides(quantizer, "quantize")
-        return core_packs and self.packed_rest_on_host
+        (:mod:`memmode_core.files.made_once`): core packs them and they rest in host memory (other storages keep
+        their own copy, shared or not)."""
+        return self.core_packs and self.packed_rest_on_host
 
     @classmethod
     def from_call(cls, arguments: Mapping[str, Any]) -> Request:
