@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,7 @@ def saved_folder(family: str, dtype: torch.dtype = torch.float32, shard: str | N
 
 
 def from_pretrained(folder: Path, torch_dtype: torch.dtype | None = None):
-    pipe = DiffusionPipeline.from_pretrained(folder, **({"torch_dtype": torch_dtype} if torch_dtype else {}))
+    pipe = DiffusionPipeline.from_pretrained(folder, **({"dtype": torch_dtype} if torch_dtype else {}))
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -627,3 +628,99 @@ def test_groups_kept_in_place_need_no_room_in_the_offload_folder(tmp_path, monke
     with pytest.raises(memmode.StorageUnavailableError, match="the next group needs"):
         memmode.load(folder, "model_group_offload", device="cpu", storage="disk", offload_dir=tmp_path / "o3")
     assert not list((tmp_path / "o3").glob("memmode-*"))
+
+
+# -- the libraries as installed: what an update of diffusers or transformers changes ----------------------
+
+
+def _from_pretrained_then_apply(folder: Path, mode: str, **kwargs):
+    pipe = from_pretrained(folder)
+    memmode.apply(pipe, mode, device="cpu", **kwargs)
+    return pipe
+
+
+@pytest.mark.parametrize("hub_kernels", ["1", "0"], ids=["hub-kernels-on", "hub-kernels-off"])
+def test_load_equals_from_pretrained_with_hub_kernels_on_and_off(hub_kernels, monkeypatch):
+    """transformers 5.25 hands every model it loads to the hub kernels library (``USE_HUB_KERNELS``, on by
+    default), which refuses the meta device load builds on: load still gives from_pretrained + apply's model,
+    kernelized as from_pretrained kernelizes it, under either setting and any release."""
+    monkeypatch.setenv("USE_HUB_KERNELS", hub_kernels)
+    family = "wan22"
+    folder = saved_folder(family)
+    expected = _from_pretrained_then_apply(folder, "model_group_offload")
+    handle = memmode.load(folder, "model_group_offload", device="cpu")
+    got = handle.target
+    assert type(got.text_encoder) is type(expected.text_encoder)
+    assert getattr(got.text_encoder, "use_kernels", None) == getattr(expected.text_encoder, "use_kernels", None)
+    assert torch.equal(loaded_output(handle, family), run(expected, family))
+
+
+def test_a_library_that_kernelizes_what_it_loads_is_followed_after_binding(monkeypatch):
+    """The transformers 5.25 behaviour, on any release: a meta build that kernelizes fails as the kernels library
+    fails, one with ``use_kernels=False`` works; load builds the second and kernelizes once the weights are bound
+    (the call from_pretrained makes, on the CPU), so nothing is refused and nothing differs."""
+    from transformers import UMT5EncoderModel
+
+    real = UMT5EncoderModel.from_pretrained.__func__
+    calls = []
+
+    def from_pretrained_that_kernelizes(cls, *args, use_kernels=None, **kwargs):
+        if kwargs.get("device_map") == "meta" and use_kernels is not False:
+            raise ValueError("Unsupported device type 'meta'. Supported device types are: cpu, cuda")
+        return real(cls, *args, **kwargs, **({} if use_kernels is None else {"use_kernels": use_kernels}))
+
+    def set_use_kernels(self, use_kernels, *args, **kwargs):
+        calls.append((use_kernels, {p.device.type for p in self.parameters()}))
+
+    monkeypatch.setattr(UMT5EncoderModel, "from_pretrained", classmethod(from_pretrained_that_kernelizes))
+    monkeypatch.setattr(UMT5EncoderModel, "set_use_kernels", set_use_kernels, raising=False)
+    family = "wan22"
+    folder = saved_folder(family)
+    handle = memmode.load(folder, "model_cpu_offload", device="cpu")
+    # (a release that does not kernelize calls set_use_kernels(False) itself)
+    assert [call for call in calls if call[0]] == [(True, {"cpu"})], "kernelized once, its weights bound on the CPU"
+    monkeypatch.undo()
+    assert torch.equal(
+        loaded_output(handle, family), run(_from_pretrained_then_apply(folder, "model_cpu_offload"), family)
+    )
+
+
+def test_a_library_that_cannot_build_a_skeleton_is_a_typed_error_naming_the_component_and_version(
+    tmp_path, monkeypatch
+):
+    import transformers
+    from transformers import UMT5EncoderModel
+
+    def refuses(cls, *args, **kwargs):
+        raise ValueError("Unsupported device type 'meta'")
+
+    monkeypatch.setattr(UMT5EncoderModel, "from_pretrained", classmethod(refuses))
+    folder = saved_folder("wan22")
+    with pytest.raises(memmode.ModelBuildError) as refused:
+        memmode.load(folder, "model_group_offload", device="cpu", storage="disk", offload_dir=tmp_path / "offload")
+    error = refused.value
+    assert isinstance(error, CheckpointError)
+    assert (error.component, error.library, error.library_version) == (
+        "text_encoder",
+        "transformers",
+        transformers.__version__,
+    )
+    message = str(error)
+    assert "text_encoder" in message and f"transformers {transformers.__version__}" in message
+    assert "UMT5EncoderModel" in message and "Unsupported device type 'meta'" in message
+    assert not (tmp_path / "offload").exists() or not list((tmp_path / "offload").iterdir())
+
+
+def test_dtype_is_torch_dtype_under_diffusers_current_name(tmp_path):
+    family = "wan22"
+    folder = saved_folder(family)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # diffusers warns for torch_dtype; load must not make it warn
+        handle = memmode.load(folder, "model_group_offload", device="cpu", dtype=torch.bfloat16, staging_dir=tmp_path)
+    assert {p.dtype for p in handle.target.transformer.parameters()} >= {torch.bfloat16}
+    expected = reference(family, folder, torch.bfloat16, "model_group_offload")
+    assert torch.equal(loaded_output(handle, family), expected)
+    with pytest.raises(memmode.InvalidOptionError, match="one argument under two names"):
+        memmode.load(folder, "model_group_offload", dtype=torch.bfloat16, torch_dtype=torch.float32)
+    with pytest.raises(memmode.InvalidOptionError, match="dtype="):
+        memmode.load(folder, "model_group_offload", dtype="float16")

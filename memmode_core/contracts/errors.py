@@ -87,6 +87,21 @@ class CheckpointError(MemmodeError):
     (and the tensor) at fault; nothing was loaded or changed."""
 
 
+class ModelBuildError(CheckpointError):
+    """A component's model class that its library, as installed, could not build from its config without
+    weights (``load`` and ``plan`` build each model on the meta device before reading a byte of it).
+
+    This is what a dependency's update breaks first (transformers 5.25 turned hub kernels on by default and
+    refused the meta device): the message names the component, the class, the library and its version, and
+    what still works. ``component``, ``library`` and ``library_version`` say the same as attributes."""
+
+    def __init__(self, message: str, *, component: str, library: str, library_version: str) -> None:
+        super().__init__(message)
+        self.component = component
+        self.library = library
+        self.library_version = library_version
+
+
 class StagingError(StorageUnavailableError):
     """The files that converted or quantized weights are streamed through while loading cannot be written.
 

@@ -41,8 +41,10 @@ from memmode_core.loading.binding import Binding, bind, binding_for
 from memmode_core.loading.skeleton import (
     Skeleton,
     build,
+    complete,
     is_transformers_class,
     is_weight_module_class,
+    library_version,
     model_class,
     pipeline_index,
 )
@@ -78,6 +80,7 @@ def load(
     mode: str,
     *,
     torch_dtype: torch.dtype | str | None = "auto",
+    dtype: torch.dtype | str | None = None,
     device: Any = None,
     weight_dtype: torch.dtype | None = None,
     storage: str | None = None,
@@ -95,7 +98,9 @@ def load(
 
     Arguments are those of :func:`memmode_core.apply`, plus ``torch_dtype`` and ``variant`` as
     ``from_pretrained`` takes them (``torch_dtype="auto"``, the default, loads each model in its checkpoint's
-    own dtype, so that nothing is converted; ``None`` is diffusers' default, float32), and ``staging_dir`` for
+    own dtype, so that nothing is converted; ``None`` is diffusers' default, float32); ``dtype`` is the same
+    argument under the name diffusers now asks for (``torch_dtype`` is deprecated there; it is not here), and
+    giving both is an error; ``staging_dir`` for
     the files converted weights are streamed through (default: ``offload_dir``, else the system's temporary
     folder; they are unlinked as soon as they are mapped; their room is checked before anything is written).
     Returns the :class:`Handle`; ``handle.target`` is the pipeline or model, and ``handle.report().loading``
@@ -111,7 +116,7 @@ def load(
     request = Request.from_call(locals())
     if in_place not in (None, True, False):
         raise InvalidOptionError(f"in_place={in_place!r} must be None (where no bit can change), True or False")
-    _check_torch_dtype(torch_dtype)
+    torch_dtype = one_dtype(torch_dtype, dtype)
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such folder (load() takes a folder saved with save_pretrained)")
@@ -148,6 +153,7 @@ def load(
             item.skeleton.module = item.cls.from_pretrained(item.folder, variant=variant, **kwargs).eval()
             continue
         bind(item.skeleton, item.checkpoint, item.binding, staging_dir=staging)
+        complete(item.skeleton, item.name)
         mappings.extend(item.binding.streamed)
     target = _assemble(folder, index, loads, torch_dtype, variant)
     if index is None:
@@ -267,7 +273,7 @@ def _component_loads(folder: Path, index: dict | None, torch_dtype, variant, plu
     for name, sub, cls in entries:
         checkpoint = Checkpoint.open(sub, variant=variant)
         dtype = _resolve_dtype(torch_dtype, cls, checkpoint, name)
-        skeleton = build(cls, sub, dtype)
+        skeleton = build(cls, sub, dtype, name)
         item = ComponentLoad(name, sub, skeleton, checkpoint, torch_dtype=dtype)
         fmt = saved.saved_format(checkpoint.metadata)
         if fmt is not None:
@@ -291,14 +297,26 @@ def _component_loads(folder: Path, index: dict | None, torch_dtype, variant, plu
     return loads
 
 
-def _check_torch_dtype(torch_dtype) -> None:
+def one_dtype(torch_dtype, dtype):
+    """The dtype asked for by either name (``dtype``, diffusers' current keyword, or ``torch_dtype``, with its
+    default ``"auto"``), checked; both given is an error, as it is in diffusers."""
+    if dtype is not None:
+        if torch_dtype != "auto":
+            raise InvalidOptionError(
+                f"dtype={dtype!r} and torch_dtype={torch_dtype!r} are one argument under two names: give one "
+                f"(dtype, the name diffusers now uses)"
+            )
+        torch_dtype, name = dtype, "dtype"
+    else:
+        name = "torch_dtype"
     if torch_dtype == "auto" or torch_dtype is None:
-        return
+        return torch_dtype
     if not (isinstance(torch_dtype, torch.dtype) and torch_dtype.is_floating_point):
         raise InvalidOptionError(
-            f"torch_dtype={torch_dtype!r} must be 'auto' (each model in its checkpoint's dtype), a floating "
+            f"{name}={torch_dtype!r} must be 'auto' (each model in its checkpoint's dtype), a floating "
             f"torch.dtype, or None (diffusers' default: float32)"
         )
+    return torch_dtype
 
 
 def _resolve_dtype(torch_dtype, cls: type, checkpoint: Checkpoint, name: str):
@@ -422,15 +440,29 @@ def _assemble(folder: Path, index: dict | None, loads: list[ComponentLoad], torc
     built = {item.name: item.skeleton.module for item in loads}
     # every model is passed in; what is left (tokenizers, schedulers) takes no dtype, and "auto" is not one
     # diffusers 0.42 knows
-    kwargs = {"torch_dtype": torch_dtype} if isinstance(torch_dtype, torch.dtype) else {}
+    kwargs = {pipeline_dtype_keyword(): torch_dtype} if isinstance(torch_dtype, torch.dtype) else {}
     return pipeline_cls.from_pretrained(folder, **built, **kwargs)
 
 
-def skeleton(path: str | os.PathLike, *, torch_dtype: torch.dtype | str | None = "auto", variant: str | None = None):
+def pipeline_dtype_keyword() -> str:
+    """The name a pipeline's ``from_pretrained`` takes its dtype by: ``dtype`` from diffusers 0.40 on, where
+    ``torch_dtype`` warns that it is deprecated; ``torch_dtype`` before."""
+    from packaging.version import Version
+
+    return "dtype" if Version(library_version("diffusers")) >= Version("0.40") else "torch_dtype"
+
+
+def skeleton(
+    path: str | os.PathLike,
+    *,
+    torch_dtype: torch.dtype | str | None = "auto",
+    dtype: torch.dtype | str | None = None,
+    variant: str | None = None,
+):
     """The pipeline (or model) in ``path`` with every weight on the meta device, in the dtype loading would
     give it: what ``memmode.plan`` needs, from config files and checkpoint headers alone (no weight is read;
     tokenizers and schedulers are loaded, they are small)."""
-    _check_torch_dtype(torch_dtype)
+    torch_dtype = one_dtype(torch_dtype, dtype)
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such folder")

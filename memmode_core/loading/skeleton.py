@@ -12,7 +12,13 @@ into a mode must give what ``from_pretrained`` followed by ``apply`` gives, bit 
   no ``torch_dtype``, the dtype the module was built with.
 - transformers: its own ``from_pretrained(device_map="meta")`` builds the skeleton, so its rules (``dtype``
   from the config, ``_keep_in_fp32_modules``, tied weights) are the ones applied; non-persistent buffers
-  come from a second build with parameters on meta.
+  come from a second build with parameters on meta. Where ``from_pretrained`` hands the model to the hub
+  kernels library (transformers 5.25 does by default, and ``kernels`` refuses the meta device), the skeleton is
+  built with ``use_kernels=False`` and kernelized as ``from_pretrained`` does, once its weights are bound.
+
+A library that cannot build a model this way (an update changed what it accepts) is a
+:class:`~memmode_core.contracts.errors.ModelBuildError` naming the component and the library's version, never
+the library's own exception from deep inside it.
 """
 
 from __future__ import annotations
@@ -22,13 +28,14 @@ import importlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from memmode_core.contracts.errors import CheckpointError
+from memmode_core.contracts.errors import CheckpointError, MemmodeError, ModelBuildError
 
 _INIT_FUNCTIONS = (
     "uniform_",
@@ -94,6 +101,9 @@ class Skeleton:
     library: str
     #: state-dict key -> dtype it takes when loaded (floating tensors only; others keep the checkpoint's)
     dtypes: dict[str, torch.dtype]
+    #: built with hub kernels off because its library kernelizes what it loads and cannot on the meta device:
+    #: :func:`complete` kernelizes it, as ``from_pretrained`` does, once its weights are bound
+    kernelize_when_bound: bool = False
 
 
 def model_class(library: str, class_name: str) -> type:
@@ -112,19 +122,63 @@ def is_weight_module_class(cls: type) -> bool:
     return isinstance(cls, type) and issubclass(cls, nn.Module)
 
 
-def build(cls: type, folder: Path, torch_dtype: torch.dtype | str | None) -> Skeleton:
-    """The skeleton of the model class ``cls`` saved in ``folder`` (its config.json). ``torch_dtype="auto"``
-    is passed on to transformers only (its own rule); a diffusers model takes a dtype, resolved by the caller."""
+def build(cls: type, folder: Path, torch_dtype: torch.dtype | str | None, component: str) -> Skeleton:
+    """The skeleton of the model class ``cls`` saved in ``folder`` (its config.json), the pipeline's
+    ``component``. ``torch_dtype="auto"`` is passed on to transformers only (its own rule); a diffusers model
+    takes a dtype, resolved by the caller."""
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"{folder}: no config.json for {cls.__name__}")
     if _is_transformers(cls):
-        return _transformers_skeleton(cls, folder, torch_dtype)
-    if hasattr(cls, "from_config") and hasattr(cls, "load_config"):
-        return _diffusers_skeleton(cls, folder, torch_dtype)
-    raise CheckpointError(
-        f"{cls.__module__}.{cls.__name__} is neither a diffusers nor a transformers model: "
-        f"memmode cannot build it from {folder}"
-    )
+        library, build_with = "transformers", _transformers_skeleton
+    elif hasattr(cls, "from_config") and hasattr(cls, "load_config"):
+        library, build_with = "diffusers", _diffusers_skeleton
+    else:
+        raise CheckpointError(
+            f"{cls.__module__}.{cls.__name__} is neither a diffusers nor a transformers model: "
+            f"memmode cannot build it from {folder}"
+        )
+    with _library_errors(component, cls, library, "build it from its config without weights"):
+        return build_with(cls, folder, torch_dtype)
+
+
+def complete(skeleton: Skeleton, component: str) -> None:
+    """What the library's ``from_pretrained`` does to a model after its weights are loaded, done once the
+    skeleton's weights are bound: kernelizing it where the meta build could not (see the module docstring)."""
+    if not skeleton.kernelize_when_bound:
+        return
+    cls = type(skeleton.module)
+    with _library_errors(component, cls, skeleton.library, "hand it to the hub kernels, as from_pretrained does"):
+        # the call from_pretrained makes (no kernel config, the mode from the model, the device it is on: the CPU)
+        skeleton.module.set_use_kernels(True)
+
+
+def library_version(library: str) -> str:
+    try:
+        return metadata.version(library)
+    except metadata.PackageNotFoundError:
+        return getattr(importlib.import_module(library), "__version__", "of unknown version")
+
+
+@contextlib.contextmanager
+def _library_errors(component: str, cls: type, library: str, doing: str) -> Iterator[None]:
+    """A library's own exception while building ``component`` becomes a :class:`ModelBuildError` that names
+    the component, the class and the library's version (what changed under memmode)."""
+    try:
+        yield
+    except MemmodeError:
+        raise
+    except Exception as exc:
+        version = library_version(library)
+        raise ModelBuildError(
+            f"{component} ({cls.__module__}.{cls.__name__}): {library} {version} could not {doing}: "
+            f"{type(exc).__name__}: {exc}. memmode.load builds each model on the meta device before reading a "
+            f"byte of it, and this release of {library} refuses that; loading with {library}'s from_pretrained "
+            f"and then memmode.apply still works (it needs the whole model in memory once). Please report it "
+            f"with this message.",
+            component=component,
+            library=library,
+            library_version=version,
+        ) from exc
 
 
 def _is_transformers(cls: type) -> bool:
@@ -165,7 +219,7 @@ def _transformers_skeleton(cls: type, folder: Path, torch_dtype: torch.dtype | N
         kwargs = {"device_map": "meta"}
         if torch_dtype is not None:
             kwargs["dtype"] = torch_dtype  # "auto" too: transformers' own rule (the config's dtype, else the weights')
-        module = cls.from_pretrained(folder, **kwargs)
+        module, kernelize_when_bound = _transformers_on_meta(cls, folder, kwargs)
         meta_buffers = [name for name, b in module.named_buffers() if b.is_meta]
         if meta_buffers:  # built for real once more, parameters on meta: the buffers __init__ computes
             with parameters_on_meta():
@@ -183,7 +237,23 @@ def _transformers_skeleton(cls: type, folder: Path, torch_dtype: torch.dtype | N
         transformers.logging.set_verbosity(quiet)
     module.eval()
     dtypes = {key: t.dtype for key, t in module.state_dict(keep_vars=True).items() if t.is_floating_point()}
-    return Skeleton(module, "transformers", dtypes)
+    return Skeleton(module, "transformers", dtypes, kernelize_when_bound)
+
+
+def _transformers_on_meta(cls: type, folder: Path, kwargs: dict) -> tuple[nn.Module, bool]:
+    """``cls.from_pretrained`` on the meta device, as the library does it by default; and whether the model
+    must be kernelized once bound.
+
+    transformers 5.25 kernelizes every model it loads unless ``USE_HUB_KERNELS`` says no, and the kernels
+    library refuses a model on the meta device. Asking the library as it is, first, keeps its own choice (an
+    environment that turned kernels off, a release that does not kernelize); where that build fails and one
+    with ``use_kernels=False`` succeeds, kernelizing is what failed, and it is done after binding instead."""
+    try:
+        return cls.from_pretrained(folder, **kwargs), False
+    except Exception:
+        if not hasattr(cls, "set_use_kernels"):  # a release without hub kernels: the failure is something else
+            raise
+    return cls.from_pretrained(folder, use_kernels=False, **kwargs), True
 
 
 def pipeline_index(folder: Path) -> dict[str, Any]:
