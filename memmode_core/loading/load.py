@@ -38,13 +38,12 @@ from memmode_core.files.made_once import MadeOnce
 from memmode_core.files.streamed import check_room, staging_folder
 from memmode_core.handle import Handle
 from memmode_core.loading.binding import Binding, bind, binding_for
+from memmode_core.loading.dtypes import one_dtype, pipeline_dtype_keyword, resolve_dtype
 from memmode_core.loading.skeleton import (
     Skeleton,
     build,
     complete,
-    is_transformers_class,
     is_weight_module_class,
-    library_version,
     model_class,
     pipeline_index,
 )
@@ -272,7 +271,7 @@ def _component_loads(folder: Path, index: dict | None, torch_dtype, variant, plu
     loads = []
     for name, sub, cls in entries:
         checkpoint = Checkpoint.open(sub, variant=variant)
-        dtype = _resolve_dtype(torch_dtype, cls, checkpoint, name)
+        dtype = resolve_dtype(torch_dtype, cls, checkpoint, name)
         skeleton = build(cls, sub, dtype, name)
         item = ComponentLoad(name, sub, skeleton, checkpoint, torch_dtype=dtype)
         fmt = saved.saved_format(checkpoint.metadata)
@@ -295,46 +294,6 @@ def _component_loads(folder: Path, index: dict | None, torch_dtype, variant, plu
             item.binding = binding_for(skeleton, checkpoint, where=str(sub))
         loads.append(item)
     return loads
-
-
-def one_dtype(torch_dtype, dtype):
-    """The dtype asked for by either name (``dtype``, diffusers' current keyword, or ``torch_dtype``, with its
-    default ``"auto"``), checked; both given is an error, as it is in diffusers."""
-    if dtype is not None:
-        if torch_dtype != "auto":
-            raise InvalidOptionError(
-                f"dtype={dtype!r} and torch_dtype={torch_dtype!r} are one argument under two names: give one "
-                f"(dtype, the name diffusers now uses)"
-            )
-        torch_dtype, name = dtype, "dtype"
-    else:
-        name = "torch_dtype"
-    if torch_dtype == "auto" or torch_dtype is None:
-        return torch_dtype
-    if not (isinstance(torch_dtype, torch.dtype) and torch_dtype.is_floating_point):
-        raise InvalidOptionError(
-            f"{name}={torch_dtype!r} must be 'auto' (each model in its checkpoint's dtype), a floating "
-            f"torch.dtype, or None (diffusers' default: float32)"
-        )
-    return torch_dtype
-
-
-def _resolve_dtype(torch_dtype, cls: type, checkpoint: Checkpoint, name: str):
-    """``"auto"``: the dtype most of the component's checkpoint bytes are in, so that nothing is converted
-    (a bfloat16 checkpoint built in diffusers' default float32 converts every tensor, twice its size, into a
-    staging file). Transformers applies its own ``"auto"`` (the config's dtype, else the weights')."""
-    if torch_dtype != "auto":
-        return torch_dtype
-    if is_transformers_class(cls):
-        return "auto"
-    dtype = checkpoint.floating_dtype(tuple(getattr(cls, "_keep_in_fp32_modules", None) or ()))
-    if dtype is not None:
-        logger.info(
-            "memmode: %s is loaded in %s, its checkpoint's dtype (torch_dtype='auto')",
-            name,
-            str(dtype).removeprefix("torch."),
-        )
-    return dtype
 
 
 def _needs_library_loader(skeleton: Skeleton, checkpoint: Checkpoint) -> bool:
@@ -442,14 +401,6 @@ def _assemble(folder: Path, index: dict | None, loads: list[ComponentLoad], torc
     # diffusers 0.42 knows
     kwargs = {pipeline_dtype_keyword(): torch_dtype} if isinstance(torch_dtype, torch.dtype) else {}
     return pipeline_cls.from_pretrained(folder, **built, **kwargs)
-
-
-def pipeline_dtype_keyword() -> str:
-    """The name a pipeline's ``from_pretrained`` takes its dtype by: ``dtype`` from diffusers 0.40 on, where
-    ``torch_dtype`` warns that it is deprecated; ``torch_dtype`` before."""
-    from packaging.version import Version
-
-    return "dtype" if Version(library_version("diffusers")) >= Version("0.40") else "torch_dtype"
 
 
 def skeleton(
