@@ -58,6 +58,7 @@ from memmode_core.contracts.errors import (
     ModelBuildError,
     OffloadedWeightReadError,
     OffloadedWeightWriteError,
+    PluginKitError,
     PluginLoadError,
     PluginNotInstalledError,
     QuantizedWeightWriteError,
@@ -75,10 +76,10 @@ from memmode_core.contracts.quantizer import Quantizer
 from memmode_core.contracts.resolver import Budgets, Resolver
 from memmode_core.contracts.storage import Storage, StorageSession, Tensors, is_placeholder, placeholder
 from memmode_core.contracts.targets import Target
+from memmode_core.contracts.versions import CORE_VERSION as __version__
 from memmode_core.discovery.grammar import Mode, parse_mode
 from memmode_core.discovery.plugins import list_plugins
 from memmode_core.discovery.registrations import PluginInfo
-from memmode_core.discovery.sources import CORE_VERSION as __version__
 from memmode_core.discovery.sources import temporary_plugin
 from memmode_core.engine.hooks import hooks_of
 from memmode_core.engine.ledger import Report
@@ -139,6 +140,7 @@ __all__ = [
     "UnknownModeError",
     "PluginNotInstalledError",
     "PluginLoadError",
+    "PluginKitError",
     "IncompatibleModeError",
     "StagingError",
     "StorageUnavailableError",

@@ -6,6 +6,13 @@ storage can do what ``disk`` does with the same parts. What is exported here is 
 or stays importable as a deprecated alias that says what replaced it, for at least one release. Where each
 name is explained: docs/writing-a-plugin.md.
 
+The kit has a version of its own, :data:`KIT_VERSION` (``MAJOR.MINOR``: a minor adds, a major removes; see
+docs/versioning.md). A plugin states the one it was built for as ``MEMMODE_KIT = "1.0"`` in its entry-point
+module; a plugin built for a kit this core does not provide is refused, with a
+:class:`~memmode_core.PluginKitError` naming both versions, before any of its hooks run.
+
+- versions: :data:`KIT_VERSION`, the kit this memmode-core provides;
+
 - registering: :func:`hookimpl` (the three hooks take a ``register`` callback), :func:`temporary_plugin`
   for tests;
 - options: :class:`Option`, :class:`Options`, :func:`option` and the checks the built-in plugins use
@@ -55,6 +62,7 @@ from memmode_core.contracts.quantizer import DEFAULT_EXCLUDE, Quantizer
 from memmode_core.contracts.resolver import Budgets, Resolver
 from memmode_core.contracts.storage import Storage, StorageSession, Tensors, host_copy, is_placeholder, placeholder
 from memmode_core.contracts.targets import Target
+from memmode_core.contracts.versions import KIT_VERSION
 from memmode_core.discovery.sources import temporary_plugin
 from memmode_core.engine.streams import Streams
 from memmode_core.engine.streams import active as active_streams
@@ -69,6 +77,8 @@ from memmode_core.planning.request import Request
 from memmode_core.quantization import QuantizationSummary, check_components, quantize_component
 
 __all__ = [
+    # versions
+    "KIT_VERSION",
     # registering
     "hookimpl",
     "temporary_plugin",

@@ -15,10 +15,18 @@ import memmode_core as memmode
 from fake_plugins import PoisonPlugin
 from helpers import assert_same_tensors, state_of
 from memmode_core import hookimpl
-from memmode_core.contracts.errors import DuplicatePluginError, InvalidOptionError, PluginLoadError, UnknownModeError
+from memmode_core.contracts.errors import (
+    DuplicatePluginError,
+    InvalidOptionError,
+    PluginKitError,
+    PluginLoadError,
+    UnknownModeError,
+)
 from memmode_core.contracts.storage import Storage
+from memmode_core.contracts.versions import kit_provides, parse_kit
 from memmode_core.discovery import plugins
 from memmode_core.discovery.disabling import AUTOLOAD_ENV, DISABLE_ENV
+from memmode_core.plugin import KIT_VERSION
 
 # -- fake distributions, as pytest's own tests fake them ------------------------------------------
 
@@ -36,10 +44,11 @@ class FakeEntryPoint:
 
 
 class FakeDistribution:
-    def __init__(self, name: str, version: str, entry_points):
+    def __init__(self, name: str, version: str, entry_points, requires: list[str] | None = None):
         self.metadata = {"Name": name}
         self.version = version
         self.entry_points = list(entry_points)
+        self.requires = requires
 
 
 def storage_plugin(*names: str, description: str = "fake"):
@@ -296,6 +305,97 @@ def test_a_broken_plugins_row_says_what_it_would_have_provided(installed):
     broken = row("halfbroken")
     assert not broken.available and "no GPU kernels" in broken.reason
     assert "would provide: quantizer" in broken.description
+
+
+# -- the plugin kit a plugin was built for -------------------------------------------------------------
+
+
+def kit_plugin(built_for, *names: str):
+    """A plugin module registering fake storages, stating the kit it was built for (None: stating none)."""
+    module = storage_plugin(*names)
+    if built_for is not None:
+        module.MEMMODE_KIT = built_for
+    return module
+
+
+def test_kit_versions_compare_by_major_and_minor():
+    assert kit_provides("1.0", "1.0") and kit_provides("1.0", "1.3") and kit_provides("1.3", "1.3")
+    assert not kit_provides("1.4", "1.3") and not kit_provides("2.0", "1.3") and not kit_provides("0.9", "1.0")
+    for bad in ("1", "1.x", "v1.0", 1.0, None):
+        with pytest.raises(ValueError, match="MAJOR.MINOR"):
+            parse_kit(bad)
+
+
+@pytest.mark.parametrize("built_for, advice", [("2.0", "upgrade memmode-core"), ("0.9", "built for kit 1.0")])
+def test_a_plugin_built_for_a_kit_core_does_not_provide_is_refused_naming_both_versions(installed, built_for, advice):
+    ep = FakeEntryPoint("otherkit", kit_plugin(built_for, "otherkitstore"))
+    installed(
+        FakeDistribution("memmode-otherkit", "3.1", [ep]),
+        FakeDistribution(
+            "memmode-kitok",
+            "1.0",
+            [
+                FakeEntryPoint("kitok", kit_plugin(KIT_VERSION, "kitokstore")),
+                FakeEntryPoint("unstated", kit_plugin(None, "unstatedstore")),
+            ],
+        ),
+    )
+    assert row("kitokstore").available and row("unstatedstore").available, "the same kit, or none stated (1.0)"
+    refused = row("otherkit")
+    assert (refused.kind, refused.distribution, refused.available) == ("plugin", "memmode-otherkit", False)
+    assert not [r for r in rows() if r.name == "otherkitstore"], "none of its hooks ran"
+    expected = [f"plugin kit {built_for}", f"memmode-core {memmode.__version__} (plugin kit {KIT_VERSION})", advice]
+    assert all(part in refused.reason for part in expected), refused.reason
+    with pytest.raises(PluginKitError, match="memmode-otherkit") as raised:
+        memmode.apply(torch.nn.Linear(2, 2), "model_cpu_offload", device="cpu", storage="otherkitstore")
+    assert isinstance(raised.value, PluginLoadError)
+    assert all(part in str(raised.value) for part in expected), raised.value
+
+
+def test_a_first_party_plugin_built_for_another_kit_is_named_when_its_mode_is_used(installed):
+    module = types.ModuleType("memmode_qfloat8_next")
+    module.MEMMODE_KIT = "2.0"
+    installed(FakeDistribution("memmode-qfloat8", "0.9", [FakeEntryPoint("memmode_qfloat8", module)]))
+    with pytest.raises(PluginKitError, match=r"memmode-qfloat8 0\.9.*plugin kit 2\.0.*plugin kit 1\.0"):
+        memmode.apply(torch.nn.Linear(2, 2), "model_full_load_and_qfloat8", device="cpu")
+
+
+def test_an_in_process_plugin_is_checked_too():
+    with memmode.temporary_plugin(kit_plugin("1.1", "newerstore"), name="newer", distribution="memmode-newer"):
+        refused = row("newer")
+        assert not refused.available and "plugin kit 1.1" in refused.reason
+        with memmode.temporary_plugin(kit_plugin("one", "oddstore"), name="odd"):
+            assert "'one' is not a kit version" in row("odd").reason
+
+
+def test_a_distribution_requiring_another_core_is_refused_before_it_is_imported(installed):
+    ep = FakeEntryPoint("later", kit_plugin("1.0", "laterstore"))
+    extra = FakeEntryPoint("extras", kit_plugin("1.0", "extrasstore"))
+    installed(
+        FakeDistribution("memmode-later", "5.0", [ep], requires=["torch>=2.4", "memmode-core<0.9,>=0.5"]),
+        FakeDistribution("memmode-extras", "1.0", [extra], requires=['memmode-core>=9; extra == "dev"']),
+    )
+    assert row("extrasstore").available, "a requirement under an extra is the user's choice"
+    refused = row("later")
+    assert ep.loaded == 0, "not imported"
+    assert "memmode-core<0.9,>=0.5" in refused.reason and f"memmode-core {memmode.__version__}" in refused.reason
+    with pytest.raises(PluginKitError, match=r"memmode-later 5\.0.*requires memmode-core<0\.9,>=0\.5"):
+        memmode.apply(torch.nn.Linear(2, 2), "model_cpu_offload", device="cpu", storage="laterstore")
+
+
+def test_a_plugin_importing_what_the_kit_does_not_have_is_a_kit_error(installed):
+    """The ImportError a plugin built for a later kit raises deep inside its import becomes a kit refusal; an
+    import of something else that is missing stays the plugin's own failure."""
+    later = FakeEntryPoint(
+        "later",
+        error=ImportError("cannot import name 'NewThing' from 'memmode_core.plugin'", name="memmode_core.plugin"),
+    )
+    other = FakeEntryPoint("other", error=ModuleNotFoundError("No module named 'zstd'", name="zstd"))
+    installed(FakeDistribution("memmode-later", "2.0", [later]), FakeDistribution("memmode-other", "1.0", [other]))
+    assert "built for another plugin kit" in row("later").reason and "NewThing" in row("later").reason
+    assert "built for another plugin kit" not in row("other").reason
+    with pytest.raises(PluginKitError, match="NewThing"):
+        memmode.apply(torch.nn.Linear(2, 2), "model_cpu_offload", device="cpu", storage="whatever")
 
 
 # -- environment variables -----------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from memmode_core.contracts.options import (
 )
 from memmode_core.contracts.placement import Placement
 from memmode_core.contracts.targets import Target, is_fsdp_wrapped
+from memmode_core.contracts.versions import KIT_VERSION
 from memmode_core.engine.streams import active
 
 TEXT_ENCODER_PREFIX = "text_encoder"
@@ -206,6 +207,10 @@ class TextEncoderOffload(Placement):
 
 
 PLACEMENTS = (ModelFullLoad, ModelCpuOffload, ModelGroupOffload, SequentialCpuOffload, TextEncoderOffload)
+
+
+#: a built-in plugin is built for the kit of its own core
+MEMMODE_KIT = KIT_VERSION
 
 
 @hookimpl

@@ -13,6 +13,7 @@ from memmode_core.contracts.costs import StorageCost, copying_cost
 from memmode_core.contracts.hookspecs import hookimpl
 from memmode_core.contracts.options import Options
 from memmode_core.contracts.storage import Storage, StorageSession, Tensors, host_copy
+from memmode_core.contracts.versions import KIT_VERSION
 from memmode_core.engine.streams import active
 
 
@@ -62,6 +63,10 @@ class RamStorage(Storage):
 
     def cost(self, device: torch.device) -> StorageCost:
         return copying_cost("pageable", device, pageable=1.0, zero_copy_on_cpu=True)
+
+
+#: a built-in plugin is built for the kit of its own core
+MEMMODE_KIT = KIT_VERSION
 
 
 @hookimpl

@@ -25,6 +25,12 @@ class PluginLoadError(UnknownModeError):
     """A name that could come from a plugin which failed to import or to register."""
 
 
+class PluginKitError(PluginLoadError):
+    """A plugin built for a plugin kit this memmode-core does not provide (``memmode_core.plugin.KIT_VERSION``):
+    refused before any of its hooks ran. The message names the plugin, the kit it was built for (or the
+    memmode-core releases it requires) and the kit and memmode-core version installed, and what to upgrade."""
+
+
 class IncompatibleModeError(MemmodeError):
     """A mode that cannot be honoured on this target as it is (compiled, sharded, already quantized...)."""
 

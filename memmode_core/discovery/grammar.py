@@ -15,6 +15,7 @@ import torch
 
 from memmode_core.contracts.errors import (
     IncompatibleModeError,
+    PluginKitError,
     PluginLoadError,
     PluginNotInstalledError,
     StorageUnavailableError,
@@ -120,8 +121,10 @@ def lookup(plugins: PluginSet, kind: str, name: str, *, mode: str | None) -> Reg
     if distribution is not None:
         failed = [f for f in plugins.failures if normalize(f.distribution) == normalize(distribution)]
         if failed:
-            raise PluginLoadError(
-                f"{subject} comes from {distribution}, which is installed but failed to load: {failed[0].error}"
+            error = PluginKitError if failed[0].wrong_kit else PluginLoadError
+            raise error(
+                f"{subject} comes from {distribution} {failed[0].version or ''}, which is installed but failed "
+                f"to load: {failed[0].error}".replace("  ", " ")
             )
         if (
             any(
@@ -151,8 +154,11 @@ def lookup(plugins: PluginSet, kind: str, name: str, *, mode: str | None) -> Reg
     if suggestion:
         message += f" Did you mean {suggestion!r}?"
     if plugins.failures:
-        broken = "; ".join(f"{f.distribution} ({f.error})" for f in plugins.failures)
-        raise PluginLoadError(f"{message} Plugins that failed to load, and may provide it: {broken}")
+        broken = "; ".join(
+            f"{f.distribution} {f.version or ''} ({f.error})".replace("  ", " ") for f in plugins.failures
+        )
+        error = PluginKitError if any(f.wrong_kit for f in plugins.failures) else PluginLoadError
+        raise error(f"{message} Plugins that failed to load, and may provide it: {broken}")
     raise UnknownModeError(message)
 
 

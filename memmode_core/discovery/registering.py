@@ -23,8 +23,10 @@ from memmode_core.contracts.placement import Placement
 from memmode_core.contracts.quantizer import Quantizer
 from memmode_core.contracts.resolver import Resolver
 from memmode_core.contracts.storage import Storage
+from memmode_core.discovery.compatibility import declared_refusal
 from memmode_core.discovery.disabling import DISABLE_ENV, registration_disabled
 from memmode_core.discovery.registrations import PluginFailure, PluginSet, PluginSource, Registration
+from memmode_core.discovery.sources import core_version
 
 #: what each kind's register() takes; the placement slot of a mode also takes resolvers (``auto``)
 _BASES = {"placement": (Placement, Resolver), "quantizer": (Quantizer,), "storage": (Storage,)}
@@ -38,8 +40,15 @@ def new_manager() -> pluggy.PluginManager:
     return manager
 
 
-def register_one(manager: pluggy.PluginManager, source: PluginSource, result: PluginSet) -> list[Registration]:
-    """Register one plugin and call its hooks; on any failure, record it and keep nothing of it."""
+def register_one(
+    manager: pluggy.PluginManager, source: PluginSource, result: PluginSet, core_version: str
+) -> list[Registration]:
+    """Register one plugin and call its hooks; on any failure, record it and keep nothing of it. A plugin built
+    for a plugin kit this core (``core_version``) does not provide is refused before its hooks are called."""
+    refused = declared_refusal(source.obj, core_version)
+    if refused is not None:
+        result.failures.append(PluginFailure.wrong_kit_of(source, refused, _kinds_of(source.obj)))
+        return []
     plugin_name = source.name
     if manager.has_plugin(plugin_name):
         plugin_name = f"{source.name}@{source.distribution}"
@@ -112,7 +121,10 @@ def provided_by(source: PluginSource) -> list[tuple[str, str]]:
         return [
             (r.kind, r.name)
             for r in register_one(
-                new_manager(), PluginSource(source.name, obj, source.distribution, source.version), scratch
+                new_manager(),
+                PluginSource(source.name, obj, source.distribution, source.version),
+                scratch,
+                core_version(),
             )
         ]
     except Exception:  # noqa: BLE001 - a broken disabled plugin simply provides nothing we can name

@@ -50,6 +50,8 @@ class PluginFailure:
     error: str
     #: the kinds its hooks would have registered, when it got as far as having hooks
     kinds: tuple[str, ...] = ()
+    #: it was built for a plugin kit this memmode-core does not provide (``error`` says which)
+    wrong_kit: bool = False
 
     @classmethod
     def of(cls, source: PluginSource, what: str, exc: BaseException, kinds: tuple[str, ...] = ()) -> PluginFailure:
@@ -59,6 +61,11 @@ class PluginFailure:
         return cls(
             source.name, source.distribution, source.version, f"{what}: {type(exc).__name__}: {exc}{location}", kinds
         )
+
+    @classmethod
+    def wrong_kit_of(cls, source: PluginSource, why: str, kinds: tuple[str, ...] = ()) -> PluginFailure:
+        """``source`` refused because it was built for another plugin kit: ``why`` names both versions."""
+        return cls(source.name, source.distribution, source.version, f"refused: {why}", kinds, wrong_kit=True)
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,8 @@ class PluginSource:
     version: str | None
     #: how to load ``obj`` when it was not loaded (a disabled entry point)
     load: Any = None
+    #: its distribution's requirements (``Requires-Dist``), for an installed plugin
+    requires: tuple[str, ...] = ()
 
 
 @dataclass

@@ -16,20 +16,21 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
+from memmode_core.contracts.versions import CORE_VERSION
+from memmode_core.discovery.compatibility import import_refusal, requirement_refusal
 from memmode_core.discovery.disabling import autoload_enabled, disabled_names
 from memmode_core.discovery.first_party import CORE
 from memmode_core.discovery.registrations import PluginFailure, PluginSet, PluginSource, normalize
 
 ENTRY_POINT_GROUP = "memmode"
-#: this source tree's version (``memmode_core.__version__``; pyproject.toml says the same)
-CORE_VERSION = "0.1.0"
 
 
 def gather(result: PluginSet) -> list[PluginSource]:
     """The plugins to register, in order: the built-ins, the entry points, the in-process plugins.
 
     Those ``MEMMODE_DISABLE_PLUGINS`` names go to ``result.disabled`` instead (an entry point unloaded), and
-    an entry point that fails to import goes to ``result.failures``: it takes no other plugin down."""
+    an entry point that fails to import goes to ``result.failures``: it takes no other plugin down; so does one
+    whose distribution requires another memmode-core, before it is imported (:mod:`.compatibility`)."""
     disabled = disabled_names()
 
     def is_disabled(source_name: str, distribution: str) -> bool:
@@ -39,17 +40,27 @@ def gather(result: PluginSet) -> list[PluginSource]:
     for source in builtin_sources():
         (result.disabled if is_disabled(source.name, source.distribution) else sources).append(source)
     if autoload_enabled():
+        core = core_version()
         for ep in _entry_points():
-            placeholder = PluginSource(ep.name, None, ep.distribution, ep.version, ep.entry_point.load)
+            placeholder = PluginSource(ep.name, None, ep.distribution, ep.version, ep.entry_point.load, ep.requires)
             if is_disabled(ep.name, ep.distribution):
                 result.disabled.append(placeholder)
+                continue
+            refused = requirement_refusal(list(ep.requires), core)
+            if refused is not None:
+                result.failures.append(PluginFailure.wrong_kit_of(placeholder, refused))
                 continue
             try:
                 obj = ep.entry_point.load()
             except Exception as exc:
-                result.failures.append(PluginFailure.of(placeholder, "failed to import", exc))
+                refused = import_refusal(exc, core)
+                result.failures.append(
+                    PluginFailure.of(placeholder, "failed to import", exc)
+                    if refused is None
+                    else PluginFailure.wrong_kit_of(placeholder, refused)
+                )
                 continue
-            sources.append(PluginSource(ep.name, obj, ep.distribution, ep.version))
+            sources.append(PluginSource(ep.name, obj, ep.distribution, ep.version, requires=ep.requires))
     for source in temporary_sources():
         (result.disabled if is_disabled(source.name, source.distribution) else sources).append(source)
     return sources
@@ -90,6 +101,7 @@ class _EntryPoint:
     distribution: str
     version: str | None
     entry_point: Any
+    requires: tuple[str, ...] = ()
 
 
 def _entry_points() -> list[_EntryPoint]:
@@ -110,7 +122,8 @@ def _entry_points() -> list[_EntryPoint]:
         ours = [ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
         if ours:
             dist_name = dist.metadata["Name"] or "<unnamed>"
-            found.extend(_EntryPoint(ep.name, dist_name, dist.version, ep) for ep in ours)
+            requires = tuple(getattr(dist, "requires", None) or ())
+            found.extend(_EntryPoint(ep.name, dist_name, dist.version, ep, requires) for ep in ours)
     return found
 
 

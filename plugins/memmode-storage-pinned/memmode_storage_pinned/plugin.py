@@ -6,6 +6,9 @@ from memmode_core.plugin import hookimpl
 
 from .storage import PinnedStorage
 
+#: the plugin kit this plugin is built for (memmode_core.plugin.KIT_VERSION; docs/versioning.md)
+MEMMODE_KIT = "1.0"
+
 
 @hookimpl
 def memmode_register_storages(register):
