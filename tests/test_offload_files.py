@@ -703,3 +703,35 @@ def test_a_shared_folder_its_last_user_removes_while_another_opens_it_is_made_ag
     assert removed and shared.is_dir() and list(shared.glob(".memmode-*.lease"))
     folder.close()
     assert not shared.exists(), "the last user removes the shared folder"
+
+
+@pytest.mark.parametrize("when", ["inside mkdir", "after mkdir"])
+def test_a_shared_folder_removed_while_mkdir_finds_it_is_made_again(tmp_path, monkeypatch, when):
+    """The same race one step earlier: ``mkdir(exist_ok=True)`` meets the folder (EEXIST), its last user removes
+    it, and mkdir's own check that it is a folder fails with ``FileExistsError``; or it goes between mkdir and
+    the open of the folder. Either way the rank makes the folder again (one of four FSDP2 ranks failed with
+    "cannot use ... as offload folder: [Errno 17] File exists" under load)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    real_mkdir, real_open, raced = Path.mkdir, os.open, []
+
+    def mkdir_racing(self, *args, **kwargs):
+        if self == shared and not raced and when == "inside mkdir":
+            raced.append(True)
+            os.rmdir(shared)  # removed after mkdir found it there, before mkdir checked it is a folder
+            raise FileExistsError(17, "File exists", str(shared))
+        return real_mkdir(self, *args, **kwargs)
+
+    def open_racing(path, flags, *args):
+        if Path(path) == shared and not raced and when == "after mkdir":
+            raced.append(True)
+            os.rmdir(shared)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir_racing)
+    monkeypatch.setattr(offload_folder.os, "open", open_racing)
+    folder = offload_folder.OffloadFolder(shared, keep_files=False, remove_when_empty=True)
+    folder.open()
+    assert raced and shared.is_dir() and list(shared.glob(".memmode-*.lease"))
+    folder.close()
+    assert not shared.exists()

@@ -71,8 +71,13 @@ class OffloadFolder:
             self._cleanup.folder_fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
             return
         for _ in range(_OPEN_ATTEMPTS):
-            self.path.mkdir(parents=True, exist_ok=True)
-            self._cleanup.folder_fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+                self._cleanup.folder_fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            except (FileExistsError, FileNotFoundError):
+                # its last user removed it between mkdir's "exists" and mkdir's own check that it is a folder
+                # (FileExistsError), or between mkdir and open (FileNotFoundError): make it again
+                continue
             with self.locked():  # a scan (lock held) never meets a lease being created
                 if self._still_there():
                     self._cleanup.lease = _Lease.create(self.path, keep=self._cleanup.keep_files)
