@@ -69,10 +69,12 @@ def pipeline_source(args: argparse.Namespace):
 
     from diffusers import DiffusionPipeline
 
+    from memmode_core.loading.dtypes import pipeline_dtype_keyword
+
     dtype = torch_dtype(args.dtype)
 
     def load():
-        kwargs = {"torch_dtype": dtype} if dtype is not None else {}
+        kwargs = {pipeline_dtype_keyword(): dtype} if dtype is not None else {}
         pipe = DiffusionPipeline.from_pretrained(args.model, local_files_only=True, **kwargs)
         pipe.set_progress_bar_config(disable=True)
         return pipe
