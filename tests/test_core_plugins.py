@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import re
 import subprocess
@@ -25,6 +26,7 @@ from memmode_core.contracts.errors import (
 from memmode_core.contracts.storage import Storage
 from memmode_core.contracts.versions import kit_provides, parse_kit
 from memmode_core.discovery import plugins
+from memmode_core.discovery.compatibility import requirement_refusal
 from memmode_core.discovery.disabling import AUTOLOAD_ENV, DISABLE_ENV
 from memmode_core.plugin import KIT_VERSION
 
@@ -316,6 +318,29 @@ def kit_plugin(built_for, *names: str):
     if built_for is not None:
         module.MEMMODE_KIT = built_for
     return module
+
+
+@pytest.mark.parametrize(
+    "distribution, package",
+    [
+        ("memmode-core", "memmode_core"),
+        ("memmode-qfloat8", "memmode_qfloat8"),
+        ("memmode-qfloat4", "memmode_qfloat4"),
+        ("memmode-storage-pinned", "memmode_storage_pinned"),
+        ("memmode-storage-disk", "memmode_storage_disk"),
+        ("memmode-storage-mmap", "memmode_storage_mmap"),
+    ],
+)
+def test_each_distribution_has_one_version_and_states_its_kit(distribution, package):
+    """The version written once in the package is the one its installed metadata says (pyproject.toml reads it),
+    and every first-party plugin states the kit this core provides and requires the cores that provide it."""
+    module = importlib.import_module(package)
+    assert module.__version__ == importlib.metadata.version(distribution)
+    if distribution == "memmode-core":
+        return
+    assert importlib.import_module(f"{package}.plugin").MEMMODE_KIT == KIT_VERSION
+    (core,) = [r for r in importlib.metadata.requires(distribution) if r.startswith("memmode-core")]
+    assert requirement_refusal([core], memmode.__version__) is None
 
 
 def test_kit_versions_compare_by_major_and_minor():
