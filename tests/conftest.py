@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import gc
 import importlib.metadata
+import os
 import sys
 import tempfile
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,31 @@ from memmode_core.discovery.disabling import AUTOLOAD_ENV, DISABLE_ENV
 from memmode_core.engine.streams import installed
 from memmode_core.testing import StrictStreams
 from tiny_pipelines import FAMILIES
+
+
+def pytest_configure(config):
+    """The newest-dependencies lane (``.ci/distributions.py newest``) runs the suite against the installed wheels:
+    there, memmode and its plugins must come from the virtual environment, never from this checkout."""
+    if os.environ.get("MEMMODE_TEST_FROM_WHEELS") != "1":
+        return
+    import memmode_qfloat4
+    import memmode_qfloat8
+    import memmode_storage_disk
+    import memmode_storage_mmap
+    import memmode_storage_pinned
+
+    checkout = Path(__file__).resolve().parent.parent
+    for module in (
+        memmode,
+        memmode_qfloat8,
+        memmode_qfloat4,
+        memmode_storage_pinned,
+        memmode_storage_disk,
+        memmode_storage_mmap,
+    ):
+        where = Path(module.__file__).resolve()
+        assert checkout not in where.parents, f"{module.__name__} comes from the checkout ({where}), not a wheel"
+
 
 # The suite's pipelines are tiny: one thread runs them fastest, and two threads fighting over two
 # busy cores make each call tens of times slower.
