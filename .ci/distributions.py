@@ -108,6 +108,11 @@ def build(out: Path) -> None:
     say(f"built and checked {len(files)} files (twine check --strict, metadata, sdists): {out}")
 
 
+def name_of(folder: Path) -> str:
+    """The distribution's name, as its pyproject.toml gives it."""
+    return tomllib.loads((folder / "pyproject.toml").read_text())["project"]["name"]
+
+
 def source_version(folder: Path, name: str) -> str:
     relative, variable = VERSION_SOURCES.get(name, (f"{name.replace('-', '_')}/__init__.py", "__version__"))
     found = re.search(rf'^{variable} = "([^"]+)"$', (folder / relative).read_text(), re.MULTILINE)
@@ -118,8 +123,7 @@ def source_version(folder: Path, name: str) -> str:
 
 def check_distribution(folder: Path, out: Path) -> list[str]:
     """What is missing from one distribution's wheel and sdist, as messages (empty: ready)."""
-    project = tomllib.loads((folder / "pyproject.toml").read_text())["project"]
-    name = project["name"]
+    name = name_of(folder)
     stem = f"{name.replace('-', '_')}-{source_version(folder, name)}"
     wheel, sdist = out / f"{stem}-py3-none-any.whl", out / f"{stem}.tar.gz"
     if not wheel.is_file() or not sdist.is_file():
@@ -169,7 +173,7 @@ def select(out: Path, release: Path) -> None:
     """The files the release publishes (see the module docstring), copied from ``out`` to ``release``."""
     versions = {}
     for folder in DISTRIBUTIONS:
-        name = tomllib.loads((folder / "pyproject.toml").read_text())["project"]["name"]
+        name = name_of(folder)
         versions[name] = source_version(folder, name)
     if os.environ.get("REF_TYPE") == "tag":
         tag = os.environ["REF_NAME"]
@@ -217,7 +221,7 @@ def install(out: Path, venv: Path) -> Path:
     python = venv / "bin" / "python"
     pip = [python, "-m", "pip", "--disable-pip-version-check", "install", "--quiet", "--no-compile"]
     run(*pip, pinned("torch=="), capture=True)  # the CPU build, from wherever pip is configured to find it
-    names = [tomllib.loads((folder / "pyproject.toml").read_text())["project"]["name"] for folder in DISTRIBUTIONS]
+    names = [name_of(folder) for folder in DISTRIBUTIONS]
     versions = [f"{n}=={source_version(f, n)}" for n, f in zip(names, DISTRIBUTIONS)]
     report = venv / "install-report.json"
     index = local_index(out)

@@ -11,6 +11,9 @@ refused before any of its hooks run (``memmode list`` shows why; using one of it
    built for a later kit, or for one from before a removal);
 3. once imported: the ``MEMMODE_KIT`` of its entry-point module names a kit this core does not provide. A
    plugin that states none was written before kit versions were: for kit 1.0, the first.
+
+This core's version is ``CORE_VERSION``, written once; the installed metadata is built from it, so no check
+reads the metadata again.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-from memmode_core.contracts.versions import KIT_ATTRIBUTE, KIT_VERSION, kit_provides, parse_kit
+from memmode_core.contracts.versions import CORE_VERSION, KIT_ATTRIBUTE, KIT_VERSION, kit_provides, parse_kit
 from memmode_core.discovery.first_party import CORE
 
 #: what a plugin that states no kit version was built for
@@ -30,7 +33,7 @@ def installed_core(core_version: str) -> str:
     return f"memmode-core {core_version} (plugin kit {KIT_VERSION})"
 
 
-def requirement_refusal(requires: list[str] | None, core_version: str) -> str | None:
+def requirement_refusal(requires: list[str] | None, core_version: str = CORE_VERSION) -> str | None:
     """Why a distribution whose requirements are ``requires`` (its ``Requires-Dist`` lines) cannot use this
     memmode-core, or ``None``. Requirements under an extra are the user's choice and are not read."""
     try:
@@ -55,7 +58,7 @@ def requirement_refusal(requires: list[str] | None, core_version: str) -> str | 
     return None
 
 
-def import_refusal(error: BaseException, core_version: str) -> str | None:
+def import_refusal(error: BaseException, core_version: str = CORE_VERSION) -> str | None:
     """Why an import that failed with ``error`` means the plugin was built for another kit (it imported from
     memmode_core what is not there), or ``None`` for any other failure."""
     if not isinstance(error, ImportError) or (error.name or "").partition(".")[0] != "memmode_core":
@@ -67,7 +70,7 @@ def import_refusal(error: BaseException, core_version: str) -> str | None:
     )
 
 
-def declared_refusal(plugin: object, core_version: str) -> str | None:
+def declared_refusal(plugin: object, core_version: str = CORE_VERSION) -> str | None:
     """Why the kit the plugin object states (``MEMMODE_KIT``) is not one this core provides, or ``None``."""
     built_for = getattr(plugin, KIT_ATTRIBUTE, FIRST_KIT)
     try:

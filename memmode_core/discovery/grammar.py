@@ -31,7 +31,7 @@ from memmode_core.discovery.disabling import (
 from memmode_core.discovery.first_party import ACCELERATOR_STORAGE, DEFAULT_STORAGE
 from memmode_core.discovery.first_party import DISTRIBUTIONS as FIRST_PARTY
 from memmode_core.discovery.registering import clash_error, provided_by
-from memmode_core.discovery.registrations import PluginSet, Registration, normalize
+from memmode_core.discovery.registrations import PluginFailure, PluginSet, Registration, normalize
 from memmode_core.engine.streams import active
 
 SEPARATOR = "_and_"
@@ -123,8 +123,7 @@ def lookup(plugins: PluginSet, kind: str, name: str, *, mode: str | None) -> Reg
         if failed:
             error = PluginKitError if failed[0].wrong_kit else PluginLoadError
             raise error(
-                f"{subject} comes from {distribution} {failed[0].version or ''}, which is installed but failed "
-                f"to load: {failed[0].error}".replace("  ", " ")
+                f"{subject} comes from {_named(failed[0])}, which is installed but failed to load: {failed[0].error}"
             )
         if (
             any(
@@ -154,12 +153,15 @@ def lookup(plugins: PluginSet, kind: str, name: str, *, mode: str | None) -> Reg
     if suggestion:
         message += f" Did you mean {suggestion!r}?"
     if plugins.failures:
-        broken = "; ".join(
-            f"{f.distribution} {f.version or ''} ({f.error})".replace("  ", " ") for f in plugins.failures
-        )
+        broken = "; ".join(f"{_named(f)} ({f.error})" for f in plugins.failures)
         error = PluginKitError if any(f.wrong_kit for f in plugins.failures) else PluginLoadError
         raise error(f"{message} Plugins that failed to load, and may provide it: {broken}")
     raise UnknownModeError(message)
+
+
+def _named(failure: PluginFailure) -> str:
+    """A failed plugin's distribution, and its version where known."""
+    return f"{failure.distribution} {failure.version}" if failure.version else failure.distribution
 
 
 def _closest(plugins: PluginSet, kind: str, name: str, mode: str | None) -> str | None:

@@ -18,16 +18,15 @@ from memmode_core.discovery import registering, registrations, sources
 from memmode_core.discovery.disabling import AUTOLOAD_ENV, DISABLE_ENV, registration_disabled
 from memmode_core.discovery.registering import add_registration, new_manager, register_one
 from memmode_core.discovery.registrations import KINDS, PluginInfo, PluginSet
-from memmode_core.discovery.sources import core_version, gather, temporary_sources
+from memmode_core.discovery.sources import gather, temporary_sources
 
 
 def discover() -> PluginSet:
     """One uncached discovery (see the module docstring)."""
     result = PluginSet()
     manager = new_manager()
-    core = core_version()
     for source in gather(result):
-        for reg in register_one(manager, source, result, core):
+        for reg in register_one(manager, source, result):
             add_registration(result, reg)
     return result
 

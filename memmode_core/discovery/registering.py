@@ -26,7 +26,6 @@ from memmode_core.contracts.storage import Storage
 from memmode_core.discovery.compatibility import declared_refusal
 from memmode_core.discovery.disabling import DISABLE_ENV, registration_disabled
 from memmode_core.discovery.registrations import PluginFailure, PluginSet, PluginSource, Registration
-from memmode_core.discovery.sources import core_version
 
 #: what each kind's register() takes; the placement slot of a mode also takes resolvers (``auto``)
 _BASES = {"placement": (Placement, Resolver), "quantizer": (Quantizer,), "storage": (Storage,)}
@@ -40,12 +39,10 @@ def new_manager() -> pluggy.PluginManager:
     return manager
 
 
-def register_one(
-    manager: pluggy.PluginManager, source: PluginSource, result: PluginSet, core_version: str
-) -> list[Registration]:
+def register_one(manager: pluggy.PluginManager, source: PluginSource, result: PluginSet) -> list[Registration]:
     """Register one plugin and call its hooks; on any failure, record it and keep nothing of it. A plugin built
-    for a plugin kit this core (``core_version``) does not provide is refused before its hooks are called."""
-    refused = declared_refusal(source.obj, core_version)
+    for a plugin kit this core does not provide is refused before its hooks are called."""
+    refused = declared_refusal(source.obj)
     if refused is not None:
         result.failures.append(PluginFailure.wrong_kit_of(source, refused, _kinds_of(source.obj)))
         return []
@@ -121,10 +118,7 @@ def provided_by(source: PluginSource) -> list[tuple[str, str]]:
         return [
             (r.kind, r.name)
             for r in register_one(
-                new_manager(),
-                PluginSource(source.name, obj, source.distribution, source.version),
-                scratch,
-                core_version(),
+                new_manager(), PluginSource(source.name, obj, source.distribution, source.version), scratch
             )
         ]
     except Exception:  # noqa: BLE001 - a broken disabled plugin simply provides nothing we can name

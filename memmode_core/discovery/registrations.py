@@ -78,8 +78,6 @@ class PluginSource:
     version: str | None
     #: how to load ``obj`` when it was not loaded (a disabled entry point)
     load: Any = None
-    #: its distribution's requirements (``Requires-Dist``), for an installed plugin
-    requires: tuple[str, ...] = ()
 
 
 @dataclass

@@ -40,27 +40,26 @@ def gather(result: PluginSet) -> list[PluginSource]:
     for source in builtin_sources():
         (result.disabled if is_disabled(source.name, source.distribution) else sources).append(source)
     if autoload_enabled():
-        core = core_version()
         for ep in _entry_points():
-            placeholder = PluginSource(ep.name, None, ep.distribution, ep.version, ep.entry_point.load, ep.requires)
+            placeholder = PluginSource(ep.name, None, ep.distribution, ep.version, ep.entry_point.load)
             if is_disabled(ep.name, ep.distribution):
                 result.disabled.append(placeholder)
                 continue
-            refused = requirement_refusal(list(ep.requires), core)
+            refused = requirement_refusal(list(ep.requires))
             if refused is not None:
                 result.failures.append(PluginFailure.wrong_kit_of(placeholder, refused))
                 continue
             try:
                 obj = ep.entry_point.load()
             except Exception as exc:
-                refused = import_refusal(exc, core)
+                refused = import_refusal(exc)
                 result.failures.append(
                     PluginFailure.of(placeholder, "failed to import", exc)
                     if refused is None
                     else PluginFailure.wrong_kit_of(placeholder, refused)
                 )
                 continue
-            sources.append(PluginSource(ep.name, obj, ep.distribution, ep.version, requires=ep.requires))
+            sources.append(PluginSource(ep.name, obj, ep.distribution, ep.version))
     for source in temporary_sources():
         (result.disabled if is_disabled(source.name, source.distribution) else sources).append(source)
     return sources
