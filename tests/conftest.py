@@ -126,7 +126,7 @@ def no_stand_in_escapes(monkeypatch):
     from memmode_core.engine.runtime import Runtime
 
     def check(runtime) -> None:
-        if runtime._removed_runtime:
+        if runtime.removed:
             return
         for component, module in runtime.components.items():
             try:

@@ -55,7 +55,7 @@ def test_prefetch_equals_full_load(storage, grouping, strict_streams):
     handle = memmode.apply(
         pipe, "model_group_offload", device=ACCELERATOR, storage=storage, use_stream=True, **GROUPINGS[grouping]
     )
-    assert handle._runtime._copy_stream is not None
+    assert handle.runtime.moving.copy_stream is not None
     assert_calls_equal(two_calls(pipe, FAMILY), full_load_outputs(FAMILY))
     assert_async(strict_streams, storage)
     handle.remove()

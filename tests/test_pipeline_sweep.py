@@ -46,9 +46,9 @@ from helpers import (
     sqnr_db,
     tensors_of,
 )
-from memmode_core.contracts.layout import Policy
+from memmode_core.contracts.group_specs import Policy
 from memmode_core.contracts.targets import takes_timestep
-from memmode_core.engine.reads import PlaceholderTrap
+from memmode_core.engine.standins.placeholders import PlaceholderTrap
 from tiny_pipelines import ALL_FAMILIES as FAMILIES
 from tiny_pipelines import full_load_outputs, two_calls
 
@@ -126,7 +126,7 @@ def _frees_at_the_end(pipe) -> bool:
 def _expected_notes(pipe, mode: str, options: dict, handle) -> dict[str, str]:
     """Which components core must have adjusted, and the word each note must contain."""
     modules = module_components(pipe)
-    placed = {g.component for g in handle._runtime.groups}
+    placed = {g.component for g in handle.runtime.groups}
     expected = {}
     if mode != "model_full_load":
         for name in getattr(type(pipe), "_exclude_from_cpu_offload", None) or ():
@@ -179,7 +179,7 @@ def test_lossless_mode_is_bit_exact_frees_the_device_and_restores_the_weights(
     for name, words in notes.items():
         assert words in report.placement_notes[name]
     if _frees_at_the_end(pipe):
-        kept = sum(g.nbytes for g in handle._runtime.groups if g.policy is Policy.RESIDENT)
+        kept = sum(g.nbytes for g in handle.runtime.groups if g.policy is Policy.RESIDENT)
         assert report.resident_device_bytes == kept, "the pipeline call left streamed weights on the device"
     handle.remove()
     assert_weights_restored(pipe, family)

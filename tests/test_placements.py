@@ -20,7 +20,7 @@ from helpers import (
     snapshot,
 )
 from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError
-from memmode_core.contracts.layout import Policy, block_groups
+from memmode_core.contracts.group_specs import Policy, block_groups
 from memmode_core.engine.groups import claim_groups
 from memmode_core.engine.ledger import Ledger
 from memmode_core.engine.runtime import Runtime
@@ -65,7 +65,7 @@ def test_peaks_are_ordered_leaf_block_component_full(family):
 def test_sequential_keeps_small_tables_resident():
     pipe = make_pipeline("wan22")
     handle = memmode.apply(pipe, "sequential_cpu_offload", device="cpu", storage="poison")
-    resident = {slot.name for g in handle._runtime.groups if g.policy is Policy.RESIDENT for slot in g.slots}
+    resident = {slot.name for g in handle.runtime.groups if g.policy is Policy.RESIDENT for slot in g.slots}
     assert "transformer.scale_shift_table" in resident
     assert "transformer.blocks.0.scale_shift_table" in resident
     assert {"transformer.rope.freqs_cos", "transformer.rope.freqs_sin"} <= resident
@@ -76,7 +76,7 @@ def test_sequential_keeps_small_tables_resident():
 def test_text_encoder_offload_streams_only_text_encoders():
     pipe = make_pipeline("flux")
     handle = memmode.apply(pipe, "text_encoder_offload", device="cpu", storage="poison")
-    for group in handle._runtime.groups:
+    for group in handle.runtime.groups:
         expected = Policy.STREAM if group.component.startswith("text_encoder") else Policy.RESIDENT
         assert group.policy is expected, group
     assert_same_outputs(two_calls(pipe, "flux"), full_load_outputs("flux"))
@@ -113,7 +113,7 @@ def test_excluded_components_are_left_where_they_are(storage):
     pipe = make_pipeline("flux")
     vae_before = snapshot(pipe)
     handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage=storage, unplaced=["vae", "text_encoder"])
-    assert {g.component for g in handle._runtime.groups} == {"transformer", "text_encoder_2"}
+    assert {g.component for g in handle.runtime.groups} == {"transformer", "text_encoder_2"}
     after = snapshot(pipe)
     for key, value in vae_before.items():
         if isinstance(key, tuple) and key[0] in ("vae", "text_encoder"):
@@ -134,11 +134,11 @@ def test_excluded_components_with_a_quantizer_and_with_auto(qint8):
         components=["transformer"],
     )
     assert set(handle.quantized) == {"transformer"}  # named explicitly: quantized, but not placed
-    assert "transformer" not in {g.component for g in handle._runtime.groups}
+    assert "transformer" not in {g.component for g in handle.runtime.groups}
     handle.remove()
     pipe = make_pipeline("flux")
     handle = memmode.apply(pipe, "auto", device="cpu", unplaced=["vae"])
-    assert "vae" not in {g.component for g in handle._runtime.groups}
+    assert "vae" not in {g.component for g in handle.runtime.groups}
     handle.remove()
     assert all(e.peak_device_bytes > 0 for e in memmode.plan(pipe, device="cpu", unplaced=["vae"]))
 
@@ -279,7 +279,7 @@ def test_stream_prefetch_equals_full_load(num_blocks_per_group, strict_streams):
     handle = memmode.apply(
         pipe, "model_group_offload", device=ACCELERATOR, use_stream=True, num_blocks_per_group=num_blocks_per_group
     )
-    assert handle._runtime._copy_stream is not None
+    assert handle.runtime.moving.copy_stream is not None
     reference = make_pipeline(family)
     memmode.apply(reference, "model_full_load", device=ACCELERATOR)
     expected = two_calls(reference, family)

@@ -39,7 +39,7 @@ from helpers import (
 )
 from memmode_core import OffloadedWeightReadError, StandInReadError
 from memmode_core.engine import forwards
-from memmode_core.engine.reads import PlaceholderTrap
+from memmode_core.engine.standins.placeholders import PlaceholderTrap
 from tiny_models import ReadsOutsideForward
 
 WIDTH = 8
@@ -158,7 +158,7 @@ def test_methods_other_than_forward_see_real_weights(placement, storage):
 def test_a_module_that_is_never_called_rests_with_its_caller_and_own_parameters_stay_readable():
     pipe = build()
     handle = memmode.apply(pipe, "sequential_cpu_offload", device="cpu", storage="disk")
-    groups = {g.key: g for g in handle._runtime.groups}
+    groups = {g.key: g for g in handle.runtime.groups}
     root = groups["prior/<root>"]
     assert {s.name for s in root.slots} == {"prior.null_embedding", "prior.stats.clip_mean", "prior.stats.clip_std"}
     assert root.readable == {"prior.null_embedding"}, "the root's own parameter; the statistics wait on disk"
@@ -246,7 +246,7 @@ def test_a_parent_reading_a_resting_leaf_onloads_it_and_enters_it_from_then_on(s
         assert handle.report().served == {"module.second.weight": 1}
         assert torch.equal(model(latents()), expected)
     assert handle.report().served == {"module.second.weight": 1}, "learned: the second call serves nothing"
-    group = next(g for g in handle._runtime.groups if g.key == "module/second")
+    group = next(g for g in handle.runtime.groups if g.key == "module/second")
     assert model in group.entries and model in group.exits
     assert handle.report().resident_device_bytes == 0
     handle.remove()
@@ -415,7 +415,7 @@ def test_a_device_mismatch_inside_a_placed_forward_is_a_clear_error():
     with pytest.raises(OffloadedWeightReadError, match=r"module \(MismatchOnRead\).*blocks\.1") as info:
         target(torch.randn(1, 4))
     assert isinstance(info.value, RuntimeError) and "found at least two devices" in str(info.value)
-    assert handle._runtime.ledger.resident == 0, "a failed call leaves nothing onloaded"
+    assert handle.runtime.ledger.resident == 0, "a failed call leaves nothing onloaded"
     handle.remove()
     assert_same_tensors(tensors_of(target), before)
 

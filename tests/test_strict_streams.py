@@ -215,7 +215,7 @@ DROPPED_FENCES = {
     # the slabs' own fence, and the synchronisations before it (end of call, remove) that would cover for it
     "slabs released": (
         "synchronize",
-        ("_Pins.release", "Runtime._remove", "Moving._offload_component"),
+        ("_Pins.release", "Moving.synchronize"),
         "pinned",
         r"group '[^']+': a page-locked host buffer .* released while a copy",
     ),

@@ -108,8 +108,8 @@ def test_every_wrapper_a_placement_installs_keeps_the_signature(placement):
     mode, options = placement
     pipe = make_pipeline("flux")
     handle = memmode.apply(pipe, mode, device="cpu", **options)
-    wrappers = [w for ws in handle._runtime._wrappers.values() for w in ws]
-    wrappers += handle._runtime._edit_wrappers + [g for g in handle._guards if isinstance(g, MethodWrapper)]
+    wrappers = [w for ws in handle.runtime.forwards.wrappers.values() for w in ws]
+    wrappers += handle.runtime.forwards.edit_wrappers + [g for g in handle._guards if isinstance(g, MethodWrapper)]
     assert {w.method for w in wrappers} >= {
         "forward",
         "encode",

@@ -1,16 +1,18 @@
 """Noticing that a component's weights changed, and laying it out again.
 
-The :class:`Changes` part of the :class:`~memmode_core.engine.runtime.Runtime`. When a component's
-tensors changed — an adapter was injected, a parameter replaced (see :mod:`memmode_core.engine.watch`
-for how that is noticed), a hook wrapped around one of the engine's — its groups are rebuilt before
-its next call (:meth:`Changes.changed`, :meth:`Changes.rebuild`). A rebuild lays the component out
-again and keeps every stored part whose tensors did not change, so loading a LoRA stores the
-adapter's weights and nothing else. The weight-editing methods of diffusers and transformers run
-inside :meth:`Changes.editing`: offloaded (and given real values, for those that write into the
-weights) before, rebuilt after.
+The :class:`Changes` part of the :class:`~memmode_core.engine.runtime.Runtime` (it needs the runtime's
+:class:`~memmode_core.engine.state.EngineState`, its :class:`~memmode_core.engine.moving.Moving` and
+:class:`~memmode_core.engine.serving.Serving` parts). When a component's tensors changed — an adapter was
+injected, a parameter replaced (see :mod:`memmode_core.engine.watch` for how that is noticed) — its groups are
+rebuilt before its next call (:meth:`Changes.changed`, then :meth:`Changes.regroup`, which the forward hooks
+wrap in taking their hooks off and putting them back: :meth:`Forwards.rebuild
+<memmode_core.engine.forwards.Forwards.rebuild>`). A rebuild lays the component out again and keeps every
+stored part whose tensors did not change, so loading a LoRA stores the adapter's weights and nothing else.
+The weight-editing methods of diffusers and transformers run between :meth:`Changes.begin_edit` (offloaded,
+and given real values for those that write into the weights) and :meth:`Changes.end_edit`, then rebuilt.
 
 A storage that keeps nothing of an offloaded tensor in memory leaves a placeholder in it (see
-:mod:`memmode_core.engine.reads`). Nothing computed from a placeholder may become a weight: a
+:mod:`memmode_core.engine.standins.placeholders`). Nothing computed from a placeholder may become a weight: a
 registration of one is refused (:meth:`Changes.note_registration`), a rebuild and ``remove()`` store
 the real value instead (:meth:`Changes._real_value`), and a non-finite result of a component resting
 on placeholders is explained (:meth:`Changes.explain_non_finite`).
@@ -18,58 +20,61 @@ on placeholders is explained (:meth:`Changes.explain_non_finite`).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from memmode_core.contracts.errors import OffloadedWeightReadError
-from memmode_core.contracts.layout import Policy
+from memmode_core.contracts.group_specs import Policy
 from memmode_core.contracts.storage import Tensors, is_placeholder
-from memmode_core.engine import standins, watch
+from memmode_core.engine import watch
 from memmode_core.engine.groups import Group, Part, Slot, claim_groups, module_path
 from memmode_core.engine.hooks import not_traced
-from memmode_core.engine.laying_out import Relayout
+from memmode_core.engine.moving import Moving
 from memmode_core.engine.pipeline_hooks import refuse_foreign_offloading
-from memmode_core.engine.reads import PlaceholderTrap
-from memmode_core.engine.standins import raw_access
+from memmode_core.engine.placement_layout import Relayout
+from memmode_core.engine.serving import Serving
+from memmode_core.engine.standins.classes import forget, raw_access, raw_reads
+from memmode_core.engine.standins.placeholders import PlaceholderTrap, non_finite
+from memmode_core.engine.state import EngineState
 
 
 class Changes:
-    """Change detection, rebuilds, edits and placeholders; part of the runtime (its components, groups,
-    storage session, moving and hooks)."""
+    """Change detection, rebuilds, edits and placeholders, for the groups of ``state``: it offloads and onloads
+    through ``moving``, and rests what it stores again as stand-ins through ``serving``.
 
-    def _init_changes(
+    ``relayout``: how a component is laid out again (None: this runtime cannot rebuild); ``refuse_edit(method,
+    components)``: raises for an edit the mode cannot take (fusing into packed weights).
+    """
+
+    def __init__(
         self,
-        device: torch.device,
+        state: EngineState,
+        moving: Moving,
+        serving: Serving,
         *,
-        relayout: Relayout | None,
-        refuse_edit: Callable[[str, dict[str, nn.Module]], None] | None,
+        relayout: Relayout | None = None,
+        refuse_edit: Callable[[str, dict[str, nn.Module]], None] | None = None,
     ) -> None:
+        self.state = state
+        self.moving = moving
+        self.serving = serving
         self._relayout = relayout
         self._refuse_edit = refuse_edit
-        #: components whose modules registered a new parameter, buffer or submodule
-        self._dirty: set[str] = set()
-        #: id(module) -> the component it belongs to
-        self._member_of: dict[int, str] = {}
-        self._editing = 0
+        #: > 0 while a weight-editing method runs (:meth:`begin_edit`): registrations are its own, and a call
+        #: of the component inside it is not rebuilt first
+        self.edit_depth = 0
         #: makes the storage keys of rebuilt parts unique
         self._generation = 0
         #: on a CPU device a non-finite result of a component whose tensors rest as placeholders is
-        #: explained (see :mod:`memmode_core.engine.reads`); on CUDA the same read is a device mismatch
-        self._check_results = device.type == "cpu"
+        #: explained (see :mod:`memmode_core.engine.standins.placeholders`); on CUDA the same read is a device
+        #: mismatch
+        self.check_results = state.device.type == "cpu"
         #: components some of whose tensors rest as placeholders (no real value at rest)
         self._placeholdered: set[str] = set()
         #: > 0 while a call runs again under the placeholder trap
         self._diagnosing = 0
-
-    def _mark_changed(self, component: str) -> None:
-        """Rebuild ``component`` before its next call."""
-        self._dirty.add(component)
-
-    def _index_members(self) -> None:
-        self._member_of = {id(m): name for name, root in self.components.items() for m in root.modules()}
 
     @raw_access
     def note_registration(self, module: nn.Module, name: str | None = None, value: object = None) -> None:
@@ -78,8 +83,8 @@ class Changes:
         A tensor computed from the placeholder it replaces (all NaN, where ``name`` holds an offloaded
         placeholder now) is refused before it is registered: it would become the weight for good.
         """
-        component = self._member_of.get(id(module))
-        if component is None or self._editing:
+        component = self.state.member_of.get(id(module))
+        if component is None or self.edit_depth:
             return
         if isinstance(value, torch.Tensor) and name is not None:
             current = module._parameters.get(name) if name in module._parameters else module._buffers.get(name)
@@ -89,18 +94,18 @@ class Changes:
                 and value.shape == current.shape
                 and derived_from_placeholder(value, current)
             ):
-                where = module_path(self.components, module, component)
+                where = module_path(self.state.components, module, component)
                 raise OffloadedWeightReadError(
                     f"{where}.{name}: the new value was computed from its offloaded placeholder (it is all NaN), "
                     f"not from the weight; refused before anything changed. Code that rebuilds a component's "
                     f"parameters from their values (a to() override, nn.Parameter(self.x.to(...))) must run "
                     f"inside one of the component's methods, which memmode onloads it for"
                 )
-        self._dirty.add(component)
+        self.state.mark_changed(component)
 
-    def _note_placeholders(self, component: str) -> None:
+    def note_placeholders(self, component: str) -> None:
         """Remember whether ``component`` has tensors resting as placeholders (what its results are checked for)."""
-        if any(is_placeholder(t) for g in self._groups_of.get(component, ()) for t in g.at_rest.values()):
+        if any(is_placeholder(t) for g in self.state.groups_of.get(component, ()) for t in g.at_rest.values()):
             self._placeholdered.add(component)
         else:
             self._placeholdered.discard(component)
@@ -110,19 +115,26 @@ class Changes:
         """``"<slot name> (group <key>)"`` if ``tensor`` holds the at-rest placeholder of one of this runtime's
         slots."""
         pointer = tensor.data_ptr()
-        for group in self.groups:
+        for group in self.state.groups:
             for slot in group.slots:
                 rest = group.at_rest.get(slot.name)
                 if rest is not None and rest.data_ptr() == pointer and is_placeholder(rest):
-                    qualified = slot.name if len(self.components) > 1 else f"{group.component}.{slot.name}"
+                    qualified = slot.name if len(self.state.components) > 1 else f"{group.component}.{slot.name}"
                     return f"{qualified} (group {group.key})"
         return None
+
+    def explain_if_non_finite(self, component: str, module: nn.Module, method: str, args, kwargs, result) -> None:
+        """After a call of ``component`` (``module.method(*args, **kwargs)``) returned ``result``: if some of its
+        tensors rest as placeholders and the result holds NaN or infinity, explain it
+        (:meth:`explain_non_finite`). Asked only where ``check_results`` is set (a CPU device)."""
+        if not self._diagnosing and component in self._placeholdered and non_finite(result):
+            self.explain_non_finite(component, module, method, args, kwargs)
 
     def explain_non_finite(self, component: str, module: nn.Module, method: str, args, kwargs) -> None:
         """A call of ``component`` returned NaN or infinity while some of its tensors rest as placeholders:
         run it again under the :class:`PlaceholderTrap`, which raises naming the placeholder if one was
         read. If none was, the model itself produced the values, and the caller returns them unchanged."""
-        where = f"{module_path(self.components, module, component)}.{method}"
+        where = f"{module_path(self.state.components, module, component)}.{method}"
         self._diagnosing += 1
         try:
             with PlaceholderTrap(self.placeholder_name, where=where):
@@ -140,116 +152,97 @@ class Changes:
         """Whether ``component``'s tensors are no longer the ones its groups were built from.
 
         Runs at each call of the component: a registration was reported, or a tracked tensor is no
-        longer registered where it was, or an offloaded one no longer holds its at-rest data, or a
-        hook was wrapped around one of the engine's (diffusers' ``enable_layerwise_casting`` after
-        ``apply``): the rebuild then installs the engine's wrappers outside it, so weights are
-        onloaded before that hook sees them and offloaded after it is done with them.
+        longer registered where it was, or an offloaded one no longer holds its at-rest data. (A hook wrapped
+        around one of the engine's is the forward hooks' to notice: :meth:`Forwards.changed
+        <memmode_core.engine.forwards.Forwards.changed>`.)
         """
-        if component in self._dirty:
+        if component in self.state.dirty:
             return True
-        if self._wrapped_over(component):  # a hook installed after apply wraps ours: rebuild puts ours outside it
-            return True
-        for group in self._groups_of[component]:
-            check_data = not group.resident and group.policy is not Policy.RESIDENT and not self._zero_copy
+        zero_copy = self.moving.zero_copy
+        for group in self.state.groups_of[component]:
+            check_data = not group.resident and group.policy is not Policy.RESIDENT and not zero_copy
             for slot in group.slots:
                 if not slot.registered() or (check_data and slot.tensor.data_ptr() != slot.rest_ptr):
                     return True
         return False
 
-    @contextlib.contextmanager
-    def editing(self, components: list[str], method: str):
-        """Around a method that edits weights: offload first (and give writing methods real values),
-        rebuild the groups after."""
-        outermost = self._editing == 0
+    def begin_edit(self, components: list[str], method: str) -> bool:
+        """Before a method that edits weights: offload first (and give writing methods real values). Returns
+        whether this is the outermost edit, whose end rebuilds ``components`` (see :meth:`Forwards.editing
+        <memmode_core.engine.forwards.Forwards.editing>`)."""
+        outermost = self.edit_depth == 0
         if outermost:
             if self._refuse_edit is not None:
-                self._refuse_edit(method, {name: self.components[name] for name in components})
+                self._refuse_edit(method, {name: self.state.components[name] for name in components})
             for name in components:
-                self._offload_component(name)
+                self.moving.offload_component(name)
                 if method in watch.WRITES_WEIGHTS:
                     self._materialize(name)
-        self._editing += 1
-        try:
-            yield
-        finally:
-            self._editing -= 1
-            if outermost:
-                self._dirty.difference_update(components)
-                for name in components:
-                    self.rebuild(name)
+        self.edit_depth += 1
+        return outermost
+
+    def end_edit(self, components: list[str], outermost: bool) -> None:
+        """After the edit :meth:`begin_edit` began (whatever it did): what it registered is not a change to
+        notice at the next call, since the caller rebuilds ``components`` now."""
+        self.edit_depth -= 1
+        if outermost:
+            self.state.dirty.difference_update(components)
 
     def _materialize(self, component: str) -> None:
         """Give every offloaded tensor of ``component`` whose at-rest value is a placeholder its real
         value, so that a method writing into the weights writes into real memory."""
-        for group in self._groups_of[component]:
+        for group in self.state.groups_of[component]:
             if group.policy is Policy.RESIDENT:
                 continue
             if any(is_placeholder(t) for t in group.at_rest.values()):
-                group.assign(self._restore(group))
-
-    def refresh(self) -> None:
-        """Take every weight from the model as it is now (for edits memmode cannot notice).
-
-        A group resident on the device right now may have been edited there: its device copy is
-        what is taken, not the stored one.
-        """
-        with self.lock:
-            self._refresh()
+                group.assign(self.restore(group))
 
     @raw_access
-    def _refresh(self) -> None:
-        if self._async:
-            self.streams.synchronize(self.device)
-        for name in self.components:
-            for group in list(self._resident[name]):
-                group.assign({n: self.streams.to_host(t) for n, t in group.tensors().items()})
-                group.resident = False
-                group.ready_event = None
-                del self._resident[name][group]
-                self.ledger.offloaded(group.nbytes, 0.0)
-            self.rebuild(name, keep_parts=False)
-
-    @not_traced
-    @raw_access
-    def rebuild(self, component: str, *, keep_parts: bool = True) -> None:
-        """Lay ``component`` out again and store what changed; keep the parts that did not change."""
+    def release(self, component: str) -> None:
+        """Before a rebuild of ``component``: refuse one that cannot be done, before anything moves, and offload
+        what it has on the device."""
         if self._relayout is None:
             raise RuntimeError("this runtime cannot rebuild: it was built without a layout function")
         # another offloading scheme installed since apply would fight memmode over the weights; refuse
         # before anything moves (remove() still gives every weight back from the storage)
-        refuse_foreign_offloading({component: self.components[component]})
-        self._offload_component(component)
-        retired = self._remove_hooks(component)
-        old = self._groups_of[component]
-        new = claim_groups(self.components, self._relayout(component), names=self.components)
+        refuse_foreign_offloading({component: self.state.components[component]})
+        self.moving.offload_component(component)
+
+    @not_traced
+    @raw_access
+    def regroup(self, component: str, *, keep_parts: bool = True) -> None:
+        """Lay ``component`` (released: :meth:`release`) out again and store what changed; keep the parts that did
+        not change. Its hooks are the caller's to take off before and put back after."""
+        state = self.state
+        components = state.components
+        old = state.groups_of[component]
+        new = claim_groups(components, self._relayout(component), names=components)
         previous = {id(slot.tensor): (group, slot) for group in old for slot in group.slots}
         # a tensor registered where an old one was (``_apply`` or a ``to()`` override making new parameters)
         previous.update({slot.place(): (group, slot) for group in old for slot in group.slots})
         kept: set[str] = set()
         for group in new:
             if group.policy is Policy.RESIDENT:
-                self._onload_resident(group)
+                self.moving.onload_resident(group)
             else:
                 kept.update(self._store_rebuilt(group, previous, keep_parts))
         held = {id(slot.tensor) for group in new for slot in group.slots}
         for group in old:
             if group.resident:  # a resident group (full load) is not offloaded: its bytes leave now
-                self.ledger.offloaded(group.nbytes, 0.0)
+                state.ledger.offloaded(group.nbytes, 0.0)
             for part in group.parts:
                 if part.key not in kept:
-                    self.session.discard(part.key)
+                    state.session.discard(part.key)
             for slot in group.slots:
                 if id(slot.tensor) not in held:  # no longer the component's: plain again
-                    standins.forget(slot.tensor)
-        self.groups = [g for g in self.groups if g.component != component] + new
-        self._index_groups()
-        self._resident[component].clear()  # resident groups were offloaded above; RESIDENT ones are not tracked
-        if self._prefetch:
-            self._recording[component] = []
-        self._install_hooks(component, retired)
-        self._note_placeholders(component)
-        self._index_members()
-        self._dirty.discard(component)
+                    forget(slot.tensor)
+        state.groups = [g for g in state.groups if g.component != component] + new
+        state.index_groups()
+        self.moving.forget_resident(component)  # offloaded by release(); RESIDENT groups are not tracked
+        self.moving.restart_recording(component)
+        self.note_placeholders(component)
+        state.index_members()
+        state.dirty.discard(component)
 
     def _store_rebuilt(self, group: Group, previous, keep_parts: bool) -> set[str]:
         """Store a rebuilt group: reuse an old group's parts when all of its tensors are here
@@ -295,13 +288,14 @@ class Changes:
             self._generation += 1
             key = f"{group.key}@{self._generation}"
             readable = frozenset(s.name for s in fresh if s.name in group.readable)
-            self.session.reserve({key: sum(v.numel() * v.element_size() for v in values.values())})
-            at_rest.update(self.session.put(key, values, readable))
-            self.session.flush()
+            session = self.state.session
+            session.reserve({key: sum(v.numel() * v.element_size() for v in values.values())})
+            at_rest.update(session.put(key, values, readable))
+            session.flush()
             parts.append(Part(key, tuple(values)))
         group.parts = parts
         group.rest(at_rest)
-        self.rest_as_stand_ins(group)
+        self.serving.rest_as_stand_ins(group)
         return {p.key for p in parts}
 
     def _real_value(self, group: Group, slot: Slot, current: torch.Tensor) -> torch.Tensor:
@@ -318,7 +312,7 @@ class Changes:
 
     def _restore_one(self, group: Group, name: str) -> torch.Tensor:
         for part in group.parts:
-            tensors = part.translate(self.session.restore(part.key))
+            tensors = part.translate(self.state.session.restore(part.key))
             if name in tensors:
                 return tensors[name]
         raise KeyError(name)
@@ -329,47 +323,51 @@ class Changes:
 
         For reading a placed model's weights without removing the mode (saving it). Nothing is moved.
         """
-        with self.lock, standins.raw_reads():
+        with self.state.lock, raw_reads():
             found: dict[int, torch.Tensor] = {}
-            for group in self._groups_of.get(component, []):
+            for group in self.state.groups_of.get(component, []):
                 if group.policy is Policy.RESIDENT or group.resident:
                     continue
-                values = self._restore(group)
+                values = self.restore(group)
                 for slot in group.slots:
                     if slot.name in values:
                         found[id(slot.tensor)] = values[slot.name]
             return found
 
-    def _restore(self, group: Group) -> Tensors:
+    def restore(self, group: Group) -> Tensors:
+        """The stored values of an offloaded group, read back from the storage (checked first)."""
+        session = self.state.session
         tensors: Tensors = {}
         for part in group.parts:
-            self.session.check(part.key)
-            tensors.update(part.translate(self.session.restore(part.key)))
+            session.check(part.key)
+            tensors.update(part.translate(session.restore(part.key)))
         return tensors
 
     # -- what remove() gives back ----------------------------------------------------------------------
 
-    def _replaced_since(self, group: Group, restored: Tensors) -> Tensors:
+    def replaced_since(self, group: Group, restored: Tensors) -> Tensors:
         """Slots whose data was replaced since it was stored (``param.data = x``, a cast by ``module.to(dtype)``):
         the newest value is what ``remove()`` gives back. One computed from the at-rest placeholder (all NaN:
         the cast of a placeholder) is the stored value put through the same cast."""
+        streams = self.state.streams
         newest: Tensors = {}
         for slot in group.slots:
-            expected = slot.live_ptr if (group.resident and not self._zero_copy) else slot.rest_ptr
+            expected = slot.live_ptr if (group.resident and not self.moving.zero_copy) else slot.rest_ptr
             current = slot.tensor.data
             if current.data_ptr() == expected or slot.name not in restored:
                 continue
             if computed_from_placeholder(current, group.at_rest.get(slot.name)):
                 newest[slot.name] = restored[slot.name].to(dtype=current.dtype)
             else:
-                newest[slot.name] = current if self.streams.is_host(current.device) else self.streams.to_host(current)
+                newest[slot.name] = current if streams.is_host(current.device) else streams.to_host(current)
         return newest
 
-    def _restore_replacements(self, group: Group, restored: Tensors) -> None:
+    def restore_replacements(self, group: Group, restored: Tensors) -> None:
         """Tensors registered since the last rebuild in place of this group's ones (a component's ``to()``
         or ``_apply`` making new parameters) go back to ordinary CPU memory too, and one computed from
         the at-rest placeholder (all NaN) gets the stored value, in its own dtype: nothing computed from
         a placeholder outlives ``remove()``."""
+        streams = self.state.streams
         for slot in group.slots:
             if slot.registered():
                 continue
@@ -379,8 +377,8 @@ class Changes:
                 continue
             if computed_from_placeholder(now, group.at_rest.get(slot.name)):
                 now.data = restored[slot.name].to(dtype=now.dtype)
-            elif not now.is_meta and not self.streams.is_host(now.device):  # meta: accelerate's to give back
-                now.data = self.streams.to_host(now.data)
+            elif not now.is_meta and not streams.is_host(now.device):  # meta: accelerate's to give back
+                now.data = streams.to_host(now.data)
 
 
 def computed_from_placeholder(current: torch.Tensor, at_rest: torch.Tensor | None) -> bool:

@@ -7,7 +7,7 @@ sharing the runtime would move the original's weights. So every object memmode h
 instance attribute while it has hooks, ``__reduce_ex__`` (:class:`CleanReduction`), which ``copy`` and
 ``pickle`` call before anything else: the object is reduced as it normally is, minus what memmode put
 there. The copy is the model as it computes — every weight its real value (a resting stand-in copies its
-value, see :mod:`memmode_core.engine.standin_values`; a quantized layer stays quantized) — and it has no placement.
+value, see :mod:`memmode_core.engine.standins.values`; a quantized layer stays quantized) — and it has no placement.
 """
 
 from __future__ import annotations

@@ -1,19 +1,16 @@
-"""The forward wrappers: the hooks that onload a placed module's groups around its forward.
+"""The forward wrappers: where the engine hooks a placed component, and what a hooked call does.
 
-The :class:`Forwards` part of the :class:`~memmode_core.engine.runtime.Runtime` installs, for each
-component, one hook per module that enters or exits one of its groups (see
-:mod:`~memmode_core.engine.hooks` for what every hook guarantees):
-
-* ``memmode.groups`` (:class:`GroupHook`, :class:`GroupsHook`) on a module inside a component:
-  onload the groups it enters before its forward, offload the streamed groups it exits after;
-* ``memmode.component_entry`` (:class:`ComponentEntryHook`) on a component's root: one call of the
-  component at a time (the runtime's lock), its groups rebuilt first if its weights changed, the call
-  counted, and on return whatever it left on the device offloaded (its own exit is that leave step);
-* ``memmode.entry_method:<name>`` (:class:`EntryMethodHook`) on the component's other entry points
-  (:func:`entry_methods`): called from outside the component it enters it as the forward does,
-  called from inside it is the method itself;
-* ``memmode.weight_edit:<name>`` (:class:`WeightEditHook`) on the weight-editing methods of the
-  pipeline and the components: offload before, rebuild after (see :meth:`Changes.editing`).
+The :class:`Forwards` part of the :class:`~memmode_core.engine.runtime.Runtime` (it needs the runtime's
+:class:`~memmode_core.engine.state.EngineState` and its three other parts: it calls
+:class:`~memmode_core.engine.moving.Moving` around forwards, :class:`~memmode_core.engine.changes.Changes` when
+weights changed, and :class:`~memmode_core.engine.serving.Serving` when a call ends) installs, for each
+component, one hook (:mod:`~memmode_core.engine.component_hooks`) per module that enters or exits one of its
+groups, one on its root and on each of its other entry points (:func:`entry_methods`), and one on each
+weight-editing method of the pipeline and the components (see :mod:`~memmode_core.engine.hooks` for what
+every hook guarantees). The hooks call it back: a changed component is rebuilt before its call
+(:meth:`Forwards.changed`, :meth:`Forwards.rebuild`), a call's end offloads what is left and applies what was
+learned of its readers (:meth:`Forwards.leave`), an edit is offloaded before and rebuilt after
+(:meth:`Forwards.editing`).
 
 Threads: calls of one runtime's components, the edit methods it wraps, ``refresh`` and ``remove``
 hold one re-entrant lock, so two threads calling one placed pipeline run one call at a time and
@@ -26,224 +23,115 @@ module that owns it) fails on CUDA with a device mismatch, which the hooks turn 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Iterable
 
-import torch
 from torch import nn
 
 from memmode_core.contracts.errors import OffloadedWeightReadError
-from memmode_core.contracts.layout import Policy
+from memmode_core.contracts.group_specs import Policy
 from memmode_core.engine import watch
+from memmode_core.engine.changes import Changes
+from memmode_core.engine.component_hooks import (
+    ComponentEntryHook,
+    EntryMethodHook,
+    GroupHook,
+    GroupsHook,
+    WeightEditHook,
+)
 from memmode_core.engine.groups import Group, module_path
-from memmode_core.engine.hooks import MethodWrapper
-from memmode_core.engine.inputs import move_inputs
-from memmode_core.engine.reads import non_finite
+from memmode_core.engine.hooks import MethodWrapper, not_traced
+from memmode_core.engine.moving import Moving
+from memmode_core.engine.serving import Serving
+from memmode_core.engine.standins.classes import raw_access
+from memmode_core.engine.state import EngineState
 
 #: methods besides ``forward`` through which a pipeline calls a component, wherever they are defined
 #: (every method the model's own classes define is an entry point too: see :func:`entry_methods`)
 COMPONENT_METHODS = ("encode", "decode")
-#: component calls remembered for the report (a long video run makes a few thousand)
-MAX_RECORDED_CALLS = 100_000
-
-
-def _keys(groups: Iterable[Group], shown: int = 4) -> str:
-    keys = [group.key for group in groups]
-    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
-    return (", ".join(keys[:shown]) + more) or "nothing"
-
-
-class GroupsHook(MethodWrapper):
-    """``memmode.groups``: onload the groups ``owner`` enters before its forward, offload those it exits after
-    (the streamed ones: a resident group stays)."""
-
-    kind = "memmode.groups"
-    default_method = "forward"
-    __slots__ = ("runtime", "enters", "exits", "ensure", "offload", "move", "device")
-
-    def __init__(self, runtime, module: nn.Module, enters: list[Group], exits: list[Group], method: str = "forward"):
-        super().__init__(module, method)
-        self.runtime = runtime
-        self.enters = enters
-        self.exits = exits
-        self.ensure = runtime.ensure
-        self.offload = runtime.offload
-        self.move = runtime.device.type != "cpu"  # on a CPU device every input already is where it computes
-        self.device = runtime.device
-
-    def __call__(self, *args, **kwargs):
-        if not self.active:
-            return self.passthrough()(*args, **kwargs)
-        return self._step(args, kwargs)
-
-    def _step(self, args, kwargs):
-        try:
-            for group in self.enters:
-                if group.needs_ensure():
-                    self.ensure(group)
-            if self.move and (moved := move_inputs(args, kwargs, self.device)) is not None:
-                args, kwargs = moved
-            return self.original(*args, **kwargs)
-        except RuntimeError as exc:
-            if is_device_mismatch(exc):
-                raise self.runtime.offloaded_read(self.owner, exc) from exc
-            raise
-        finally:
-            for group in self.exits:
-                if group.resident and group.ready_event is None:
-                    self.offload(group)
-
-    def where(self) -> str:
-        return module_path(self.runtime.components, self.owner)
-
-    def describe(self) -> str:
-        return f"onloads {_keys(self.enters)} before, offloads {_keys(self.exits)} after"
-
-
-class GroupHook(GroupsHook):
-    """``memmode.groups`` in the common case (a leaf, or a single block): one group, entered and exited by
-    ``owner``; one frame, a few attribute reads per call."""
-
-    __slots__ = ("group",)
-
-    def __init__(self, runtime, module: nn.Module, enters: list[Group], exits: list[Group], method: str = "forward"):
-        super().__init__(runtime, module, enters, exits, method)
-        (self.group,) = enters
-
-    def __call__(self, *args, **kwargs):
-        if not self.active:
-            return self.passthrough()(*args, **kwargs)
-        group = self.group
-        if group.needs_ensure():
-            self.ensure(group)
-        if self.move and (moved := move_inputs(args, kwargs, self.device)) is not None:
-            args, kwargs = moved
-        try:
-            return self.original(*args, **kwargs)
-        except RuntimeError as exc:
-            if is_device_mismatch(exc):
-                raise self.runtime.offloaded_read(self.owner, exc) from exc
-            raise
-        finally:
-            if group.resident and group.ready_event is None:
-                self.offload(group)
-
-
-class ComponentEntryHook(GroupsHook):
-    """``memmode.component_entry``, on a component's root: a call of the component (see the module docstring)."""
-
-    kind = "memmode.component_entry"
-    __slots__ = ("component", "depth", "calls", "lock", "leave")
-
-    def __init__(self, runtime, module: nn.Module, enters: list[Group], component: str, method: str = "forward"):
-        super().__init__(runtime, module, enters, [], method)  # its exit is the leave step
-        self.component = component
-        self.depth = runtime._depth
-        self.calls = runtime.calls
-        self.lock = runtime.lock
-        self.leave = runtime._leave
-
-    def enter(self, *args, **kwargs):
-        if not self.active:
-            return self.passthrough()(*args, **kwargs)
-        runtime, component, depth = self.runtime, self.component, self.depth
-        with self.lock:  # one call of this handle's components at a time (see the module docstring)
-            if depth[component] == 0 and not runtime._editing and runtime.changed(component):
-                runtime.rebuild(component)
-                return getattr(self.owner, self.method)(*args, **kwargs)  # through the rebuilt wrappers
-            depth[component] += 1
-            if depth[component] == 1 and len(self.calls) < MAX_RECORDED_CALLS:
-                self.calls.append(component)
-            try:
-                result = self._step(args, kwargs)
-            finally:
-                self.leave(component)
-            if (
-                runtime._check_results
-                and not depth[component]
-                and not runtime._diagnosing
-                and component in runtime._placeholdered
-                and non_finite(result)
-            ):
-                runtime.explain_non_finite(component, self.owner, self.method, args, kwargs)
-            return result
-
-    __call__ = enter
-
-    def where(self) -> str:
-        return self.component
-
-    def describe(self) -> str:
-        return (
-            f"enters component {self.component!r}: rebuilds its groups if its weights changed, onloads "
-            f"{_keys(self.enters)}; on return offloads the streamed groups it left on the device"
-        )
-
-
-class EntryMethodHook(ComponentEntryHook):
-    """``memmode.entry_method:<name>``: a component's entry method other than ``forward``. Called from outside
-    the component it enters it as the forward does; called from inside (the component is entered) it is the
-    method itself, traceable by torch.compile without a graph break (so only the entering path is eager)."""
-
-    kind = "memmode.entry_method"
-    default_method = None
-    eager = False
-    __slots__ = ("_enter",)
-
-    def install(self) -> EntryMethodHook:
-        self._enter = torch.compiler.disable(self.enter, recursive=False)
-        return super().install()
-
-    def __call__(self, *args, **kwargs):
-        if not self.active:
-            return self.passthrough()(*args, **kwargs)
-        if self.depth[self.component]:
-            return self.original(*args, **kwargs)
-        return self._enter(*args, **kwargs)
-
-    def describe(self) -> str:
-        return (
-            f"called from outside component {self.component!r}, enters it as its forward does (onloads "
-            f"{_keys(self.enters)}); from inside, calls the method itself"
-        )
-
-
-class WeightEditHook(MethodWrapper):
-    """``memmode.weight_edit:<name>``, on a method that adds, removes or rewrites weights (``watch.EDIT_METHODS``):
-    runs it inside :meth:`Changes.editing` of ``components``."""
-
-    kind = "memmode.weight_edit"
-    __slots__ = ("runtime", "components")
-
-    def __init__(self, runtime, owner: object, method: str, components: list[str]):
-        super().__init__(owner, method)
-        self.runtime = runtime
-        self.components = components
-
-    def __call__(self, *args, **kwargs):
-        if not self.active:
-            return self.passthrough()(*args, **kwargs)
-        runtime = self.runtime
-        with runtime.lock, runtime.editing(self.components, self.method):
-            return self.original(*args, **kwargs)
-
-    def describe(self) -> str:
-        its = "its" if len(self.components) == 1 else "their"
-        return f"offloads {', '.join(self.components)} before the edit, rebuilds {its} groups after"
 
 
 class Forwards:
-    """Installing and removing the hooks of each component, and of the weight-editing methods; part of the
-    runtime (its components, groups, moving and change detection)."""
+    """Installing and removing the hooks of each component of ``state``, and of the weight-editing methods (of
+    the components, and of ``pipeline`` if there is one); and what those hooks do beyond moving groups (through
+    ``moving``): rebuilding a changed component (``changes``), learning the readers of resting groups at the end
+    of a call (``serving``), editing."""
 
-    def _init_forwards(self, pipeline: object | None) -> None:
+    def __init__(
+        self,
+        state: EngineState,
+        moving: Moving,
+        serving: Serving,
+        changes: Changes,
+        *,
+        pipeline: object | None = None,
+    ) -> None:
+        self.state = state
+        self.moving = moving
+        self.serving = serving
+        self.changes = changes
         self._pipeline = pipeline
         #: component -> the hooks on its modules (forwards and other entry methods)
-        self._wrappers: dict[str, list[GroupsHook]] = {name: [] for name in self.components}
+        self.wrappers: dict[str, list[GroupsHook]] = {name: [] for name in state.components}
         #: the hooks on the weight-editing methods of the pipeline and the components
-        self._edit_wrappers: list[WeightEditHook] = []
+        self.edit_wrappers: list[WeightEditHook] = []
 
-    def _install_hooks(self, component: str, retired: Iterable[MethodWrapper] = ()) -> None:
+    # -- a component's call, and an edit ----------------------------------------------------------------
+
+    def changed(self, component: str) -> bool:
+        """Whether ``component`` must be rebuilt before its call: its tensors changed (:meth:`Changes.changed`),
+        or a hook was wrapped around one of ours (diffusers' ``enable_layerwise_casting`` after ``apply``): the
+        rebuild then installs ours outside it, so weights are onloaded before that hook sees them and offloaded
+        after it is done with them."""
+        if component in self.state.dirty:
+            return True
+        if self.wrapped_over(component):  # a hook installed after apply wraps ours: rebuild puts ours outside it
+            return True
+        return self.changes.changed(component)
+
+    @not_traced
+    @raw_access
+    def rebuild(self, component: str, *, keep_parts: bool = True) -> None:
+        """Lay ``component`` out again and store what changed (:meth:`Changes.regroup`), its hooks taken off
+        before and installed again after."""
+        self.changes.release(component)
+        retired = self.remove_hooks(component)
+        self.changes.regroup(component, keep_parts=keep_parts)
+        self.install_hooks(component, retired)
+
+    @contextlib.contextmanager
+    def editing(self, components: list[str], method: str):
+        """Around a method that edits weights: offload first (and give writing methods real values),
+        rebuild the groups after."""
+        outermost = self.changes.begin_edit(components, method)
+        try:
+            yield
+        finally:
+            self.changes.end_edit(components, outermost)
+            if outermost:
+                for name in components:
+                    self.rebuild(name)
+
+    @not_traced
+    def leave(self, component: str) -> None:
+        """A component's forward returned (:meth:`Moving.leave`); once no call runs, the modules that read resting
+        groups during it enter them from now on (:meth:`relearn`)."""
+        learned = self.serving.learned
+        if self.moving.leave(component) and learned:
+            depth = self.state.depth
+            for name in [n for n in learned if not depth[n]]:
+                self.relearn(name)
+
+    def relearn(self, component: str) -> None:
+        """Apply what :class:`Serving` learned of ``component``'s readers, and hook the modules again."""
+        if self.serving.apply_learned(component):
+            retired = self.remove_hooks(component)
+            self.install_hooks(component, retired)
+
+    # -- the hooks ----------------------------------------------------------------------------------------
+
+    def install_hooks(self, component: str, retired: Iterable[MethodWrapper] = ()) -> None:
         """One forward wrapper per module that enters or exits a group of ``component`` or is its root.
 
         ``retired``: the hooks a rebuild took off; a caller holding one (a method bound before the rebuild)
@@ -254,7 +142,7 @@ class Forwards:
         def plan(module: nn.Module):
             return plans.setdefault(id(module), (module, [], [], None))
 
-        for group in self._groups_of[component]:
+        for group in self.state.groups_of[component]:
             if group.policy is Policy.RESIDENT:
                 continue
             for module in group.entries:
@@ -262,11 +150,11 @@ class Forwards:
             if group.policy is Policy.STREAM:
                 for module in group.exits:
                     plan(module)[2].append(group)
-        root = self.components[component]
+        root = self.state.components[component]
         entry = plan(root)
         # a component's own exit is its leave step: it offloads whatever the component left resident
         plans[id(root)] = (root, entry[1], [], component)
-        wrappers = self._wrappers[component]
+        wrappers = self.wrappers[component]
         for module, enters, exits, root_of in plans.values():
             if root_of is None:
                 single = len(enters) == 1 and exits == enters
@@ -283,47 +171,48 @@ class Forwards:
             if successor is not None and successor.original == wrapper.original:  # calls the retired one itself
                 wrapper.successor = successor
 
-    def _remove_hooks(self, component: str) -> list[GroupsHook]:
+    def remove_hooks(self, component: str) -> list[GroupsHook]:
         """Take ``component``'s hooks off; returns them (retired)."""
-        retired = list(self._wrappers[component])
+        retired = list(self.wrappers[component])
         for wrapper in retired:
             wrapper.remove()
-        self._wrappers[component].clear()
+        self.wrappers[component].clear()
         return retired
 
-    def _wrapped_over(self, component: str) -> bool:
+    def wrapped_over(self, component: str) -> bool:
         """Whether a hook was installed around one of ``component``'s since (diffusers' layerwise casting)."""
-        return any(not wrapper.on_top() for wrapper in self._wrappers[component])
+        return any(not wrapper.on_top() for wrapper in self.wrappers[component])
 
-    def _install_edit_wrappers(self) -> None:
+    def install_edit_wrappers(self) -> None:
         """Wrap the weight-editing methods of the pipeline (all components) and of each component."""
-        owners: list[tuple[object, list[str]]] = [(m, [n]) for n, m in self.components.items()]
+        components = self.state.components
+        owners: list[tuple[object, list[str]]] = [(m, [n]) for n, m in components.items()]
         if self._pipeline is not None:
-            owners.insert(0, (self._pipeline, list(self.components)))
+            owners.insert(0, (self._pipeline, list(components)))
         for owner, names in owners:
             for method in watch.EDIT_METHODS:
                 if callable(getattr(type(owner), method, None)):
-                    self._edit_wrappers.append(WeightEditHook(self, owner, method, names).install())
+                    self.edit_wrappers.append(WeightEditHook(self, owner, method, names).install())
 
-    def _remove_all_hooks(self) -> None:
-        for wrapper in self._edit_wrappers:
+    def remove_all_hooks(self) -> None:
+        for wrapper in self.edit_wrappers:
             wrapper.remove()
-        self._edit_wrappers.clear()
-        for component in self._wrappers:
-            self._remove_hooks(component)
+        self.edit_wrappers.clear()
+        for component in self.wrappers:
+            self.remove_hooks(component)
 
     def offloaded_read(self, module: nn.Module, error: RuntimeError) -> OffloadedWeightReadError:
         """The clear error for a forward that computed with a weight left on the offload side (on
         CUDA the at-rest copies are CPU tensors, so torch reports a device mismatch)."""
-        where = module_path(self.components, module)
+        where = module_path(self.state.components, module)
         component = where.split(".", 1)[0]
         offloaded = [
-            g.key for g in self._groups_of.get(component, ()) if not g.resident and g.policy is not Policy.RESIDENT
+            g.key for g in self.state.groups_of.get(component, ()) if not g.resident and g.policy is not Policy.RESIDENT
         ]
         shown = ", ".join(offloaded[:6]) + (f" and {len(offloaded) - 6} more" if len(offloaded) > 6 else "")
         return OffloadedWeightReadError(
-            f"{where} ({type(module).__name__}) computed with a tensor that is not on {self.device}: the model reads "
-            f"a weight outside the forward of the module that owns it, and memmode had that weight offloaded "
+            f"{where} ({type(module).__name__}) computed with a tensor that is not on {self.state.device}: the model "
+            f"reads a weight outside the forward of the module that owns it, and memmode had that weight offloaded "
             f"(groups offloaded at that moment: {shown or 'none'}). Move this component whole (model_cpu_offload) "
             f"or leave it out with unplaced=[{component!r}]. Original error: {error}"
         )
@@ -368,12 +257,3 @@ _FRAMEWORK_MODULES = ("diffusers.models.modeling_utils", "transformers.modeling_
 def _is_framework_base(cls: type) -> bool:
     module = getattr(cls, "__module__", "") or ""
     return module in _FRAMEWORK_MODULES or module == "torch" or module.startswith("torch.")
-
-
-#: what torch says when one operation gets tensors on two devices
-_DEVICE_MISMATCH = ("Expected all tensors to be on the same device", "found at least two devices")
-
-
-def is_device_mismatch(error: BaseException) -> bool:
-    message = str(error)
-    return any(text in message for text in _DEVICE_MISMATCH)

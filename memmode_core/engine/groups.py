@@ -1,6 +1,6 @@
 """The group data model: which tensors move together, and where each one is registered.
 
-A *group* (see :class:`~memmode_core.contracts.layout.GroupSpec` for what a placement asks for) is the
+A *group* (see :class:`~memmode_core.contracts.group_specs.GroupSpec` for what a placement asks for) is the
 unit the engine onloads and offloads. Here it becomes concrete: :func:`claim_groups` turns a
 placement's specs into :class:`Group` objects holding :class:`Slot` s, one per parameter or buffer,
 each tensor claimed exactly once (tied tensors merge the groups that reach them), and a group's
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from memmode_core.contracts.layout import GroupSpec, Policy
+from memmode_core.contracts.group_specs import GroupSpec, Policy
 from memmode_core.contracts.storage import Tensors
-from memmode_core.engine.standins import PLAIN_CLASS
+from memmode_core.engine.standins.classes import PLAIN_CLASS
 
 #: engine code reading what a resting stand-in holds, not the value it serves
 _RAW = torch._C.DisableTorchFunctionSubclass

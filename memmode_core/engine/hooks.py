@@ -79,7 +79,8 @@ class Hook:
         """What the hook does, for ``repr``."""
         return ""
 
-    def _register(self) -> None:
+    def register(self) -> None:
+        """Enter the hook in its owner's registry (``install`` does; a hook installed another way calls it)."""
         owner = self.owner
         registry = owner.__dict__.get(REGISTRY_ATTRIBUTE)
         if registry is None:
@@ -87,7 +88,8 @@ class Hook:
             copying.install(owner)  # a copy of the owner is the model without memmode
         registry._hooks.append(self)
 
-    def _unregister(self, owner: Any) -> None:
+    def unregister(self, owner: Any) -> None:
+        """Take the hook out of ``owner``'s registry (``remove`` does)."""
         registry = owner.__dict__.get(REGISTRY_ATTRIBUTE) if owner is not None else None
         if registry is None:
             return
@@ -145,7 +147,7 @@ class MethodWrapper(Hook):
             setattr(function, MARKER, self)
         setattr(owner, method, function)
         self.function = function
-        self._register()
+        self.register()
         return self
 
     def on_top(self) -> bool:
@@ -168,7 +170,7 @@ class MethodWrapper(Hook):
             else:
                 delattr(self.owner, self.method)
         self.active = False  # a wrapper left in place by another library now only passes through
-        self._unregister(self.owner)
+        self.unregister(self.owner)
 
     def __call__(self, *args, **kwargs):
         raise NotImplementedError

@@ -1,14 +1,7 @@
 """Deprecated: the group vocabulary (``GroupSpec``, ``Policy``, the layout helpers) lives in the plugin kit,
-``memmode_core.plugin``; what core does with a placement's layout is :mod:`memmode_core.engine.laying_out`."""
+``memmode_core.plugin``; what core does with a placement's layout is :mod:`memmode_core.engine.placement_layout`.
+What each old name is now is in the table of deprecated names, ``memmode_core/contracts/deprecation.py``."""
 
-from memmode_core.contracts import layout as _layout
-from memmode_core.contracts.deprecation import moved_names, names_moved_to
+from memmode_core.contracts.deprecation import moved_names
 
-__getattr__ = moved_names(
-    __name__,
-    names_moved_to(
-        _layout,
-        *("GroupSpec", "Policy", "whole_component", "leaf_groups", "block_groups"),
-        public="memmode_core.plugin",
-    ),
-)
+__getattr__ = moved_names(__name__)

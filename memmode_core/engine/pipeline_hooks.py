@@ -134,7 +134,7 @@ class CallEndGuard(Hook):
                 cls.__call__ = _CALL_WRAPPERS[cls][0]
             _CALL_ENDS[pipeline] = self._on_call_end
         self.active = True
-        self._register()
+        self.register()
         return self
 
     def remove(self) -> None:
@@ -151,7 +151,7 @@ class CallEndGuard(Hook):
                         delattr(cls, "__call__")
                 del _CALL_WRAPPERS[cls]
         self.active = False
-        self._unregister(pipeline)
+        self.unregister(pipeline)
 
     def describe(self) -> str:
         return "when the call returns, offloads what it left on the device (unless the placement keeps it)"

@@ -4,19 +4,20 @@ One :class:`Runtime` serves one ``apply``. It takes the groups ``prepare`` claim
 :class:`GroupSpec` list made into :class:`~memmode_core.engine.groups.Group` objects) and binds them to
 the tensors the model holds now (:func:`~memmode_core.engine.groups.bind_groups`), stores the offloaded
 copies through the storage session, hooks the forwards of entry and exit modules, and undoes all of it
-on ``remove``. It is the composition of one part per job, each in its own module:
+on ``remove``. It is made of one part per job, each a plain class in its own module that gets what it uses
+through its constructor — the shared :class:`~memmode_core.engine.state.EngineState`, and the parts it calls:
 
-* :mod:`~memmode_core.engine.groups` — the group data model and claiming (:func:`claim_groups`);
-* :class:`~memmode_core.engine.moving.Moving` — onloading, offloading, prefetching, the end of a call;
-* :class:`~memmode_core.engine.changes.Changes` — noticing changed weights and rebuilding, edits,
-  placeholders;
-* :class:`~memmode_core.engine.forwards.Forwards` — the hooks around forwards and entry methods (named
-  objects, see :mod:`~memmode_core.engine.hooks`);
-* :class:`~memmode_core.engine.serving.Serving` — resting tensors as stand-ins that serve every read of
-  their value (see :mod:`~memmode_core.engine.standins`).
+* ``moving`` — :class:`Moving(state) <memmode_core.engine.moving.Moving>`: onloading, offloading,
+  prefetching, the end of a call;
+* ``serving`` — :class:`Serving(state, moving) <memmode_core.engine.serving.Serving>`: resting tensors as
+  stand-ins that serve every read of their value (see :mod:`memmode_core.engine.standins`);
+* ``changes`` — :class:`Changes(state, moving, serving) <memmode_core.engine.changes.Changes>`: noticing
+  changed weights and laying a component out again, edits, placeholders;
+* ``forwards`` — :class:`Forwards(state, moving, serving, changes) <memmode_core.engine.forwards.Forwards>`: the
+  hooks around forwards, entry methods and edit methods, and what a hooked call does.
 
-The parts share this object's state (components, groups, storage session, lock); each part's
-``_init_*`` sets the state it owns.
+This object builds them in that order and runs the runtime's life: :meth:`Runtime.install`,
+:meth:`Runtime.refresh`, :meth:`Runtime.remove`; what the rest of memmode asks of the engine it asks here.
 
 Threads: calls of one runtime's components, the edit methods it wraps, ``refresh`` and ``remove``
 hold one re-entrant lock (``lock``; see :mod:`~memmode_core.engine.forwards`).
@@ -31,20 +32,23 @@ import torch
 from torch import nn
 
 from memmode_core.contracts.errors import IncompatibleModeError, RestoreError
-from memmode_core.contracts.layout import Policy
+from memmode_core.contracts.group_specs import Policy
 from memmode_core.contracts.storage import StorageSession, data_class, has_own_bytes, placeholder
 from memmode_core.engine import watch
 from memmode_core.engine.changes import Changes
 from memmode_core.engine.forwards import Forwards
 from memmode_core.engine.groups import Group, Part, bind_groups
-from memmode_core.engine.laying_out import Relayout
 from memmode_core.engine.ledger import Ledger
 from memmode_core.engine.moving import Moving
+from memmode_core.engine.placement_layout import Relayout
 from memmode_core.engine.serving import Serving
-from memmode_core.engine.standins import raw_access
+from memmode_core.engine.standins.classes import Reader, Source, raw_access
+from memmode_core.engine.state import EngineState
 
 
-class Runtime(Forwards, Changes, Moving, Serving):
+class Runtime:
+    """One ``apply``'s engine: the shared state and the four parts built on it (see the module docstring)."""
+
     def __init__(
         self,
         components: dict[str, nn.Module],
@@ -62,27 +66,85 @@ class Runtime(Forwards, Changes, Moving, Serving):
         strict: bool = False,
         storage: str | None = None,
     ) -> None:
-        self.components = components
-        #: live groups of the ones ``prepare`` claimed, their slots taken from the model as it is now
-        self.groups: list[Group] = bind_groups(list(groups), components)
-        #: component -> its groups (kept in step with ``groups``)
-        self._groups_of: dict[str, list[Group]] = {}
-        self._index_groups()
-        #: calls of each component since apply or ``reset_calls`` (a nested call counts once), in order
-        self.calls: list[str] = []
-        #: serializes calls of this runtime's components, edits, refresh and remove across threads
-        self.lock = threading.RLock()
-        self._init_moving(
-            device, session, ledger, prefetch=prefetch, lookahead=lookahead, offload_after_call=offload_after_call
+        #: what the parts share (live groups of the ones ``prepare`` claimed, their slots taken from the model
+        #: as it is now)
+        self.state = EngineState(
+            components,
+            bind_groups(list(groups), components),
+            device,
+            session,
+            ledger,
+            storage_name=storage or "its storage",
         )
-        self._init_changes(device, relayout=relayout, refuse_edit=refuse_edit)
-        self._init_forwards(pipeline)
-        self._init_serving(strict=strict, storage=storage)
+        self.moving = Moving(self.state, prefetch=prefetch, lookahead=lookahead, offload_after_call=offload_after_call)
+        self.serving = Serving(self.state, self.moving, strict=strict)
+        self.changes = Changes(self.state, self.moving, self.serving, relayout=relayout, refuse_edit=refuse_edit)
+        self.forwards = Forwards(self.state, self.moving, self.serving, self.changes, pipeline=pipeline)
 
-    def _index_groups(self) -> None:
-        self._groups_of = {name: [g for g in self.groups if g.component == name] for name in self.components}
+    # -- what the rest of memmode reads -----------------------------------------------------------------
 
-    # -- install / remove ---------------------------------------------------------------------------
+    @property
+    def components(self) -> dict[str, nn.Module]:
+        return self.state.components
+
+    @property
+    def groups(self) -> list[Group]:
+        """The live groups (a rebuild replaces a component's: read them here, never keep the list)."""
+        return self.state.groups
+
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    @property
+    def session(self) -> StorageSession | None:
+        return self.state.session
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.state.ledger
+
+    @property
+    def calls(self) -> list[str]:
+        """Calls of each component since apply or ``reset_calls``, in order."""
+        return self.state.calls
+
+    @property
+    def lock(self) -> threading.RLock:
+        return self.state.lock
+
+    @property
+    def removed(self) -> bool:
+        """Whether :meth:`remove` ran."""
+        return self.state.removed
+
+    def component_of(self, module: nn.Module) -> str | None:
+        """The component ``module`` belongs to, if it is one of this runtime's."""
+        return self.state.member_of.get(id(module))
+
+    def end_call(self) -> None:
+        """A pipeline call returned: offload what it left on the device (see :meth:`Moving.end_call`)."""
+        self.moving.end_call()
+
+    def real_values(self, component: str) -> dict[int, torch.Tensor]:
+        """``id(registered tensor) -> its real value on the CPU`` for ``component``'s offloaded tensors (see
+        :meth:`Changes.real_values`)."""
+        return self.changes.real_values(component)
+
+    def count_read(self, source: Source, nbytes: int, reader: Reader) -> None:
+        """A read served by a stand-in of another kind (a quantized weight): counted, or refused under strict."""
+        self.serving.count_read(source, nbytes, reader)
+
+    def note_registration(self, module: nn.Module, name: str | None = None, value: object = None) -> None:
+        """A registration anywhere in the process (:mod:`~memmode_core.engine.watch`): see
+        :meth:`Changes.note_registration`."""
+        self.changes.note_registration(module, name, value)
+
+    def placeholder_name(self, tensor: torch.Tensor) -> str | None:
+        """What ``tensor`` is the at-rest placeholder of, if it is one of this runtime's (for the trap)."""
+        return self.changes.placeholder_name(tensor)
+
+    # -- install / refresh / remove -----------------------------------------------------------------------
 
     def install(self, reserved: dict[str, int] | None = None) -> None:
         """Store the offloaded copies, then release the originals and hook the modules.
@@ -93,8 +155,9 @@ class Runtime(Forwards, Changes, Moving, Serving):
         that before quantizing, from the planner's prediction); only groups of another size are
         reserved again.
         """
-        stored = [g for g in self.groups if g.policy is not Policy.RESIDENT]
-        if stored and self.session is None:
+        state, session = self.state, self.state.session
+        stored = [g for g in state.groups if g.policy is not Policy.RESIDENT]
+        if stored and session is None:
             raise RuntimeError("a placement that offloads needs a storage session")
         try:
             if stored:
@@ -102,51 +165,68 @@ class Runtime(Forwards, Changes, Moving, Serving):
                 sizes = {g.key: g.nbytes for g in stored}
                 missing = {k: n for k, n in sizes.items() if (reserved or {}).get(k) != n}
                 if missing:
-                    self.session.reserve(missing)
+                    session.reserve(missing)
                 for group in stored:
                     group.parts = [Part(group.key, tuple(s.name for s in group.slots))]
-                    group.at_rest = self.session.put(group.key, group.tensors(), group.readable)
-                    unservable = self.unservable(group, group.at_rest)
+                    group.at_rest = session.put(group.key, group.tensors(), group.readable)
+                    unservable = self.serving.unservable(group, group.at_rest)
                     if unservable is not None:
                         raise IncompatibleModeError(
-                            f"{self._storage_name} keeps no value of {unservable} at rest, and memmode can "
+                            f"{state.storage_name} keeps no value of {unservable} at rest, and memmode can "
                             f"serve reads of a resting weight only for plain parameters and buffers; use a "
                             f"storage that keeps values at rest (ram, mmap) for this model"
                         )
-                self.session.flush()
+                session.flush()
         except BaseException:
-            if self.session is not None:
-                self.session.close()
+            if session is not None:
+                session.close()
             raise
         for group in stored:
             group.rest(group.at_rest)
-            self.rest_as_stand_ins(group)
-        for group in self.groups:
+            self.serving.rest_as_stand_ins(group)
+        for group in state.groups:
             if group.policy is Policy.RESIDENT:
-                self._onload_resident(group)
-        for name in self.components:
-            self._install_hooks(name)
-            self._note_placeholders(name)
-        self._install_edit_wrappers()
-        self._index_members()
+                self.moving.onload_resident(group)
+        for name in state.components:
+            self.forwards.install_hooks(name)
+            self.changes.note_placeholders(name)
+        self.forwards.install_edit_wrappers()
+        state.index_members()
         watch.watch(self)
 
     def _refuse_without_bytes(self, stored: list[Group]) -> None:
         """A tensor with no bytes of its own (a ``DTensor`` shard of FSDP2 or tensor parallelism, a library's
         wrapped tensor) can rest only where nothing is copied: under a storage that copies a resting weight's
         bytes (to a file, a slab, another device), it is refused before anything is stored or released."""
-        if self.session.zero_copy(self.device):
+        if self.state.session.zero_copy(self.state.device):
             return
         for group in stored:
             for slot in group.slots:
                 if not has_own_bytes(slot.tensor):
                     raise IncompatibleModeError(
                         f"{group.key}: {slot.name} is a {data_class(slot.tensor).__name__} (sharded by FSDP2 or "
-                        f"tensor parallelism, or a library's wrapped tensor), and storage {self._storage_name!r} "
-                        f"copies a resting weight's bytes, which such a tensor does not hold in one place. Leave it "
-                        f"in place with storage='ram' on a CPU device, leave its component out with unplaced=[...], "
-                        f"or offload it with the sharding library's own option (FSDP2's CPUOffloadPolicy)"
+                        f"tensor parallelism, or a library's wrapped tensor), and storage "
+                        f"{self.state.storage_name!r} copies a resting weight's bytes, which such a tensor does not "
+                        f"hold in one place. Leave it in place with storage='ram' on a CPU device, leave its component "
+                        f"out with unplaced=[...], or offload it with the sharding library's own option (FSDP2's "
+                        f"CPUOffloadPolicy)"
                     )
+
+    def refresh(self) -> None:
+        """Take every weight from the model as it is now (for edits memmode cannot notice).
+
+        A group resident on the device right now may have been edited there: its device copy is
+        what is taken, not the stored one.
+        """
+        with self.state.lock:
+            self._refresh()
+
+    @raw_access
+    def _refresh(self) -> None:
+        self.moving.synchronize()
+        for name in self.state.components:
+            self.moving.bring_back(name)
+            self.forwards.rebuild(name, keep_parts=False)
 
     def remove(self) -> None:
         """Unhook, and leave every weight in ordinary CPU memory.
@@ -156,41 +236,40 @@ class Runtime(Forwards, Changes, Moving, Serving):
         a broken file — and one :class:`RestoreError` names all of them once everything else is
         undone (hooks off, storage closed).
         """
-        with self.lock:
+        with self.state.lock:
             self._remove()
 
     @raw_access
     def _remove(self) -> None:
+        state, streams = self.state, self.state.streams
         watch.unwatch(self)
-        self._remove_all_hooks()
-        if self._async:
-            self.streams.synchronize(self.device)
+        self.forwards.remove_all_hooks()
+        self.moving.synchronize()
         failed: dict[str, str] = {}
-        for group in self.groups:
+        for group in state.groups:
             try:
                 if group.policy is Policy.RESIDENT:
-                    group.assign({n: self.streams.to_host(t) for n, t in group.tensors().items()})
+                    group.assign({n: streams.to_host(t) for n, t in group.tensors().items()})
                 else:
-                    restored = self._restore(group)
-                    restored.update(self._replaced_since(group, restored))
+                    restored = self.changes.restore(group)
+                    restored.update(self.changes.replaced_since(group, restored))
                     group.assign(restored)
-                    self._restore_replacements(group, restored)
+                    self.changes.restore_replacements(group, restored)
             except Exception as exc:  # noqa: BLE001 - every failure is reported, after the other groups
                 failed[group.key] = str(exc) or type(exc).__name__
                 group.assign({s.name: placeholder(s.tensor.data) for s in group.slots})
-                self.rest_lost(group, failed[group.key])
+                self.serving.rest_lost(group, failed[group.key])
             else:
-                self.wake_all(group)
+                self.serving.wake_all(group)
             finally:
                 group.at_rest = {}  # the storage's copies (a file mapping, pinned memory) go with the session
                 if group.resident:
                     group.resident = False
                     group.ready_event = None
-                    self.ledger.offloaded(group.nbytes, 0.0)
-        for resident in self._resident.values():
-            resident.clear()
-        self._removed_runtime = True
-        if self.session is not None:
-            self.session.close()
+                    state.ledger.offloaded(group.nbytes, 0.0)
+        self.moving.forget_resident()
+        state.removed = True
+        if state.session is not None:
+            state.session.close()
         if failed:
             raise RestoreError(failed)

@@ -21,7 +21,7 @@ import torch
 
 from memmode_core.contracts.storage import Tensors
 from memmode_core.engine.streams import active
-from memmode_core.files.layout import FileLayout
+from memmode_core.files.file_layout import FileLayout
 
 CHUNK_BYTES = 16 << 20
 CHUNKS = 2

@@ -11,7 +11,7 @@ Two mechanisms, both cheap enough for the hot path:
   ``remove()`` is still freed.
 - At each component call the engine checks that every tensor it tracks is still the one
   registered on its module and, for offloaded tensors, still holds the at-rest data it gave it
-  (``tensor.data = other`` is a replacement). See :meth:`Runtime.changed`.
+  (``tensor.data = other`` is a replacement). See :meth:`Changes.changed <memmode_core.engine.changes.Changes.changed>`.
 
 A registration that would make a value computed from an offloaded placeholder a weight (a model's
 ``to()`` override building ``nn.Parameter(self.mean.to(device))`` while ``mean`` rests on disk) is
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memmode_core.engine.standin_values import registered_value
+from memmode_core.engine.standins.values import registered_value
 
 #: Methods (of pipelines, diffusers models and transformers models) that add, remove or rewrite
 #: weights. memmode offloads the component before them and rebuilds its groups after them.
@@ -71,7 +71,7 @@ _lock = threading.Lock()
 
 def _notify(module: nn.Module, name: str, value: Any) -> Any:
     """Tell every live runtime of a registration; a stand-in registered as a weight is registered as a plain
-    tensor holding its value instead (:func:`~memmode_core.engine.standin_values.registered_value`), which is what
+    tensor holding its value instead (:func:`~memmode_core.engine.standins.values.registered_value`), which is what
     this returns (PyTorch registers a hook's return value in place of the given one)."""
     replacement = registered_value(value)
     if replacement is not None:

@@ -9,8 +9,8 @@ one job each (lowest first; each imports only those before it):
   fuse an adapter into packed weights (``refuse_fusing_packed``);
 - ``sizes``: sizes of tensors and of packed tensors, learned from ``pack`` on meta tensors, and the check that
   a real ``pack`` keeps to them (``PackedSizes``, ``pack_checked``, ``component_bytes``);
-- ``standin``: what ``layer.weight`` reads as on a quantized layer, and in-place writes into it carried
-  through to the packed tensors (``WeightStandIn``);
+- (what ``layer.weight`` reads as on a quantized layer, ``WeightStandIn``, is a stand-in like the others:
+  :mod:`memmode_core.engine.standins.quantized`);
 - ``forward``: the class a packed layer takes to run, whose forward unpacks at call time
   (``QuantizedLinear``, ``install_forward``);
 - ``selection``: which layers are packed, which are kept at full precision and why, and the sizes that leads
@@ -19,12 +19,13 @@ one job each (lowest first; each imports only those before it):
   ``check`` and ``quantize`` that run a quantizer's override or these mechanics;
 - ``saved``: packed layers in files (a quantized checkpoint's metadata, quantizing while streaming).
 
-Callers import from this package. Beside the engine, above the contracts; neither imports the other.
+Callers import from this package. Beside the engine, above the contracts: it imports the engine's stand-ins
+(``engine/standins/``), whose quantized stand-in reads the packed record (``packed``): no cycle, a test checks.
 """
 
-from memmode_core.contracts.deprecation import moved_names, names_moved_to
+from memmode_core.contracts.deprecation import moved_names
 from memmode_core.contracts.quantizer import DEFAULT_EXCLUDE, OUTSIDE_BLOCKS, PAYLOAD
-from memmode_core.quantization import selection as _selection
+from memmode_core.engine.standins.quantized import WeightStandIn
 from memmode_core.quantization.forward import QuantizedLinear, install_forward, quantized_class
 from memmode_core.quantization.packed import (
     COMPUTE_DTYPES,
@@ -56,7 +57,6 @@ from memmode_core.quantization.selection import (
     select_layers,
 )
 from memmode_core.quantization.sizes import PackedSizes, component_bytes, pack_checked, tensor_bytes
-from memmode_core.quantization.standin import WeightStandIn
 
 __all__ = [
     # entry points: a quantizer's override, or core's mechanics
@@ -102,15 +102,4 @@ __all__ = [
 ]
 
 #: names this package's ``__all__`` listed before "plan" was kept for ``plan()``, served under their new names
-__getattr__ = moved_names(
-    __name__,
-    names_moved_to(
-        _selection,
-        renamed={
-            "QuantizationPlan": "LayerSelection",
-            "LayerPlan": "LayerDecision",
-            "plan_quantization": "select_layers",
-            "plan_layers": "decide_layers",
-        },
-    ),
-)
+__getattr__ = moved_names(__name__)

@@ -8,7 +8,7 @@ without knowing about them (the engine swaps the tensors' ``.data``), keeps ``is
 true (peft finds the layer to wrap a LoRA around), and stays traceable by ``torch.compile`` after ``apply``.
 A forward hook would have to mutate ``weight`` around each call, which neither FSDP nor compiled graphs
 tolerate; swapping the module for another object would orphan the placement's layout. The class also
-answers ``layer.weight`` with a memory-free stand-in (:mod:`memmode_core.quantization.standin`).
+answers ``layer.weight`` with a memory-free stand-in (:mod:`memmode_core.engine.standins.quantized`).
 
 The forward is installed apart from packing (:func:`install_forward`): a layer converted ahead for FSDP2,
 or loaded packed from a file, holds packed tensors and no forward until a mode installs one.
@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from memmode_core.contracts.quantizer import Quantizer
-from memmode_core.quantization.packed import PackedLayer, packed_record
-from memmode_core.quantization.standin import WeightStandInMixin
+from memmode_core.engine.standins.quantized import WeightStandInMixin
+from memmode_core.quantization.packed import PACKED_ATTRIBUTE, PackedLayer, packed_record
 
 
 class QuantizedLinear(WeightStandInMixin, nn.Linear):
@@ -32,11 +32,11 @@ class QuantizedLinear(WeightStandInMixin, nn.Linear):
     change, never by replacement. The matmul runs in the layer's compute dtype and the output comes
     back in the input's dtype, so a layer computing in bfloat16 drops into a float32 model; under
     autocast, the dtypes are autocast's business and nothing is cast here. ``weight`` reads as a
-    stand-in (:attr:`WeightStandInMixin.weight <memmode_core.quantization.standin.WeightStandInMixin.weight>`).
+    stand-in (:attr:`WeightStandInMixin.weight <memmode_core.engine.standins.quantized.WeightStandInMixin.weight>`).
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        record: PackedLayer = self._memmode_packed
+        record: PackedLayer = getattr(self, PACKED_ATTRIBUTE)
         dtype = record.compute_dtype
         weight = record.codec.unpack({name: getattr(self, name) for name in record.names}, record.shape, dtype)
         autocast = torch.is_autocast_enabled(input.device.type)

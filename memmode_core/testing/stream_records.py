@@ -18,7 +18,7 @@ import torch
 class Model(Protocol):
     """What a stream needs of its model (:class:`~memmode_core.testing.strict_streams.StrictStreams`)."""
 
-    def _stack(self) -> list[FakeStream]: ...
+    def entered(self) -> list[FakeStream]: ...
 
     def wait(self, stream: FakeStream, event: FakeEvent) -> None: ...
 
@@ -35,11 +35,11 @@ class FakeStream:
         self.waits: list[tuple[int, FakeEvent]] = []
 
     def __enter__(self) -> FakeStream:
-        self._model()._stack().append(self)
+        self._model().entered().append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        self._model()._stack().pop()
+        self._model().entered().pop()
 
     def wait_event(self, event: FakeEvent) -> None:
         self._model().wait(self, event)

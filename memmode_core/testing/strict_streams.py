@@ -126,14 +126,16 @@ class StrictStreams(Streams):
 
     # -- streams and events ------------------------------------------------------------------------------
 
-    def _stack(self) -> list[FakeStream]:
+    def entered(self) -> list[FakeStream]:
+        """The streams this thread is inside the ``with`` block of, innermost last (a stream enters and leaves
+        itself here)."""
         stack = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._local.stack = []
         return stack
 
     def _current(self) -> FakeStream:
-        stack = self._stack()
+        stack = self.entered()
         return stack[-1] if stack else self.compute
 
     def _label(self) -> str:

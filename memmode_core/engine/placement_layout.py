@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from memmode_core.contracts.errors import IncompatibleModeError
-from memmode_core.contracts.layout import GroupSpec, Policy, owns_tensors, whole_component
+from memmode_core.contracts.group_specs import GroupSpec, Policy, owns_tensors, whole_component
 from memmode_core.contracts.options import Options
 from memmode_core.contracts.placement import Placement
 from memmode_core.contracts.targets import Target

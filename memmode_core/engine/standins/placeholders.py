@@ -1,4 +1,4 @@
-"""Catching a placeholder that reaches a computation.
+"""Catching a placeholder that reaches a computation: the rule's safety net, for a tensor that is no stand-in.
 
 A storage that keeps nothing of an offloaded parameter in memory (``disk``) leaves a
 :func:`~memmode_core.contracts.storage.placeholder` in it: one NaN broadcast to the weight's shape.
@@ -22,6 +22,9 @@ Two tools catch it:
 
 On a CUDA device the same read is a device mismatch (the placeholder lives on the CPU), which the
 engine already reports as :class:`OffloadedWeightReadError`.
+
+A parameter or buffer resting on a placeholder is a stand-in, whose reads get the value (see the package
+docstring); these tools catch a raw placeholder that reaches a computation all the same.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ from torch.utils import _pytree as pytree
 from memmode_core.contracts.errors import OffloadedWeightReadError
 from memmode_core.contracts.storage import is_known_placeholder
 from memmode_core.engine.hooks import not_traced
-from memmode_core.engine.operations import METADATA
-from memmode_core.engine.standins import is_stand_in
+from memmode_core.engine.standins.classes import is_stand_in
+from memmode_core.engine.standins.dispatch import METADATA
 
 #: functions that read a tensor's metadata (shape, dtype, device, strides, address) or allocate a tensor like it,
 #: never its values: a placeholder may go through them (the stand-ins' table, and what the trap also lets a raw

@@ -1,9 +1,9 @@
 """A stand-in's value as a plain tensor, for code that needs it outside a torch function, and the typed errors
 when it has none or a write cannot go through.
 
-Most reads reach a value through the dispatch (:mod:`~memmode_core.engine.standin_dispatch`). Some need it
-directly: the engine writing a value through (:mod:`~memmode_core.engine.serving`), a quantized weight
-dequantized from its packed tensors (:mod:`~memmode_core.quantization.standin`), a stand-in registered as a
+Most reads reach a value through the dispatch (:mod:`~memmode_core.engine.standins.dispatch`). Some need it
+directly: the engine writing a value through (:mod:`~memmode_core.engine.standins.slots`), a quantized weight
+dequantized from its packed tensors (:mod:`~memmode_core.engine.standins.quantized`), a stand-in registered as a
 parameter (:func:`registered_value`), and **pickling and copying** (``torch.save``, ``copy.deepcopy``), which
 hold the value as a plain tensor or parameter, so nothing memmode-specific is ever written to disk.
 
@@ -19,8 +19,7 @@ import torch
 from torch import nn
 
 from memmode_core.contracts.errors import OffloadedWeightReadError, OffloadedWeightWriteError
-from memmode_core.engine.sources import Reader
-from memmode_core.engine.standins import PLAIN_CLASS, ServedView, StandIn, is_stand_in, source_of
+from memmode_core.engine.standins.classes import PLAIN_CLASS, Reader, ServedView, StandIn, is_stand_in, source_of
 
 _DISABLE = torch._C.DisableTorchFunctionSubclass
 

@@ -1,4 +1,4 @@
-"""Stand-ins: what a tensor is while its value is elsewhere, and which tensors rest as one.
+"""What a stand-in is, which tensors rest as one, and what serves it.
 
 Two things in memmode hold a tensor whose values are not where torch would read them:
 
@@ -9,42 +9,127 @@ Two things in memmode hold a tensor whose values are not where torch would read 
   ``nn.Parameter`` when its group is onloaded, so a forward computes with plain tensors and pays
   nothing;
 * a quantized layer's ``weight``, which does not exist at full precision
-  (:class:`~memmode_core.quantization.standin.WeightStandIn`).
+  (:class:`~memmode_core.engine.standins.quantized.WeightStandIn`).
 
-The rule for both, by construction: **a read of a value gets the real value, or a typed error**,
-whichever code reads it — a parent module (``nn.MultiheadAttention`` reading ``out_proj.weight``, an
-attention pool concatenating ``q_proj.bias``), ``state_dict()`` and ``save_pretrained``, ``deepcopy``,
-``torch.save``, a script printing a weight. This module is the classes and which tensors rest as them (the
-engine swaps a resting tensor's class and registers what serves it); every torch function given a stand-in
-goes to :mod:`~memmode_core.engine.standin_dispatch`, and its value as a plain tensor, its pickles and copies
-and the errors when it has none are :mod:`~memmode_core.engine.standin_values`.
+This module is the classes, which tensors rest as them (the engine swaps a resting tensor's class and
+registers what serves it), and the two objects every served read passes around: a :class:`Source` (where a
+stand-in's value comes from: a runtime's resting slot, :mod:`~memmode_core.engine.standins.slots`, or a
+quantized layer, :mod:`~memmode_core.engine.standins.quantized`) and a :class:`Reader` (one read, and the code
+that made it). What a torch function given a stand-in does is :mod:`~memmode_core.engine.standins.dispatch`.
 
 The dispatch makes stand-ins, so it imports this module, and this one cannot import it back: the classes
 hand each torch function, pickle and deep copy to three hooks, set once by :func:`serve_with` when the
-dispatch is imported — by ``memmode_core.engine`` itself, so before any stand-in exists. A call looks its
-hook up as a module global, as it looked the dispatch up before the split: nothing more per call.
-
-Every value served outside the forward that owns it is counted in the handle's report
-(``reads_served``, ``bytes_served``); ``apply(..., strict=True)`` turns it into
-:class:`~memmode_core.contracts.errors.StandInReadError` naming the tensor and the code that read it.
+dispatch is imported — by the package ``memmode_core.engine.standins`` itself, so before any stand-in exists.
+A call looks its hook up as a module global: nothing more per call.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from memmode_core.engine.sources import Source
-
 _DISABLE = torch._C.DisableTorchFunctionSubclass
+
+
+# -- what serves a stand-in, and who reads it ------------------------------------------------------------
+
+
+class Source:
+    """Where a stand-in's value comes from: one offloaded slot, or one quantized layer's weight.
+
+    ``name`` is what messages call it (``transformer.blocks.0.attn.out_proj.weight``), ``what`` how it
+    is held (``offloaded to disk``, ``quantized (fp8_e4m3 rows)``). A source is alive while what it
+    stands in for is; ``value`` and ``write`` raise a typed error once it is not (the layer is gone, the
+    placement removed and the stored copy lost).
+    """
+
+    name: str = "a tensor"
+    what: str = "held elsewhere"
+
+    def value(self, reader: Reader) -> torch.Tensor:
+        """The real value, for the read ``reader`` describes (counted, or refused under ``strict``)."""
+        raise NotImplementedError
+
+    def usable(self, reader: Reader) -> torch.Tensor | None:
+        """A tensor to compute with as it is, or None when the value must be served: a resting tensor whose
+        data holds the real values where the reader computes (a host copy read outside any call: nothing
+        is counted), or one onloaded into the call that is running (counted)."""
+        return None
+
+    def replaced(self) -> None:
+        """The resting tensor was given other data from outside (``p.data = x``, ``module.to(dtype)``): it no
+        longer rests, and what it holds now is stored at the component's next call."""
+
+    def make_writable(self) -> torch.Tensor:
+        """The tensor that stands in, made to hold memory that a write may change in place and that the model
+        keeps (for a write memmode carries through: re-quantizing a layer's packed tensors)."""
+        raise NotImplementedError
+
+    def write(self, func, name: str, args: tuple, kwargs: dict, target: torch.Tensor) -> Any:
+        """Apply the in-place write ``func(*args, **kwargs)`` aimed at ``target`` (a stand-in of this source)
+        to what the source stands in for; return what the write returns on a plain tensor."""
+        raise NotImplementedError
+
+    def same(self, other: Source) -> bool:
+        return other is self
+
+
+class Reader:
+    """Who is reading: the torch function, and — found only when needed, by walking the stack — the code
+    that called it (for ``strict`` errors) and the module whose forward is running (the reader a group is
+    learned for)."""
+
+    __slots__ = ("operation", "frame", "counted")
+
+    def __init__(self, operation: str, frame, *, counted: bool = True) -> None:
+        self.operation = operation
+        #: the frame of the torch function's caller (None: no stack to walk)
+        self.frame = frame
+        #: False for a read memmode makes on behalf of another (a packed tensor read to dequantize a weight,
+        #: which is what is counted)
+        self.counted = counted
+
+    def code(self) -> str:
+        """``path:line in function`` of the first frame outside torch and memmode, or the operation."""
+        frame = self.frame
+        while frame is not None:
+            filename = frame.f_code.co_filename
+            if not _is_machinery(filename):
+                return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+            frame = frame.f_back
+        return self.operation
+
+    def module(self, belongs: Callable[[nn.Module], bool]) -> nn.Module | None:
+        """The innermost module whose ``forward`` is running and for which ``belongs`` is true."""
+        frame = self.frame
+        while frame is not None:
+            if frame.f_code.co_name == "forward":
+                owner = frame.f_locals.get("self")
+                if isinstance(owner, nn.Module) and belongs(owner):
+                    return owner
+            frame = frame.f_back
+        return None
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+#: memmode_core/ (this file is memmode_core/engine/standins/classes.py)
+_MEMMODE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+
+
+def _is_machinery(filename: str) -> bool:
+    return filename.startswith((_TORCH_DIR, _MEMMODE_DIR)) or filename.startswith("<")
+
+
 # -- the hooks ------------------------------------------------------------------------------------------
 
 
 def _not_served(*args, **kwargs):
-    raise RuntimeError("a stand-in was used before memmode_core.engine.standin_dispatch was imported")
+    raise RuntimeError("a stand-in was used before memmode_core.engine.standins.dispatch was imported")
 
 
 #: what the classes hand on: every torch function, pickle and deep copy (see the module docstring)
@@ -56,7 +141,7 @@ _copy: Callable = _not_served
 def serve_with(dispatch: Callable, reduce: Callable, copy: Callable) -> None:
     """Set the hooks: ``dispatch(func, args, kwargs)`` for every torch function given a stand-in,
     ``reduce(tensor, protocol)`` for its pickles and ``copy(tensor, memo)`` for its deep copies. Called once, by
-    :mod:`~memmode_core.engine.standin_dispatch` as it is imported."""
+    :mod:`~memmode_core.engine.standins.dispatch` as it is imported."""
     global _dispatch, _reduce, _copy
     _dispatch, _reduce, _copy = dispatch, reduce, copy
 
@@ -188,6 +273,19 @@ def lazy(raw: torch.Tensor, source: Source, cls: type[StandIn] = StandIn) -> Sta
         stand_in = raw.as_subclass(cls)
     stand_in._memmode_source = source
     return stand_in
+
+
+def served_view(value: torch.Tensor, source: Source | None) -> ServedView:
+    """``value`` (real values, served for one read) as a :class:`ServedView` of ``source``: reads are plain, writes
+    are refused."""
+    view = value.as_subclass(ServedView)
+    view._memmode_source = source
+    return view
+
+
+def serve_by_default(cls: type[StandIn], source: Source) -> None:
+    """What a stand-in of ``cls`` made by hand (``t.as_subclass(cls)``, not through :func:`lazy`) serves."""
+    cls._memmode_source = source
 
 
 def raw_reads():

@@ -5,14 +5,16 @@ diffusers' LoRA loaders check its shape, peft casts an adapter to its dtype and 
 code casts activations to it, a parent module computes with it (``nn.MultiheadAttention`` passes
 ``out_proj.weight`` to ``F.multi_head_attention_forward``, an attention pool ``q_proj.weight``), ``state_dict()``
 holds it — and some writes into one in place (merging a LoRA: VideoX-Fun's ``weight.data += delta``). The layer
-answers ``weight`` with a :class:`WeightStandIn`: a lazy stand-in (:mod:`memmode_core.engine.standins`) with
+answers ``weight`` with a :class:`WeightStandIn`: a lazy stand-in (:func:`~.classes.lazy`) with
 the full-precision shape, the compute dtype and the packed tensors' device, holding no memory. Its metadata
 is free; a read of its values gets the weight dequantized from the packed tensors as they are now (onloaded
 into the running call if they rest offloaded), counted in the handle's report and refused under
 ``strict=True``; a write into it is a write into the layer — dequantize, write, quantize again — or a refusal
 before anything changes. The layer's own forward never reads it.
 :class:`WeightStandInMixin` is the part of the packed layer's class that answers ``weight`` (and keeps state
-dicts consistent with it); the dequantizing forward itself is in :mod:`memmode_core.quantization.forward`.
+dicts consistent with it); the dequantizing forward itself is in :mod:`memmode_core.quantization.forward`,
+and the packed tensors' record in :mod:`memmode_core.quantization.packed` (both layer 1, as the engine: this
+module is the stand-ins' side of a packed layer, kept with the other stand-ins).
 """
 
 from __future__ import annotations
@@ -25,9 +27,18 @@ from torch import nn
 
 from memmode_core.contracts.errors import QuantizedWeightWriteError
 from memmode_core.contracts.quantizer import Quantizer
-from memmode_core.engine import standins, watch
-from memmode_core.engine.sources import Reader, Source
-from memmode_core.engine.standin_values import value_of, writable
+from memmode_core.engine import watch
+from memmode_core.engine.groups import module_path
+from memmode_core.engine.standins.classes import (
+    Reader,
+    Source,
+    StandIn,
+    is_stand_in,
+    lazy,
+    serve_by_default,
+    source_of,
+)
+from memmode_core.engine.standins.values import value_of, writable
 from memmode_core.quantization.packed import PackedLayer, is_dtensor, packed_record
 from memmode_core.quantization.sizes import PackedSizes, pack_checked
 
@@ -44,11 +55,11 @@ class WeightStandInMixin:
         docstring). State dicts carry it under ``weight`` too (diffusers' LoRA loaders look the weight up
         there); loading it back, or the dequantized values a saved state dict holds, is a no-op; loading
         another full-precision weight into the layer is an error."""
-        record: PackedLayer = self._memmode_packed
+        record: PackedLayer = packed_record(self)
         payload = self.weight_packed
         with torch._C.DisableTorchFunctionSubclass():
             nan = torch.full((), float("nan"), dtype=record.compute_dtype, device=payload.device).expand(record.shape)
-        return standins.lazy(nan, PackedWeight(self), WeightStandIn)
+        return lazy(nan, PackedWeight(self), WeightStandIn)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # ``<layer>.weight`` stays in state dicts, as the stand-in: diffusers' LoRA loaders look a
@@ -65,7 +76,7 @@ class WeightStandInMixin:
             if not self._holds(incoming):
                 error_msgs.append(
                     f"{key}: cannot load a full-precision weight into a layer quantized with "
-                    f"{self._memmode_packed.format}; load the weights before applying the mode"
+                    f"{packed_record(self).format}; load the weights before applying the mode"
                 )
             state_dict.pop(key)
         super()._load_from_state_dict(
@@ -75,9 +86,9 @@ class WeightStandInMixin:
     def _holds(self, incoming: torch.Tensor) -> bool:
         """Whether ``incoming`` is what this layer's ``weight`` is: a stand-in (what ``_save_to_state_dict``
         wrote), or the dequantized values a saved state dict holds (``torch.save(model.state_dict())``)."""
-        if standins.is_stand_in(incoming):
+        if is_stand_in(incoming):
             return True
-        record: PackedLayer = self._memmode_packed
+        record: PackedLayer = packed_record(self)
         if tuple(incoming.shape) != tuple(record.shape):
             return False
         try:
@@ -88,7 +99,7 @@ class WeightStandInMixin:
             return bool(torch.equal(incoming.to(device=current.device, dtype=current.dtype), current))
 
 
-class WeightStandIn(standins.StandIn):
+class WeightStandIn(StandIn):
     """The type of :attr:`WeightStandInMixin.weight`: a lazy stand-in whose value is the dequantized weight.
 
     A read of its values dequantizes the packed weight (``codec.unpack``) into the compute dtype, on the
@@ -185,7 +196,7 @@ def _no_layer() -> None:
 
 
 #: what a stand-in made by hand (``t.as_subclass(WeightStandIn)``) serves: nothing, and every write says so
-WeightStandIn._memmode_source = PackedWeight(None)
+serve_by_default(WeightStandIn, PackedWeight(None))
 
 
 def _readable(source: PackedWeight, name: str, key: str, tensor: torch.Tensor | None) -> torch.Tensor:
@@ -200,17 +211,14 @@ def _readable(source: PackedWeight, name: str, key: str, tensor: torch.Tensor | 
 
 
 def _path_of(layer: nn.Module) -> str | None:
-    for runtime in watch.live_runtimes():
-        if id(layer) in runtime._member_of:
-            from memmode_core.engine.groups import module_path
-
-            return f"{module_path(runtime.components, layer)}.weight"
-    return None
+    runtime = _runtime_of(layer)
+    return f"{module_path(runtime.components, layer)}.weight" if runtime is not None else None
 
 
 def _runtime_of(layer: nn.Module):
+    """The live runtime placing the component ``layer`` belongs to, if any."""
     for runtime in watch.live_runtimes():
-        if id(layer) in runtime._member_of:
+        if runtime.component_of(layer) is not None:
             return runtime
     return None
 
@@ -239,9 +247,9 @@ def _write_through(source: PackedWeight, target: torch.Tensor, func, name: str, 
         full = codec.unpack(dict(current), record.shape, work_dtype).to(work_dtype, copy=True).contiguous()
 
     def operand(value):
-        if value is target or (isinstance(value, standins.StandIn) and source.same(standins.source_of(value))):
+        if value is target or (isinstance(value, StandIn) and source.same(source_of(value))):
             return full
-        if standins.is_stand_in(value):  # another weight (or a part of this one): its value, read now
+        if is_stand_in(value):  # another weight (or a part of this one): its value, read now
             return value_of(value, name)
         return value
 

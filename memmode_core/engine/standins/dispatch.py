@@ -1,25 +1,28 @@
 """How every torch function given a stand-in is served: the routing behind the stand-ins' ``__torch_function__``.
 
-Every torch function given a stand-in (:mod:`~memmode_core.engine.standins`) comes through :func:`dispatch`,
-which sorts it by the tables of :mod:`~memmode_core.engine.operations` into one of three kinds:
+Every torch function given a stand-in (:mod:`~memmode_core.engine.standins.classes`) comes through
+:func:`dispatch`, which sorts it by the tables below (the names torch's ``__torch_function__`` protocol passes:
+a method's name, ``__get__:shape`` for a property's getter) into one of three kinds:
 
 * **metadata** (shape, dtype, device, strides, ``data_ptr``, ``*_like`` allocations): answered from the
-  stand-in itself, free, as before. ``detach()``, ``.data`` and views of the whole stay lazy stand-ins of
-  the same value (``state_dict()`` holds them without reading anything);
+  stand-in itself, free. ``detach()``, ``.data`` and views of the whole stay lazy stand-ins of the same value
+  (``state_dict()`` holds them without reading anything). A function not listed as metadata reads values, so a
+  new torch function is served, never handed a placeholder;
 * **a read** of values (any other function): each stand-in among the arguments is replaced by its value
-  (:meth:`Source.value`: onloaded into the running call, read from the storage, or dequantized), the
-  function runs on plain tensors, and a result that is a view of a value read for it is a
-  :class:`~memmode_core.engine.standins.ServedView`, whose reads are plain and whose writes are refused (a
-  write into a temporary copy would be lost without a word);
+  (:meth:`Source.value <memmode_core.engine.standins.classes.Source.value>`: onloaded into the running call,
+  read from the storage, or dequantized), the function runs on plain tensors, and a result that is a view of a
+  value read for it is a :class:`~memmode_core.engine.standins.classes.ServedView`, whose reads are plain and
+  whose writes are refused (a write into a temporary copy would be lost without a word);
 * **a write** into a stand-in (``p.copy_(x)``, ``p.data += d``, ``p[...] = x``, ``out=p``): written
   through to what it stands in for (:meth:`Source.write`: an offloaded weight gets its own memory and
   is stored again at the component's next call; a quantized weight is dequantized, written and
   quantized again), or refused with a typed error before anything changes (a write into part of a
   lazy stand-in, which cannot be located).
 
-Pickling and copying, the fourth kind, are :mod:`~memmode_core.engine.standin_values`. Importing this module
-sets the stand-in classes' hooks (:func:`~memmode_core.engine.standins.serve_with`) to :func:`dispatch` and
-those two; ``memmode_core.engine`` imports it, so no stand-in is ever used without them.
+Pickling and copying, the fourth kind, are :mod:`~memmode_core.engine.standins.values`. Importing this module
+sets the stand-in classes' hooks (:func:`~memmode_core.engine.standins.classes.serve_with`) to :func:`dispatch`
+and those two; the package ``memmode_core.engine.standins`` imports it, so no stand-in is ever used without
+them.
 """
 
 from __future__ import annotations
@@ -30,19 +33,122 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from memmode_core.engine.operations import (
-    CONVERSIONS,
-    METADATA,
-    VALUE_PROPERTIES,
-    WHOLE_VIEWS,
-    operation_name,
-    writes,
+from memmode_core.engine.standins.classes import (
+    Reader,
+    ServedView,
+    StandIn,
+    forget,
+    is_stand_in,
+    lazy,
+    raw,
+    serve_with,
+    served_view,
+    source_of,
 )
-from memmode_core.engine.sources import Reader, Source
-from memmode_core.engine.standin_values import gone, plain_copy, plain_reduction, refusal, value_of
-from memmode_core.engine.standins import ServedView, StandIn, forget, is_stand_in, lazy, raw, serve_with, source_of
+from memmode_core.engine.standins.values import gone, plain_copy, plain_reduction, refusal, value_of
 
 _DISABLE = torch._C.DisableTorchFunctionSubclass
+
+# -- the tables ----------------------------------------------------------------------------------------------
+
+#: functions that read a tensor's metadata or allocate a tensor like it, never its values
+METADATA = frozenset(
+    {
+        "size",
+        "dim",
+        "ndimension",
+        "numel",
+        "nelement",
+        "stride",
+        "storage_offset",
+        "data_ptr",
+        "element_size",
+        "is_floating_point",
+        "is_complex",
+        "is_contiguous",
+        "is_signed",
+        "is_pinned",
+        "is_shared",
+        "is_inference",
+        "is_set_to",
+        "untyped_storage",
+        "_typed_storage",
+        "storage",
+        "get_device",
+        "__len__",
+        "__hash__",
+        "zeros_like",
+        "ones_like",
+        "empty_like",
+        "full_like",
+        "rand_like",
+        "randn_like",
+        "new_zeros",
+        "new_ones",
+        "new_empty",
+        "new_full",
+        "new_tensor",
+        "requires_grad_",
+        "retain_grad",
+        "register_hook",
+        "share_memory_",
+        "_has_compatible_shallow_copy_type",
+        "dim_order",
+    }
+)
+#: properties whose getter gives a view of the values, not metadata
+VALUE_PROPERTIES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
+#: functions whose result, with the source's shape and dtype, is the whole source again: a lazy stand-in
+WHOLE_VIEWS = frozenset({"detach", "alias", "view", "view_as", "reshape", "reshape_as", "expand_as"})
+#: conversions that return the tensor itself when nothing changes (``t.to(t.dtype) is t``)
+CONVERSIONS = frozenset({"to", "type", "float", "double", "half", "bfloat16", "cpu", "cuda", "type_as"})
+#: in-place methods that change no values
+HARMLESS_IN_PLACE = frozenset({"requires_grad_", "share_memory_", "retain_grad", "detach_"})
+#: in-place Python operators and item assignment
+WRITING_DUNDERS = frozenset(
+    {
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__itruediv__",
+        "__ifloordiv__",
+        "__imod__",
+        "__ipow__",
+        "__imatmul__",
+        "__iand__",
+        "__ior__",
+        "__ixor__",
+        "__ilshift__",
+        "__irshift__",
+        "__setitem__",
+    }
+)
+
+
+def operation_name(func) -> str:
+    """The name the tables use: ``add_``, ``__get__:shape``, ``__set__:data``."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):
+        prop = getattr(getattr(func, "__self__", None), "__name__", "")
+        return f"{name}:{prop}"
+    return name
+
+
+def writes(name: str, args: tuple, kwargs: dict, is_target) -> bool:
+    """Whether the function called ``name`` writes into a tensor ``is_target`` says is a stand-in: an in-place
+    method or operator on it, or ``out=`` it."""
+    out = kwargs.get("out")
+    if out is not None:
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if any(is_target(o) for o in outs):
+            return True
+    in_place = name in WRITING_DUNDERS or (
+        name.endswith("_") and not name.startswith("_") and name not in HARMLESS_IN_PLACE
+    )
+    return in_place and bool(args) and is_target(args[0])
+
+
+# -- the routing ---------------------------------------------------------------------------------------------
 
 
 def dispatch(func, args=(), kwargs=None):
@@ -82,10 +188,10 @@ def _data(tensor: torch.Tensor) -> torch.Tensor:
     """``t.data``: for a resting tensor, its data if it holds real values (or once onloaded into the running
     call), else a lazy stand-in of the same source; a lazy stand-in answers itself (whole)."""
     if isinstance(tensor, StandIn):
-        return lazy(raw(tensor), tensor._memmode_source, type(tensor))
+        return lazy(raw(tensor), source_of(tensor), type(tensor))
     if isinstance(tensor, ServedView):
         with _DISABLE():
-            return _guard(tensor.data, tensor._memmode_source)
+            return served_view(tensor.data, source_of(tensor))
     source = source_of(tensor)
     if source is None:
         raise gone(tensor)
@@ -241,16 +347,10 @@ def _guard_aliases(result, served: list[torch.Tensor], args: tuple):
             and not value.is_meta
             and value.untyped_storage().data_ptr() in pointers
         ):
-            return _guard(value, source)
+            return served_view(value, source)
         return value
 
     return pytree.tree_map(guard, result)
-
-
-def _guard(value: torch.Tensor, source: Source | None) -> ServedView:
-    view = value.as_subclass(ServedView)
-    view._memmode_source = source
-    return view
 
 
 serve_with(dispatch, plain_reduction, plain_copy)
