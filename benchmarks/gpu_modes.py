@@ -110,11 +110,11 @@ def predict(prepared, traces, device) -> dict:
     from memmode_core.planning.timing import compute_rate, group_flops
 
     entry = price(prepared, ["module"], traces)
-    flops = sum(group_flops(prepared._groups, prepared._target.components, traces).values())
+    flops = sum(group_flops(prepared.internal.groups, prepared.internal.target.components, traces).values())
     return {
         "predicted_step_s": flops / compute_rate(device) + entry.seconds_per_call,
         "predicted_peak_gib": (entry.peak_device_bytes + traces["module"].activation_peak) / 2**30,
-        "budget_gib": prepared._residency.budget / 2**30,
+        "budget_gib": prepared.internal.residency.budget / 2**30,
         # kernels whose workspace on this device the prediction leaves out (cuDNN's, for the patch embedding)
         "unmodelled_workspace": sorted(traces["module"].unmodelled),
     }

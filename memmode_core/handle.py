@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from memmode_core.contracts.targets import HANDLE_ATTRIBUTE
 from memmode_core.engine import pipeline_hooks
 from memmode_core.engine.ledger import Ledger, Report, clock
 from memmode_core.engine.runtime import Runtime
@@ -16,9 +17,6 @@ from memmode_core.planning.prepared import Prepared
 from memmode_core.quantization import is_quantized
 
 logger = logging.getLogger("memmode")
-
-#: attribute set on a pipeline / module (and on each placed component) that points to its handle
-HANDLE_ATTRIBUTE = "_memmode_handle"
 
 
 class Handle:
@@ -46,50 +44,52 @@ class Handle:
         self.notes = prepared.notes
         #: what ``load`` did on the way (see :attr:`Report.loading`); empty after ``apply``
         self.loading: dict[str, Any] = {}
-        self._runtime = runtime
-        self._ledger = ledger
+        #: the engine serving the mode, and its counts (memmode's own objects: no compatibility promise)
+        self.runtime = runtime
+        self.ledger = ledger
         self._removed = False
         self._guards: list = []
 
     @property
     def target(self) -> Any:
-        return self.prepared._target.obj
+        return self.prepared.internal.target.obj
 
     @property
-    def _components(self) -> dict:
-        return self.prepared._target.components
+    def components(self) -> dict:
+        """Component name -> the module the mode places."""
+        return self.prepared.internal.target.components
 
     @property
     def active(self) -> bool:
         return not self._removed
 
     def report(self) -> Report:
-        session = self._runtime.session
+        session = self.runtime.session
         return Report(
             mode=self.mode,
             storage=self.storage,
             device=str(self.device),
-            peak_device_bytes=self._ledger.peak,
-            resident_device_bytes=self._ledger.resident,
-            bytes_transferred=self._ledger.transferred,
-            transfer_seconds=self._ledger.seconds,
-            onloads=self._ledger.onloads,
-            offloads=self._ledger.offloads,
+            peak_device_bytes=self.ledger.peak,
+            resident_device_bytes=self.ledger.resident,
+            bytes_transferred=self.ledger.transferred,
+            transfer_seconds=self.ledger.seconds,
+            onloads=self.ledger.onloads,
+            offloads=self.ledger.offloads,
             storage_bytes=session.stats() if session is not None else {},
             quantization={name: _as_dict(summary) for name, summary in self.quantized.items()},
-            component_calls={name: self._runtime.calls.count(name) for name in self._components},
-            call_sequence=list(self._runtime.calls),
+            component_calls={name: self.runtime.calls.count(name) for name in self.components},
+            call_sequence=list(self.runtime.calls),
             placement_notes=dict(self.notes),
             loading=dict(self.loading),
-            reads_served=self._ledger.reads_served,
-            bytes_served=self._ledger.bytes_served,
-            served=dict(self._ledger.served_names),
+            reads_served=self.ledger.reads_served,
+            bytes_served=self.ledger.bytes_served,
+            served=dict(self.ledger.served_names),
         )
 
     def reset_stats(self) -> None:
         """Start counting afresh (the peak restarts from what is resident now)."""
-        self._ledger.reset_peak()
-        self._runtime.calls.clear()
+        self.ledger.reset_peak()
+        self.runtime.calls.clear()
 
     def refresh(self) -> None:
         """Take every weight from the model as it is now.
@@ -99,7 +99,7 @@ class Handle:
         transformers. What it cannot notice is a write into a tensor's existing memory
         (``module.weight.data.mul_(2)``, ``copy_``): call this after such edits.
         """
-        self._runtime.refresh()
+        self.runtime.refresh()
 
     def save(self, path) -> Any:
         """Save the target quantized, as it is now (see :func:`memmode_core.save_quantized`); ``load(path,
@@ -110,29 +110,38 @@ class Handle:
 
     def start_trace(self) -> None:
         """Record resident device bytes after every onload and offload from now on (see :meth:`trace`)."""
-        self._ledger.trace = [(clock(), self._ledger.resident)]
+        self.ledger.trace = [(clock(), self.ledger.resident)]
 
     def trace(self) -> list[tuple[float, int]]:
         """``(seconds since start_trace, resident device bytes)`` samples; empty when not tracing."""
-        samples = self._ledger.trace
+        samples = self.ledger.trace
         if not samples:
             return []
-        samples = [*samples, (clock(), self._ledger.resident)]  # "until now": a flat trace has two points
+        samples = [*samples, (clock(), self.ledger.resident)]  # "until now": a flat trace has two points
         return [(t - samples[0][0], b) for t, b in samples]
 
-    def _attach(self) -> None:
+    def put_back(self, prepared: Prepared, runtime: Runtime, ledger: Ledger) -> None:
+        """Make this removed handle active again with the engine installed for ``prepared`` (its plan prepared
+        again): what a refused re-apply does to the mode it had taken off (:mod:`memmode_core.handover`)."""
+        if not self._removed:
+            raise RuntimeError(f"{self!r} is active: only a removed handle is put back")
+        self.prepared, self.runtime, self.ledger = prepared, runtime, ledger
+        self._removed = False
+        self.attach()
+
+    def attach(self) -> None:
         """Mark the target and its placed components as placed by this handle."""
-        is_pipeline = self.prepared._target.is_pipeline
+        is_pipeline = self.prepared.internal.target.is_pipeline
         if is_pipeline:
-            pipeline_hooks.install(self._components, self.device, self.remove)
+            pipeline_hooks.install(self.components, self.device, self.remove)
         self._guards = pipeline_hooks.install_guards(
             self.target if is_pipeline else None,
-            self._components,
+            self.components,
             self.mode,
-            self._runtime.end_call,
+            self.runtime.end_call,
             quantized=is_quantized,
         )
-        for obj in [self.target, *self._components.values()]:
+        for obj in [self.target, *self.components.values()]:
             setattr(obj, HANDLE_ATTRIBUTE, self)
 
     def remove(self) -> None:
@@ -146,12 +155,12 @@ class Handle:
             return
         self._removed = True
         try:
-            self._runtime.remove()
+            self.runtime.remove()
         finally:
             pipeline_hooks.remove_guards(self._guards)
-            pipeline_hooks.uninstall(self._components)
+            pipeline_hooks.uninstall(self.components)
             target = self.target
-            for obj in [target, *self._components.values()]:
+            for obj in [target, *self.components.values()]:
                 if obj is not None and getattr(obj, HANDLE_ATTRIBUTE, None) is self:
                     delattr(obj, HANDLE_ATTRIBUTE)
         if self.quantized:

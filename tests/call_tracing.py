@@ -1,7 +1,8 @@
 """Where ``apply``'s mode goes: the modules the request passes through, and every call up a layer.
 
-``trace_apply(pipe, mode)`` runs ``apply`` under ``sys.setprofile``; ``tests/test_call_path.py`` checks what it
-finds and ``benchmarks/call_path.py`` prints it. Two things are counted:
+``trace_apply(pipe, mode)`` runs ``apply`` (``trace_load(folder, mode)``: ``load``) under ``sys.setprofile``;
+``tests/test_call_path.py`` checks what it finds and ``benchmarks/call_path.py`` prints it. Two things are
+counted (and :func:`follow_arguments` follows each argument of the request by name):
 
 - **stops**: the *request's path* is every call that receives the request as it travels: the mode string, the
   parsed ``Mode``, the ``Request`` or the ``Prepared``. A stop is such a call made from another module than its
@@ -99,6 +100,17 @@ def trace_apply(pipe, mode: str, **kwargs) -> CallPath:
     return path
 
 
+def trace_load(folder, mode: str, **kwargs) -> CallPath:
+    """``memmode.load(folder, mode, **kwargs)`` traced (then removed): the path of a request made before the
+    model exists."""
+    import memmode_core as memmode
+
+    mode = "".join(mode)
+    path, handle = trace(memmode.load, folder, mode, mode=mode, **kwargs)
+    handle.remove()
+    return path
+
+
 def trace(function, *args, mode: str | None = None, **kwargs) -> tuple[CallPath, object]:
     """``function(*args, **kwargs)`` traced, and what it returned (or the path alone where it raised, as the
     exception's ``call_path``): ``mode`` is the mode string whose path is followed (none: calls up only)."""
@@ -157,6 +169,40 @@ def trace(function, *args, mode: str | None = None, **kwargs) -> tuple[CallPath,
     finally:
         sys.setprofile(previous)
     return path, result
+
+
+def follow_arguments(function, *args, followed: dict[str, object], **kwargs) -> tuple[dict[str, list[str]], object]:
+    """``function(*args, **followed, **kwargs)`` traced for where each argument of ``followed`` goes by name: for
+    each, the functions of memmode that received that very object (or, for a singleton such as ``False`` or a
+    dtype, an equal one) as a parameter of the same name, in call order (``"memmode_core.applying.prepare"``).
+
+    A function that receives a field inside a bag (``locals()``, ``**kwargs`` handed on whole) is not on its trail:
+    the trail stops where a reader following the name would lose it."""
+    trails: dict[str, list[str]] = {name: [] for name in followed}
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith("memmode_core"):
+            return
+        code = frame.f_code
+        names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+        for name in names:
+            if name not in followed:
+                continue
+            value, wanted = frame.f_locals.get(name), followed[name]
+            singleton = isinstance(wanted, (bool, type(None))) or type(wanted).__name__ == "dtype"
+            if value is wanted or (singleton and value == wanted):
+                trails[name].append(f"{module}.{code.co_qualname}")
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        result = function(*args, **followed, **kwargs)
+    finally:
+        sys.setprofile(previous)
+    return trails, result
 
 
 def _request_kinds() -> tuple[type, ...]:

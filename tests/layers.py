@@ -10,7 +10,8 @@ counts the calls that go up them at run time.
 2. ``discovery/`` — plugins, grammar, the first-party table (it checks registrations against the contracts);
 3. ``planning/`` — the request, the prepared plan, the planner, storage costs;
 4. ``builtin/`` — the built-in plugins (``auto`` uses the planner);
-5. the top-level modules: applying (``prepare``, ``apply``), the handle, loading, the VideoX-Fun drop-in, the CLI
+5. the top-level modules: applying (``prepare``, ``apply``), layer_packing (the stage ``apply`` and ``load``
+   share), the handover (a mode applied over another), the handle, loading, the VideoX-Fun drop-in, the CLI
    and its demo pipeline, the plugin kit, the testing tools, the package itself.
 
 Plugin distributions (``memmode_qfloat8``...) import ``memmode_core``: for calls they count above every layer.
@@ -27,7 +28,20 @@ LAYERS = [
     # with ``storage`` and ``costs``: deprecated aliases at paths an earlier plugin guide taught
     (
         "top",
-        ["applying", "handle", "compat", "loading", "cli", "demo", "plugin", "testing", "storage", "costs"]
+        [
+            "applying",
+            "layer_packing",
+            "handover",
+            "handle",
+            "compat",
+            "loading",
+            "cli",
+            "demo",
+            "plugin",
+            "testing",
+            "storage",
+            "costs",
+        ]
         + ["__init__", "__main__"],
     ),
 ]

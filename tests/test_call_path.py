@@ -11,7 +11,21 @@ from __future__ import annotations
 import pytest
 
 from call_tracing import DEFAULT_MODES, trace_apply
-from memmode_core.cli.demo import make_demo_pipeline
+from memmode_core.cli.demo_pipeline import make_demo_pipeline
+
+
+@pytest.mark.parametrize("mode", ["model_group_offload", "model_group_offload_and_qfloat8"])
+def test_the_request_of_load_enters_each_module_once_and_nothing_calls_up(mode, tmp_path):
+    """``load`` builds its request before the model exists, packs while streaming (``layer_packing``) and executes
+    the plan (``applying``): each module once, nothing up a layer."""
+    from call_tracing import trace_load
+
+    make_demo_pipeline("tiny", seed=0).save_pretrained(tmp_path / "pipe")
+    path = trace_load(tmp_path / "pipe", mode, device="cpu")
+    modules = [module for module, _ in path.stops]
+    assert modules[0] == "memmode_core.loading.load" and "memmode_core.applying" in modules
+    assert path.entered_again == {}, path.stops
+    assert not path.calls_up, dict(path.calls_up)
 
 
 @pytest.mark.parametrize("mode", DEFAULT_MODES)
@@ -41,7 +55,7 @@ def test_a_rebuild_and_a_refused_fuse_call_nothing_above_the_engine():
 
     import memmode_core as memmode
     from call_tracing import trace
-    from memmode_core.cli.demo import demo_call
+    from memmode_core.cli.demo_pipeline import demo_call
 
     pipe = make_demo_pipeline("tiny", seed=0)
     handle = memmode.apply(pipe, "model_group_offload_and_qfloat8", device="cpu", offload_type="leaf_level")
@@ -50,9 +64,64 @@ def test_a_rebuild_and_a_refused_fuse_call_nothing_above_the_engine():
     block.ffn.net[2] = nn.Linear(old.in_features, old.out_features, dtype=old.bias.dtype)  # a replaced layer
     path, output = trace(demo_call, pipe, steps=1)
     assert torch.isfinite(output).all() and not path.calls_up, dict(path.calls_up)
-    relaid = ("memmode_core.engine.laying_out", "memmode_core.builtin.placements", "ModelGroupOffload.layout")
+    relaid = ("memmode_core.engine.placement_layout", "memmode_core.builtin.placements", "ModelGroupOffload.layout")
     assert relaid in path.plugin_calls, "the component was not laid out again"
     with pytest.raises(memmode.IncompatibleModeError, match="fuse_qkv_projections") as refused:
         trace(pipe.transformer.fuse_qkv_projections)
     assert not refused.value.call_path.calls_up, dict(refused.value.call_path.calls_up)
+    handle.remove()
+
+
+#: where each argument of ``apply`` goes first: to ``prepare``, which hands it by name to the request's builder
+APPLY_TRAIL = [
+    "memmode_core.applying.apply",
+    "memmode_core.applying.prepare",
+    "memmode_core.planning.request.Request.build",
+]
+LOAD_TRAIL = ["memmode_core.loading.load.load", "memmode_core.planning.request.Request.build"]
+
+
+def _followed(tmp_path) -> dict:
+    """One object per argument of the request, made here so that it is told apart from any other (but for the
+    singletons, ``False`` and a dtype, followed by name and value)."""
+    import torch
+
+    return {
+        "device": torch.device("cpu"),
+        "weight_dtype": torch.float32,
+        "storage": "".join("disk"),
+        "offload_dir": str(tmp_path / "offload"),
+        "components": ["transformer"],
+        "exclude": ["".join("norm")],
+        "unplaced": ["vae"],
+        "strict": False,
+    }
+
+
+def test_each_argument_of_apply_is_followed_by_name_into_the_request(tmp_path):
+    """A reader (or a tool) following ``device`` or ``storage`` from ``apply`` finds it under the same name in
+    ``prepare`` and in ``Request.build``: no ``locals()`` bag on the way (``tests/test_structure.py`` refuses one
+    anywhere in memmode_core)."""
+    import memmode_core as memmode
+    from call_tracing import follow_arguments
+
+    pipe = make_demo_pipeline("tiny", seed=0)
+    followed = _followed(tmp_path)
+    trails, handle = follow_arguments(memmode.apply, pipe, "model_group_offload_and_qfloat8", followed=followed)
+    for name, trail in trails.items():
+        assert trail[: len(APPLY_TRAIL)] == APPLY_TRAIL, (name, trail)
+    handle.remove()
+
+
+def test_each_argument_of_load_is_followed_by_name_into_the_request(tmp_path):
+    import memmode_core as memmode
+    from call_tracing import follow_arguments
+
+    folder = tmp_path / "pipe"
+    make_demo_pipeline("tiny", seed=0).save_pretrained(folder)
+    trails, handle = follow_arguments(
+        memmode.load, folder, "model_group_offload_and_qfloat8", followed=_followed(tmp_path)
+    )
+    for name, trail in trails.items():
+        assert trail[: len(LOAD_TRAIL)] == LOAD_TRAIL, (name, trail)
     handle.remove()

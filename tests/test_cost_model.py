@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import memmode_core as memmode
-from memmode_core.contracts.costs import StorageCost
-from memmode_core.contracts.layout import Policy
+from memmode_core.contracts.group_specs import Policy
+from memmode_core.contracts.storage_cost import StorageCost
 from memmode_core.planning.residency import fit, spread
 from memmode_core.planning.timing import exposed_seconds, group_flops
 from memmode_core.planning.trace import trace_call
@@ -23,18 +23,18 @@ BANDWIDTH = 1e6  # bytes/s: a block's copy takes its bytes in microseconds
 
 def layout(model, **options):
     prepared = memmode.prepare(model, "model_group_offload", device="cpu", storage="ram", **options)
-    blocks = [g for g in prepared._groups if "/blocks." in g.key]
-    rest = [g for g in prepared._groups if "/blocks." not in g.key]
+    blocks = [g for g in prepared.internal.groups if "/blocks." in g.key]
+    rest = [g for g in prepared.internal.groups if "/blocks." not in g.key]
     return prepared, blocks, rest
 
 
 def waited(prepared, compute, *, prefetch=True, lookahead=None) -> float:
     return exposed_seconds(
-        prepared._groups,
-        prepared._group_bytes,
+        prepared.internal.groups,
+        prepared.internal.group_bytes,
         set(),
         ["module"],
-        prepared._target.components,
+        prepared.internal.target.components,
         prefetch=prefetch,
         lookahead=lookahead or {},
         compute=compute,
@@ -43,7 +43,7 @@ def waited(prepared, compute, *, prefetch=True, lookahead=None) -> float:
 
 
 def copy_seconds(prepared, group) -> float:
-    return prepared._group_bytes[group.key] / BANDWIDTH
+    return prepared.internal.group_bytes[group.key] / BANDWIDTH
 
 
 def test_compute_longer_than_each_copy_hides_every_prefetched_copy():
@@ -52,7 +52,7 @@ def test_compute_longer_than_each_copy_hides_every_prefetched_copy():
     compute = {g.key: 2 * block_copy for g in blocks}
     unhidden = sum(copy_seconds(prepared, g) for g in rest) + block_copy  # the rest group, and the first prefetch
     assert waited(prepared, compute) == pytest.approx(unhidden)
-    assert waited(prepared, {}) == pytest.approx(sum(copy_seconds(prepared, g) for g in prepared._groups))
+    assert waited(prepared, {}) == pytest.approx(sum(copy_seconds(prepared, g) for g in prepared.internal.groups))
     assert waited(prepared, compute, prefetch=False) == pytest.approx(waited(prepared, {}))
 
 
@@ -85,7 +85,7 @@ def test_the_flops_of_a_call_are_spread_over_the_groups_that_compute_them():
     model = deep_wan_transformer(layers=4)
     prepared, blocks, rest = layout(model)
     traces = trace_call(model, lambda: model(**deep_wan_inputs()))
-    flops = group_flops(prepared._groups, prepared._target.components, traces)
+    flops = group_flops(prepared.internal.groups, prepared.internal.target.components, traces)
     assert sum(flops.values()) == traces["module"].flops[""], "every FLOP lands in one group"
     assert len({flops[g.key] for g in blocks}) == 1 and flops[blocks[0].key] > flops[rest[0].key] > 0
 
@@ -156,23 +156,28 @@ def test_uneven_blocks_are_streamed_where_their_copies_are_hidden_best():
     model = _Uneven()
     traces = trace_call(model, lambda: model(torch.randn(16, 64)))
     prepared, blocks, _ = layout(model)
-    flops = group_flops(prepared._groups, prepared._target.components, traces)
-    block_bytes = prepared._group_bytes[blocks[0].key]
-    rest = sum(prepared._group_bytes[g.key] for g in prepared._groups) - 8 * block_bytes
+    flops = group_flops(prepared.internal.groups, prepared.internal.target.components, traces)
+    block_bytes = prepared.internal.group_bytes[blocks[0].key]
+    rest = sum(prepared.internal.group_bytes[g.key] for g in prepared.internal.groups) - 8 * block_bytes
     budget = rest + 7 * block_bytes  # five kept, one streamed block computing and one arriving
     light = flops[blocks[-1].key]
     # a light block computes in a fifth of a block's copy, a heavy one in four fifths
     compute = {key: count / light * copy_seconds(prepared, blocks[0]) / 5 for key, count in flops.items()}
 
-    laid_out = {g.key: g.policy for g in prepared._groups}
+    laid_out = {g.key: g.policy for g in prepared.internal.groups}
 
     def streamed_and_waited(weights):
-        for g in prepared._groups:
+        for g in prepared.internal.groups:
             g.policy = laid_out[g.key]
         residency = fit(
-            prepared._groups, prepared._group_bytes, prepared._target.components, budget, prefetch=True, compute=weights
+            prepared.internal.groups,
+            prepared.internal.group_bytes,
+            prepared.internal.target.components,
+            budget,
+            prefetch=True,
+            compute=weights,
         )
-        residency.apply(prepared._groups)
+        residency.apply(prepared.internal.groups)
         picked = [i for i, g in enumerate(blocks) if g.policy is Policy.STREAM]
         return picked, waited(prepared, compute, lookahead=residency.lookahead)
 

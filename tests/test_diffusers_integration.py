@@ -23,7 +23,7 @@ from helpers import (
     tensors_of,
 )
 from memmode_core import IncompatibleModeError, InvalidOptionError
-from memmode_core.contracts.layout import Policy
+from memmode_core.contracts.group_specs import Policy
 from tiny_components import FLUX_BLOCKS, configured, seeded
 from tiny_pipelines import ALL_FAMILIES as FAMILIES
 
@@ -115,7 +115,7 @@ def test_nothing_streamed_stays_on_the_device_after_a_pipeline_call(family, mode
     handle = memmode.apply(pipe, mode, device="cpu", storage="ram", **options)
     spec.run(pipe, 0)
     report = handle.report()
-    kept = sum(g.nbytes for g in handle._runtime.groups if g.policy is Policy.RESIDENT)
+    kept = sum(g.nbytes for g in handle.runtime.groups if g.policy is Policy.RESIDENT)
     assert report.resident_device_bytes == kept
     assert report.peak_device_bytes > kept
     handle.remove()
@@ -157,10 +157,10 @@ def test_diffusers_offloading_after_apply_is_refused_at_that_call_with_nothing_c
     pipe = spec.make(0)
     expected = spec.run(spec.make(0), 0)
     handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage="disk")
-    groups = list(handle._runtime.groups)
+    groups = list(handle.runtime.groups)
     with pytest.raises(IncompatibleModeError, match="memmode mode 'model_group_offload' is applied"):
         call(pipe)
-    assert handle.active and handle._runtime.groups == groups
+    assert handle.active and handle.runtime.groups == groups
     assert torch.equal(spec.run(pipe, 0), expected)
     handle.remove()
     call(pipe)  # memmode is gone: diffusers' own offloading is the user's again

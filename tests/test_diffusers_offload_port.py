@@ -98,7 +98,7 @@ from helpers import (
     state_of,
 )
 from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError, MemmodeError
-from memmode_core.contracts.layout import Policy, block_groups
+from memmode_core.contracts.group_specs import Policy, block_groups
 from memmode_core.contracts.storage import is_placeholder
 from memmode_core.engine.hooks import MARKER
 from tiny_components import seeded
@@ -169,7 +169,7 @@ def onloaded_groups(handle: memmode.Handle) -> list[str]:
     """Groups that stream, yet hold their device copy: between calls there must be none. Unlike
     :func:`resting_weights`, this holds for every storage and on every device, the CPU under the strict model
     of asynchronous copies included (where device and host tensors both live on the ``cpu`` device)."""
-    return [g.key for g in handle._runtime.groups if g.policy is not Policy.RESIDENT and g.resident]
+    return [g.key for g in handle.runtime.groups if g.policy is not Policy.RESIDENT and g.resident]
 
 
 def resting_weights(module: nn.Module, handle: memmode.Handle) -> list[str]:
@@ -179,7 +179,7 @@ def resting_weights(module: nn.Module, handle: memmode.Handle) -> list[str]:
     storage an offloaded component has none; it must have placeholders, or there is nothing to check."""
     kept = {
         id(slot.tensor)
-        for g in handle._runtime.groups
+        for g in handle.runtime.groups
         for slot in g.slots
         if g.policy is Policy.RESIDENT or slot.name in g.readable
     }
@@ -585,7 +585,7 @@ def test_group_offloading_with_disk(device, storage, options, tmp_path):
         model, "model_group_offload", device=device, storage=storage, offload_dir=str(folder), **options
     )
     files = sorted(folder.glob("*.safetensors"))
-    stored = [g.key for g in handle._runtime.groups if g.policy is not Policy.RESIDENT]
+    stored = [g.key for g in handle.runtime.groups if g.policy is not Policy.RESIDENT]
     assert files and len(files) == len(stored), f"{len(files)} files for {len(stored)} offloaded groups"
     if options["offload_type"] == "block_level":
         expected = {spec.key for spec in block_groups("module", model, num_blocks_per_group=1)}
@@ -748,7 +748,7 @@ def test_pipeline_level_group_offloading_sanity_checks(device, storage, tmp_path
         assert_bit_equal(run(pipe, family, call), expected[call], f"call {call + 1}")
     assert hook_count(modules[excluded]) == 0
     assert all(p.device.type == device and not is_placeholder(p) for p in modules[excluded].parameters())
-    assert {g.component for g in handle._runtime.groups} == set(modules) - {excluded}
+    assert {g.component for g in handle.runtime.groups} == set(modules) - {excluded}
     assert not onloaded_groups(handle), "groups left on the device between calls"
     if storage in PLACEHOLDER_STORAGES:
         for name, module in modules.items():

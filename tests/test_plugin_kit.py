@@ -128,7 +128,7 @@ def test_a_third_party_file_storage_built_from_the_kit_alone_is_exact():
         handle = memmode_core.apply(pipe, "model_group_offload", device="cpu", storage="readback")
         stats = handle.report().storage_bytes
         assert stats["disk_bytes"] > 0 and stats["written_groups"] == len(handle.prepared.stored_sizes)
-        folder = handle._runtime.session.store.folder
+        folder = handle.runtime.session.store.folder
         got = two_calls(pipe, "flux")
         handle.remove()
     for a, b in zip(got, expected):
@@ -158,7 +158,7 @@ def test_a_resolver_from_the_guide_chooses_among_the_priced_candidates():
         entries = [e for e in memmode_core.plan(pipe, device="cpu") if e.fits]
     least = min(e.peak_device_bytes for e in entries)
     assert prepared.requested_mode == "smallest" and prepared.choice.peak_device_bytes == least
-    assert prepared.choice.prepared is prepared
+    assert prepared.choice.prepared.internal is prepared.internal  # the candidate as prepared, not again
 
 
 def test_a_resolver_without_resolve_is_refused_naming_what_to_subclass():

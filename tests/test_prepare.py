@@ -73,7 +73,7 @@ def test_groups_claimed_before_quantizing_bind_to_what_claiming_now_finds(family
     pipe = make_pipeline(family)
     prepared = memmode.prepare(pipe, mode, device="cpu")
     handle = memmode.apply(prepared)
-    again = claim_groups(prepared._target.components, prepared._layout.specs)
+    again = claim_groups(prepared.internal.target.components, prepared.internal.layout.specs)
 
     def shape(groups):
         return [
@@ -81,7 +81,7 @@ def test_groups_claimed_before_quantizing_bind_to_what_claiming_now_finds(family
             for g in groups
         ]
 
-    assert shape(handle._runtime.groups) == shape(again)
+    assert shape(handle.runtime.groups) == shape(again)
     assert {g.key: g.nbytes for g in again if g.key in prepared.stored_sizes} == prepared.stored_sizes
     handle.remove()
 
@@ -141,7 +141,7 @@ def test_auto_resolves_to_a_prepared_candidate_and_executes_it_as_prepared():
     pipe = make_pipeline("wan22")
     prepared = memmode.prepare(pipe, "auto", device="cpu", vram_budget="130KB")
     assert prepared.mode == "model_group_offload" and prepared.requested_mode == "auto"
-    assert prepared.choice.chosen and prepared.choice.prepared is prepared
+    assert prepared.choice.chosen and prepared.choice.prepared.internal is prepared.internal  # not prepared again
     assert "chosen by auto" in prepared.describe()
     handle, calls = counted(memmode.apply, prepared)
     assert not any(calls[name] for name in STEPS)
@@ -169,7 +169,7 @@ def test_the_planner_prices_prepared_plans():
     assert entries and all(isinstance(e.prepared, memmode.Prepared) for e in entries)
     assert all(e.prepared.mode == e.mode and e.prepared.storage == e.storage for e in entries if e.storage)
     assert "prepared" not in entries[0].as_dict()
-    selections = {id(e.prepared._selections["transformer"]) for e in entries}
+    selections = {id(e.prepared.internal.selections["transformer"]) for e in entries}
     assert len(selections) == 1, "one layer selection, shared by every candidate"
 
 
@@ -217,6 +217,27 @@ def test_apply_prepare_and_load_take_the_request_arguments_alike():
         assert "options" in parameters and parameters["options"].kind is inspect.Parameter.VAR_KEYWORD
 
 
+def test_a_prepared_plan_is_sealed_and_executing_it_writes_nothing_into_it():
+    """Nothing writes into a plan after prepare: not a user, not apply, not the packing stage (work done ahead of
+    executing a plan, like load's packing while streaming, is a value handed to execute)."""
+    import dataclasses
+
+    pipe = make_pipeline("wan22")
+    prepared = memmode.prepare(pipe, "model_group_offload_and_qfloat8", device="cpu", storage="mmap")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        prepared.requested_mode = "auto"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        prepared.internal.selections = {}
+    claimed = [(g.key, g.policy, [id(slot.tensor) for slot in g.slots]) for g in prepared.internal.groups]
+    before = dict(vars(prepared)), dict(vars(prepared.internal))
+    handle = memmode.apply(prepared)
+    assert (dict(vars(prepared)), dict(vars(prepared.internal))) == before
+    # the engine binds groups of its own: the plan's claimed groups are as prepare left them
+    assert not {id(g) for g in handle.runtime.groups} & {id(g) for g in prepared.internal.groups}
+    assert [(g.key, g.policy, [id(slot.tensor) for slot in g.slots]) for g in prepared.internal.groups] == claimed
+    handle.remove()
+
+
 def test_a_prepared_plan_reads_as_plain_descriptions():
     """What a user reads of a plan is plain data: group descriptions, what quantizing will do, sizes, names and
     options; the engine objects it carries to apply are private."""
@@ -232,7 +253,10 @@ def test_a_prepared_plan_reads_as_plain_descriptions():
     assert prepared.placement == "model_group_offload" and prepared.quantizer == "qfloat8"
     assert prepared.storage == "ram" and prepared.options["storage"] is not None
     public = {name for name in vars(prepared) if not name.startswith("_")}
-    assert public <= {"requested_mode", "choice", "groups", "quantization"}, public
+    assert public <= {"internal", "requested_mode", "choice", "groups", "quantization"}, public
+    # what the engine works from is in one object whose module says it is internal, not exported
+    assert type(prepared.internal).__module__ == "memmode_core.planning.internal_plan"
+    assert type(prepared.internal).__name__ not in memmode.__all__
     handle = memmode.apply(prepared)
     assert handle.report().quantization["transformer"]["packed_layers"] == len(outline.to_pack)
     handle.remove()

@@ -14,7 +14,7 @@ import torch
 
 import memmode_core as memmode
 from helpers import ACCELERATOR, assert_bit_equal, nbytes, on_accelerator, snapshot
-from memmode_core.contracts.layout import Policy
+from memmode_core.contracts.group_specs import Policy
 from memmode_core.planning.residency import BudgetTooSmallError, spread
 from tiny_components import deep_wan_inputs, deep_wan_transformer
 from tiny_loras import load_lora
@@ -46,9 +46,9 @@ def test_the_budget_holds_and_the_planner_predicts_the_moves(offload_type, stora
     handle = memmode.apply(
         model, "model_group_offload", device="cpu", storage=storage, offload_type=offload_type, vram_budget=budget
     )
-    residency = handle.prepared._residency
+    residency = handle.prepared.internal.residency
     assert residency is not None and residency.kept
-    assert any(g.policy is Policy.STREAM for g in handle._runtime.groups), "a budget below the model streams"
+    assert any(g.policy is Policy.STREAM for g in handle.runtime.groups), "a budget below the model streams"
     for seed, want in enumerate(expected):
         assert_bit_equal(forward(model, seed), want, f"call {seed + 1}")
     handle.reset_stats()
@@ -142,11 +142,11 @@ def test_lora_under_a_budget_keeps_its_groups_and_equals_full_load():
     pipe = make_pipeline(FAMILY)
     budget = feasible_budget(pipe, shares=(0.9,))
     handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage="ram", vram_budget=budget)
-    kept = {g.key for g in handle._runtime.groups if g.policy is Policy.EXCLUSIVE}
+    kept = {g.key for g in handle.runtime.groups if g.policy is Policy.EXCLUSIVE}
     load_lora(pipe, FAMILY, "first", seed=1)
     for got, want in zip(two_calls(pipe, FAMILY), expected):
         assert_bit_equal(got, want)
-    assert {g.key for g in handle._runtime.groups if g.policy is Policy.EXCLUSIVE} == kept
+    assert {g.key for g in handle.runtime.groups if g.policy is Policy.EXCLUSIVE} == kept
     handle.remove()
 
 
@@ -160,7 +160,7 @@ def test_prefetch_looks_ahead_within_the_budget(share, storage, strict_streams):
     handle = memmode.apply(
         model, "model_group_offload", device=ACCELERATOR, storage=storage, use_stream=True, vram_budget=budget
     )
-    residency = handle.prepared._residency
+    residency = handle.prepared.internal.residency
     assert residency.lookahead and all(depth >= 1 for depth in residency.lookahead.values())
     for seed, want in enumerate(expected):
         assert_bit_equal(forward(model, seed), want)
@@ -179,7 +179,7 @@ def test_under_a_quantizer_the_budget_counts_packed_bytes():
     model = deep_wan_transformer()
     budget = int(nbytes(model.parameters()) * 0.2)
     handle = memmode.apply(model, "model_group_offload_and_qfloat8", device="cpu", storage="ram", vram_budget=budget)
-    assert handle.prepared._residency.kept
+    assert handle.prepared.internal.residency.kept
     for seed, want in enumerate(expected):
         assert_bit_equal(forward(model, seed), want)
     assert handle.report().peak_device_bytes <= budget

@@ -106,10 +106,10 @@ def test_the_offloaded_copies_are_in_exactly_sized_slabs_and_copied_asynchronous
     reference = make_pipeline("wan22")
     handle = memmode.apply(pipe, "model_group_offload", device=ACCELERATOR, storage="pinned")
     offloaded = [p for name in ("transformer", "transformer_2") for p in pipe.components[name].parameters()]
-    session = handle._runtime.session
+    session = handle.runtime.session
     assert all(_in_a_slab(p, session._pins.slabs) for p in offloaded), "at rest in the page-locked slabs"
     stats = handle.report().storage_bytes
-    pinned_groups = [g for g in handle._runtime.groups if session._pins.spots.get(g.key) is not None]
+    pinned_groups = [g for g in handle.runtime.groups if session._pins.spots.get(g.key) is not None]
     total = sum(g.nbytes for g in pinned_groups)
     slack = len(session._pins.slabs) * PAGE + len(pinned_groups) * GROUP_ALIGNMENT
     assert total > 0 and total <= stats["pinned_bytes"] < total + slack, "exact sizes, not powers of two"

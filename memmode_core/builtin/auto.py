@@ -51,9 +51,8 @@ class PricingResolver(Resolver):
         entries = priced_candidates(target, base, sequence, call, budgets.vram, budgets.ranks)
         judge(entries, budgets.vram, budgets.ram)
         entry = self.choose(entries, budgets)
-        chosen = entry.prepared
-        chosen.requested_mode = str(request.mode)
-        chosen.choice = entry
+        # the candidate's plan as the one chosen: a new sealed plan, sharing the candidate's internal one
+        chosen = dataclasses.replace(entry.prepared, requested_mode=str(request.mode), choice=entry)
         logger.info(
             "memmode: %s chose %s with storage %s (peak %d bytes on the device)",
             request.mode,

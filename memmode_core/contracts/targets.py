@@ -22,6 +22,10 @@ MODULE_COMPONENT = "module"
 #: for UNets, DiTs, priors and ControlNets; Stable Cascade's ``timestep_ratio``; Würstchen's ``r``).
 TIMESTEP_PARAMETERS = frozenset({"timestep", "timesteps", "timestep_ratio", "t", "r"})
 
+#: the attribute set on a placed pipeline or module (and on each placed component) that points to its handle: read
+#: where the handle's own module cannot be imported (``loading.save`` sits below the handle's ``save``)
+HANDLE_ATTRIBUTE = "_memmode_handle"
+
 
 def takes_timestep(module: nn.Module) -> bool:
     """Whether ``module``'s forward takes the denoising step, i.e. it is called once per step (a denoiser)."""

@@ -18,8 +18,7 @@ from torch import nn
 
 from memmode_core.contracts.errors import CheckpointError
 from memmode_core.contracts.units import format_bytes
-from memmode_core.files.checkpoint import Checkpoint
-from memmode_core.files.streamed import file_size, staging_folder, write_pieces
+from memmode_core.files import Checkpoint, file_size, staging_folder, write_pieces
 from memmode_core.loading.skeleton import Skeleton
 
 logger = logging.getLogger("memmode")

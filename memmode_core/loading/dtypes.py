@@ -12,7 +12,7 @@ import logging
 import torch
 
 from memmode_core.contracts.errors import InvalidOptionError
-from memmode_core.files.checkpoint import Checkpoint
+from memmode_core.files import Checkpoint
 from memmode_core.loading.skeleton import is_transformers_class, library_version
 
 logger = logging.getLogger("memmode")

@@ -32,11 +32,9 @@ from memmode_core.contracts.errors import CheckpointError, IncompatibleModeError
 from memmode_core.contracts.targets import MODULE_COMPONENT
 from memmode_core.contracts.units import format_bytes
 from memmode_core.discovery.plugins import current
-from memmode_core.files.borrowed import lending, source_of_mapping
-from memmode_core.files.checkpoint import Checkpoint
-from memmode_core.files.made_once import MadeOnce
-from memmode_core.files.streamed import check_room, staging_folder
+from memmode_core.files import Checkpoint, check_room, lending, source_of_mapping, staging_folder
 from memmode_core.handle import Handle
+from memmode_core.layer_packing import Packed, pack_while_streaming
 from memmode_core.loading.binding import Binding, bind, binding_for
 from memmode_core.loading.dtypes import one_dtype, pipeline_dtype_keyword, resolve_dtype
 from memmode_core.loading.skeleton import (
@@ -48,7 +46,7 @@ from memmode_core.loading.skeleton import (
     pipeline_index,
 )
 from memmode_core.planning.request import Request
-from memmode_core.quantization import install_forward, overrides, saved
+from memmode_core.quantization import install_forward, saved
 
 logger = logging.getLogger("memmode")
 
@@ -112,7 +110,18 @@ def load(
     another order for a weight at another alignment), ``False`` never (the storage's files are independent
     of the checkpoint, e.g. one on a slow or removable disk).
     """
-    request = Request.from_call(locals())
+    request = Request.build(
+        mode,
+        device=device,
+        weight_dtype=weight_dtype,
+        storage=storage,
+        offload_dir=offload_dir,
+        components=components,
+        exclude=exclude,
+        unplaced=unplaced,
+        strict=strict,
+        options=options,
+    )
     if in_place not in (None, True, False):
         raise InvalidOptionError(f"in_place={in_place!r} must be None (where no bit can change), True or False")
     torch_dtype = one_dtype(torch_dtype, dtype)
@@ -161,7 +170,7 @@ def load(
     # -- the plan apply executes: laid out, claimed and selected once ----------------------------------------
     prepared = prepare_request(target, request)
     for item in loads:  # saved quantized, and no quantizer of the mode will install their forward: do it here
-        if item.reader is not None and item.name not in prepared._selections:
+        if item.reader is not None and item.name not in prepared.internal.selections:
             for layer in item.saved_layers:
                 install_forward(
                     item.skeleton.module.get_submodule(layer.path),
@@ -169,23 +178,13 @@ def load(
                     weight_dtype or layer.compute_dtype or layer.dtype,
                 )
 
-    # -- quantize while streaming, as the selection says -----------------------------------------------------
-    streamed = saved.Streamed({}, [], 0)
-    if quantizer is not None and overrides(quantizer, "quantize"):
-        logger.info(
-            "memmode: quantizer %s has its own quantize(); it quantizes the loaded model in memory", quantizer.name
-        )
-    elif quantizer is not None and quantizer.packs:  # a forward-only quantizer has nothing to pack
-        streamed = saved.stream_quantize(
-            prepared._selections,
-            staging_dir=staging,
-            device=prepared.device,
-            made_once=MadeOnce.for_ranks(under=staging),  # ranks of one machine: each component packed once
-            sources={item.name: (item.checkpoint.identity(), str(item.torch_dtype), variant) for item in loads},
-        )
-        prepared._packed_ahead.update(streamed.packed)
-        prepared._packed_by_ranks.update(streamed.shared)
-        mappings.extend(streamed.mappings)
+    # -- pack while streaming, as the selection says -----------------------------------------------------------
+    packed = pack_while_streaming(
+        prepared.internal,
+        staging_dir=staging,
+        sources={item.name: (item.checkpoint.identity(), str(item.torch_dtype), variant) for item in loads},
+    )
+    mappings.extend(packed.mappings)
 
     # the checkpoint's mappings and the streamed files are lent to file storages, which store the groups
     # lying in them by reference rather than writing them again (see memmode_core.files.borrowed)
@@ -205,16 +204,16 @@ def load(
     )
     try:
         with lending(sources):
-            handle = execute(prepared)
+            handle = execute(prepared, packed)
     finally:
         for item in loads:
             item.checkpoint.release()
-    handle.loading = _summary(handle, converting, sum(len(i.binding.convert) for i in converted), streamed, staging)
+    handle.loading = _summary(handle, converting, sum(len(i.binding.convert) for i in converted), packed, staging)
     _say_what_was_done(folder, handle)
     return handle
 
 
-def _summary(handle: Handle, converted_bytes: int, converted_tensors: int, streamed: saved.Streamed, staging) -> dict:
+def _summary(handle: Handle, converted_bytes: int, converted_tensors: int, packed: Packed, staging) -> dict:
     """What the load did: staged bytes, for ranks of one machine what this one packed and what it found packed,
     and for file storages where the groups went (``in_place``)."""
     stats = handle.report().storage_bytes
@@ -222,10 +221,10 @@ def _summary(handle: Handle, converted_bytes: int, converted_tensors: int, strea
         "staging_dir": str(staging_folder(staging)),
         "converted_tensors": converted_tensors,
         "converted_bytes": converted_bytes,
-        "quantized_bytes": streamed.nbytes,
+        "quantized_bytes": packed.nbytes,
     }
-    if streamed.made_once is not None:
-        made = streamed.made_once
+    if packed.made_once is not None:
+        made = packed.made_once
         summary["packed_once_by_ranks"] = {"folder": str(made.path), "made": made.made, "found": made.found}
     if "borrowed_groups" in stats:
         summary.update(

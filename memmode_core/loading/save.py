@@ -19,8 +19,8 @@ from torch import nn
 
 from memmode_core.contracts.errors import InvalidOptionError
 from memmode_core.contracts.storage import is_placeholder
-from memmode_core.contracts.targets import Target
-from memmode_core.files.streamed import write_pieces
+from memmode_core.contracts.targets import HANDLE_ATTRIBUTE, Target
+from memmode_core.files import write_pieces
 from memmode_core.quantization import is_quantized, saved
 
 
@@ -48,10 +48,10 @@ def save_quantized(target: Any, path: str | os.PathLike) -> Path:
 
 
 def _handle_for(target, whole: Target):
-    """The active memmode handle placing ``target`` or its components (looked up by attribute: this module
-    sits below ``api``, whose ``Handle.save`` calls it)."""
+    """The active memmode handle placing ``target`` or its components (looked up by attribute: ``Handle.save``
+    calls this module)."""
     for obj in [target, *whole.components.values()]:
-        handle = getattr(obj, "_memmode_handle", None)
+        handle = getattr(obj, HANDLE_ATTRIBUTE, None)
         if handle is not None and getattr(handle, "active", False):
             return handle
     return None
@@ -59,7 +59,7 @@ def _handle_for(target, whole: Target):
 
 def _save_module(module: nn.Module, folder: Path, handle, name: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    real = handle._runtime.real_values(name) if handle is not None and handle.active else {}
+    real = handle.runtime.real_values(name) if handle is not None and handle.active else {}
     if not is_quantized(module) and not real:
         module.save_pretrained(folder)
         return

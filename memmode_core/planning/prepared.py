@@ -6,17 +6,19 @@ tensors, decides which layers of each component the quantizer packs, and sizes w
 Nothing here touches the target: every refusal happens while the user still has everything.
 
 A :class:`Prepared` is what every consumer reuses instead of recomputing: ``apply`` executes one, the planner
-prices one per candidate, ``load`` streams its quantization into one, ``auto`` prepares candidates and
-executes the one it chose. What a user reads of it is plain (:attr:`Prepared.groups` as
-:class:`PreparedGroup` descriptions, :attr:`Prepared.quantization` as :class:`QuantizationOutline`, sizes,
-names, :meth:`Prepared.describe`); the engine objects it carries to ``apply`` are private.
+prices one per candidate, ``load`` packs the layers it selects while streaming the checkpoint, ``auto`` prepares
+candidates and executes the one it chose. It is sealed (a frozen dataclass): nothing writes into it after
+``prepare``, and what was done ahead of executing it travels beside it (:class:`~memmode_core.layer_packing.Packed`).
+What a user reads of it is plain (:attr:`Prepared.groups` as :class:`PreparedGroup` descriptions,
+:attr:`Prepared.quantization` as :class:`QuantizationOutline`, sizes, names, :meth:`Prepared.describe`); the
+engine's objects are in :attr:`Prepared.internal` (:mod:`memmode_core.planning.internal_plan`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -24,16 +26,17 @@ import torch
 from torch import nn
 
 from memmode_core.contracts.errors import InvalidOptionError
-from memmode_core.contracts.layout import Policy
+from memmode_core.contracts.group_specs import Policy
 from memmode_core.contracts.options import Options
 from memmode_core.contracts.targets import Target, refuse_compiled, refuse_scripted
 from memmode_core.contracts.units import format_bytes
 from memmode_core.discovery.registrations import Registration
 from memmode_core.engine.groups import Group, claim_groups
-from memmode_core.engine.laying_out import Layout, lay_out
 from memmode_core.engine.pipeline_hooks import refuse_foreign_offloading
+from memmode_core.engine.placement_layout import lay_out
+from memmode_core.planning.internal_plan import InternalPlan
 from memmode_core.planning.request import Request
-from memmode_core.planning.residency import Residency, fit
+from memmode_core.planning.residency import fit
 from memmode_core.planning.timing import group_flops
 from memmode_core.quantization import (
     LayerSelection,
@@ -78,71 +81,47 @@ class QuantizationOutline:
     bytes_after: int
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class Prepared:
-    """Everything ``apply`` will do to one target, computed once (see the module docstring)."""
+    """Everything ``apply`` will do to one target, computed once and sealed (see the module docstring).
 
-    _request: Request
-    #: what the placement places (the target without ``unplaced``), and the whole target
-    _target: Target
-    _whole: Target
-    #: the placement's groups as core adjusted them, and the adjustments (``report().placement_notes``)
-    _layout: Layout
-    #: the groups, their tensors claimed (each tensor in exactly one group)
-    _groups: list[Group]
-    #: component -> which layers quantizing it will pack and keep (the components the quantizer takes)
-    _selections: dict[str, LayerSelection]
-    #: group key -> bytes of its tensors once quantized (what the device holds when it is resident)
-    _group_bytes: dict[str, int]
-    #: whether the engine prefetches, and offloads what a pipeline call leaves on the device
-    _prefetch: bool
-    _offload_after_call: bool
+    What a user reads is its properties; :attr:`internal` is what the engine and the planner's pricing work
+    from (:mod:`memmode_core.planning.internal_plan`: no compatibility promise)."""
+
+    #: the engine's working objects: request, targets, layout, claimed groups, selections, sizes
+    internal: InternalPlan
     #: what was asked for: differs from ``mode`` when a resolver (``auto``) chose
-    requested_mode: str = ""
+    requested_mode: str
     #: the planner's entry a resolver chose (a ``PlanEntry``), else None
     choice: Any = None
-    #: component -> (layers packed, bytes before) by a quantization done before executing (``load`` packs
-    #: while it streams the checkpoint, as planned here): executing only installs their forward
-    _packed_ahead: dict[str, tuple[int, int]] = field(default_factory=dict)
-    #: components packed into a file the ranks of this machine share (one copy for all of them)
-    _packed_by_ranks: set[str] = field(default_factory=set)
-    #: the option values the planner set for this candidate (``Placement.plan_variants``)
-    _variant: dict[str, Any] = field(default_factory=dict)
-    #: with a ``vram_budget``: the groups kept on the device while their component runs, and the prefetch
-    #: depth (:mod:`memmode_core.planning.residency`)
-    _residency: Residency | None = None
-
-    def __post_init__(self) -> None:
-        if not self.requested_mode:
-            self.requested_mode = self.mode
 
     # -- what it is ----------------------------------------------------------------------------------
 
     @property
     def mode(self) -> str:
-        return str(self._request.mode)
+        return str(self.internal.request.mode)
 
     @property
     def device(self) -> torch.device:
-        return self._request.device
+        return self.internal.request.device
 
     @property
     def placement(self) -> str:
-        return self._request.placement.name
+        return self.internal.request.placement.name
 
     @property
     def quantizer(self) -> str | None:
-        return self._request.quantizer.name if self._request.quantizer is not None else None
+        return self.internal.request.quantizer.name if self.internal.request.quantizer is not None else None
 
     @property
     def storage(self) -> str | None:
-        return self._request.storage_name
+        return self.internal.request.storage_name
 
     @property
     def options(self) -> dict[str, Options | None]:
         """Each plugin's typed options, as built from the keywords given (``"placement"``, ``"storage"``,
         ``"quantizer"``; None for a plugin the mode has not)."""
-        request = self._request
+        request = self.internal.request
         return {
             "placement": request.placement_options,
             "storage": request.storage_options,
@@ -152,17 +131,18 @@ class Prepared:
     @property
     def components(self) -> tuple[str, ...]:
         """The components the placement places."""
-        return tuple(self._target.components)
+        return tuple(self.internal.target.components)
 
     @property
     def unplaced(self) -> tuple[str, ...]:
         """The components it leaves exactly where they are (``unplaced=``)."""
-        return tuple(name for name in self._whole.components if name not in self._target.components)
+        return tuple(name for name in self.internal.whole.components if name not in self.internal.target.components)
 
     @cached_property
     def groups(self) -> tuple[PreparedGroup, ...]:
         return tuple(
-            PreparedGroup(g.key, g.component, g.policy, self._group_bytes[g.key], len(g.slots)) for g in self._groups
+            PreparedGroup(g.key, g.component, g.policy, self.internal.group_bytes[g.key], len(g.slots))
+            for g in self.internal.groups
         )
 
     @cached_property
@@ -176,29 +156,29 @@ class Prepared:
                 bytes_before=component_bytes(selection.component),
                 bytes_after=selection.total_bytes(),
             )
-            for name, selection in self._selections.items()
+            for name, selection in self.internal.selections.items()
         }
 
     @property
     def stored_sizes(self) -> dict[str, int]:
         """Bytes of each group the storage will hold, once quantized: what ``apply`` reserves before it
         quantizes, so that a storage without room refuses while nothing has been touched."""
-        return {g.key: self._group_bytes[g.key] for g in self._groups if g.policy is not Policy.RESIDENT}
+        return self.internal.stored_sizes
 
     @property
     def notes(self) -> dict[str, str]:
         """Component -> what core placed differently from the placement's layout, and why."""
-        return dict(self._layout.notes)
+        return dict(self.internal.layout.notes)
 
     # -- inspection -------------------------------------------------------------------------------------
 
     def describe(self) -> str:
         """What executing this plan will do, in a few lines."""
-        request = self._request
-        lines = [f"{self.mode} for {self._target.label} on {self.device}" + _chosen(self)]
+        request = self.internal.request
+        lines = [f"{self.mode} for {self.internal.target.label} on {self.device}" + _chosen(self)]
         lines.append(f"  placement {self.placement}{_options_text(request.placement_options)}")
-        if self._residency is not None:
-            lines.append(f"  {self._residency.describe()}")
+        if self.internal.residency is not None:
+            lines.append(f"  {self.internal.residency.describe()}")
         if self.storage is not None:
             where = f", offload_dir={str(request.offload_dir)!r}" if request.offload_dir is not None else ""
             lines.append(f"  storage {self.storage}{_options_text(request.storage_options)}{where}")
@@ -236,9 +216,11 @@ class Prepared:
 
     def __repr__(self) -> str:
         stored = sum(self.stored_sizes.values())
+        quantizes = ",".join(self.internal.selections)
         return (
-            f"<memmode.Prepared {self.mode} storage={self.storage} device={self.device} groups={len(self._groups)} "
-            f"stored={format_bytes(stored)}{' quantizes ' + ','.join(self._selections) if self._selections else ''}>"
+            f"<memmode.Prepared {self.mode} storage={self.storage} device={self.device} "
+            f"groups={len(self.internal.groups)} stored={format_bytes(stored)}"
+            f"{' quantizes ' + quantizes if quantizes else ''}>"
         )
 
 
@@ -292,39 +274,33 @@ def prepare_target(
         compute = group_flops(groups, tgt.components, request.traces) if request.traces else None
         residency = fit(groups, sizes, tgt.components, budget, prefetch=prefetch, compute=compute)
         residency.apply(groups)
-    return Prepared(
-        _request=request,
-        _target=tgt,
-        _whole=whole,
-        _layout=layout,
-        _groups=groups,
-        _selections=chosen,
-        _group_bytes=sizes,
-        _prefetch=prefetch,
-        _offload_after_call=placement.offloads_after_call(request.placement_options),
-        requested_mode=requested_mode,
-        _variant=dict(variant or {}),
-        _residency=residency,
+    internal = InternalPlan(
+        request=request,
+        target=tgt,
+        whole=whole,
+        layout=layout,
+        groups=tuple(groups),
+        selections=chosen,
+        group_bytes=sizes,
+        prefetch=prefetch,
+        offload_after_call=placement.offloads_after_call(request.placement_options),
+        variant=dict(variant or {}),
+        residency=residency,
     )
+    return Prepared(internal, requested_mode=requested_mode or str(request.mode))
 
 
 def prepare_again(prepared: Prepared) -> Prepared:
     """The same request prepared again for the target as it is now (its weights changed, or were quantized,
     since): what a refused re-apply puts back."""
-    return prepare_target(
-        prepared._whole.obj, prepared._request, requested_mode=prepared.requested_mode, quantize=False
-    )
+    internal = prepared.internal
+    return prepare_target(internal.whole.obj, internal.request, requested_mode=prepared.requested_mode, quantize=False)
 
 
 def with_storage(prepared: Prepared, storage: Registration, options: Options) -> Prepared:
     """The same plan with another storage (the planner prices one layout with every storage)."""
-    request = dataclasses.replace(prepared._request, storage=storage, storage_options=options)
-    return dataclasses.replace(
-        prepared,
-        _request=request,
-        _packed_ahead=dict(prepared._packed_ahead),
-        _packed_by_ranks=set(prepared._packed_by_ranks),
-    )
+    request = dataclasses.replace(prepared.internal.request, storage=storage, storage_options=options)
+    return dataclasses.replace(prepared, internal=dataclasses.replace(prepared.internal, request=request))
 
 
 def quantize_targets(whole: Target, placed: Target, request: Request) -> dict[str, nn.Module]:

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from memmode_core.contracts.costs import StorageCost
-from memmode_core.contracts.layout import Policy
+from memmode_core.contracts.group_specs import Policy
+from memmode_core.contracts.storage_cost import StorageCost
 from memmode_core.planning.measuring import storage_cost
 from memmode_core.planning.prepared import Prepared
 from memmode_core.planning.replay import Replayed, SizedGroup, replay, sized_groups
@@ -93,13 +93,13 @@ def price_all(
     ``traces``) have their groups' compute counted once."""
     replays: dict[int, tuple[list[SizedGroup], Replayed, dict[str, float] | None]] = {}
     for one in prepared:
-        if id(one._groups) not in replays:
-            replays[id(one._groups)] = _replayed(one, sequence, traces)
-    return [_price(one, *replays[id(one._groups)], sequence, ranks) for one in prepared]
+        if id(one.internal.groups) not in replays:
+            replays[id(one.internal.groups)] = _replayed(one, sequence, traces)
+    return [_price(one, *replays[id(one.internal.groups)], sequence, ranks) for one in prepared]
 
 
 def _lookahead(prepared: Prepared) -> Mapping[str, int]:
-    return prepared._residency.lookahead if prepared._residency is not None else {}
+    return prepared.internal.lookahead or {}
 
 
 def _replayed(
@@ -107,13 +107,13 @@ def _replayed(
 ) -> tuple[list[SizedGroup], Replayed, dict[str, float] | None]:
     """What a layout costs whatever the storage: its sized groups, the replay of a call, and (with the call's
     traces) each group's compute seconds."""
-    roots = prepared._target.components
-    sized = sized_groups(prepared._groups, prepared._group_bytes, roots)
-    state = replay(sized, sequence, prepared._prefetch, roots, _lookahead(prepared))
+    roots = prepared.internal.target.components
+    sized = sized_groups(prepared.internal.groups, prepared.internal.group_bytes, roots)
+    state = replay(sized, sequence, prepared.internal.prefetch, roots, _lookahead(prepared))
     compute = None
     if traces:
         rate = compute_rate(prepared.device)
-        flops = group_flops(prepared._groups, roots, traces)
+        flops = group_flops(prepared.internal.groups, roots, traces)
         compute = {key: count / rate for key, count in flops.items()}
     return sized, state, compute
 
@@ -136,23 +136,23 @@ def _price(
 ) -> PlanEntry:
     """The entry for ``prepared`` from its sized groups, the replay of its layout and its groups' compute; what
     the machine holds for ``ranks`` ranks: each rank's own copy, but once what a storage's ranks share."""
-    request = prepared._request
+    request = prepared.internal.request
     storage = request.storage.obj if request.storage is not None else None
     cost = storage_cost(storage, prepared.device) if storage is not None else None
     if compute is not None:
         seconds = exposed_seconds(
-            prepared._groups,
-            prepared._group_bytes,
+            prepared.internal.groups,
+            prepared.internal.group_bytes,
             {id(s.group) for s in sized if s.idle},
             sequence,
-            prepared._target.components,
-            prefetch=prepared._prefetch,
+            prepared.internal.target.components,
+            prefetch=prepared.internal.prefetch,
             lookahead=_lookahead(prepared),
             compute=compute,
             cost=cost,
         )
     else:
-        seconds = _seconds(cost, state.moved, state.onloads, prepared._prefetch)
+        seconds = _seconds(cost, state.moved, state.onloads, prepared.internal.prefetch)
     offloaded = sum(s.nbytes for s in sized if s.group.policy is not Policy.RESIDENT)
     held = {"pageable": 0, "pinned": 0, "disk": 0}
     if cost is not None:
@@ -174,7 +174,7 @@ def _price(
         placement=prepared.placement,
         quantizer=prepared.quantizer,
         storage=prepared.storage,
-        options=dict(prepared._variant),
+        options=dict(prepared.internal.variant),
         peak_device_bytes=state.peak,
         transfer_bytes_per_call=state.moved,
         onloads_per_call=state.onloads,

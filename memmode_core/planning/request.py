@@ -1,11 +1,12 @@
 """What was asked, resolved once: the :class:`Request` every public entry builds before it looks at the target.
 
 ``apply``, ``prepare`` and ``load`` take the same keyword arguments (:data:`REQUEST_ARGUMENTS`). Each lists
-them once, in its own signature, where users read them, and hands them here in one piece
-(:meth:`Request.from_call`): the mode's names are resolved against the installed plugins, every argument is
-checked and each plugin's typed options are built, once, without looking at the target — ``load`` builds
-its request before the model exists. The planner and the resolvers derive their candidates' requests from
-one (:meth:`Request.candidate`) instead of resolving again.
+them in its own signature, where users read them, and hands each on by name to :meth:`Request.build` (whose
+signature lists them too, so that a reader or a tool can follow every argument from the call). There the
+mode's names are resolved against the installed plugins, every argument is checked and each plugin's typed
+options are built, once, without looking at the target — ``load`` builds its request before the model exists.
+The planner and the resolvers derive their candidates' requests from one (:meth:`Request.candidate`) instead of
+resolving again.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from memmode_core.planning.trace import ComponentTrace
 from memmode_core.quantization import overrides
 
 #: the keyword arguments ``apply``, ``prepare`` and ``load`` share, with their defaults (each entry's signature
-#: lists them so, a test checks it): :meth:`Request.from_call` takes them from a call by these names
+#: and :meth:`Request.build` list them so, a test checks it)
 REQUEST_ARGUMENTS: Mapping[str, Any] = {
     "device": None,
     "weight_dtype": None,
@@ -116,25 +117,37 @@ class Request:
         return self.core_packs and self.packed_rest_on_host
 
     @classmethod
-    def from_call(cls, arguments: Mapping[str, Any]) -> Request:
+    def build(
+        cls,
+        mode: str,
+        *,
+        device: Any = None,
+        weight_dtype: torch.dtype | None = None,
+        storage: str | None = None,
+        offload_dir: Any = None,
+        components: Iterable[str] | None = None,
+        exclude: Iterable[str] | None = None,
+        unplaced: Iterable[str] | None = None,
+        strict: bool = False,
+        options: Mapping[str, Any] | None = None,
+    ) -> Request:
         """The request of a call of a public entry, resolved and checked without looking at the target (see the
-        module docstring): ``arguments`` is the entry's ``locals()`` taken first thing — its ``mode``, the
-        keywords of :data:`REQUEST_ARGUMENTS` and its ``**options``. Every mistake is a typed error here."""
-        mode = arguments["mode"]
-        asked = {name: arguments.get(name, default) for name, default in REQUEST_ARGUMENTS.items()}
+        module docstring): the entry hands on its ``mode``, the keywords of :data:`REQUEST_ARGUMENTS` by name, and
+        its ``**options`` (the plugins' option keywords). Every mistake is a typed error here."""
         if not isinstance(mode, str):
             raise TypeError(f"mode must be a string such as 'model_cpu_offload_and_qfloat8', not {type(mode).__name__}")
-        if not isinstance(asked["strict"], bool):
-            raise TypeError(f"strict must be True or False, not {type(asked['strict']).__name__}")
-        given = dict(arguments.get("options") or {})
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict must be True or False, not {type(strict).__name__}")
+        given = dict(options or {})
         refuse_renamed(given)
-        device = resolve_device(asked["device"])
-        storage, offload_dir = asked["storage"], asked["offload_dir"]
+        resolved_device = resolve_device(device)
         if storage is not None and not isinstance(storage, str):
             raise TypeError(f"storage must be a storage name such as 'ram', not {type(storage).__name__}")
         if offload_dir is not None and not isinstance(offload_dir, (str, bytes, os.PathLike)):
             raise TypeError("offload_dir must be a path")
-        resolved = resolve(mode, storage=storage, device=device, plugins=current(), storage_given=storage is not None)
+        resolved = resolve(
+            mode, storage=storage, device=resolved_device, plugins=current(), storage_given=storage is not None
+        )
         placement_options, storage_options, quantizer_options = typed_options(
             resolved.placement, resolved.storage, resolved.quantizer, given
         )
@@ -143,15 +156,15 @@ class Request:
             placement=resolved.placement,
             quantizer=resolved.quantizer,
             storage=resolved.storage,
-            device=device,
+            device=resolved_device,
             offload_dir=offload_dir,
-            strict=asked["strict"],
+            strict=strict,
             placement_options=placement_options,
             storage_options=storage_options,
             quantizer_options=quantizer_options,
             storage_given=storage,
             given=given,
-            **what_is_touched(asked["weight_dtype"], asked["components"], asked["exclude"], asked["unplaced"]),
+            **what_is_touched(weight_dtype, components, exclude, unplaced),
         )
         request._refuse_arguments_the_mode_ignores()
         return request
