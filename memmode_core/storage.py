@@ -1,13 +1,6 @@
-"""Deprecated: the storage contract lives in the plugin kit, ``memmode_core.plugin``."""
+"""Deprecated: the storage contract lives in the plugin kit, ``memmode_core.plugin``; what each old name is now
+is in the table of deprecated names, ``memmode_core/contracts/deprecation.py``."""
 
-from memmode_core.contracts import storage as _storage
-from memmode_core.contracts.deprecation import moved_names, names_moved_to
+from memmode_core.contracts.deprecation import moved_names
 
-__getattr__ = moved_names(
-    __name__,
-    names_moved_to(
-        _storage,
-        *("Storage", "StorageSession", "Tensors", "placeholder", "is_placeholder", "host_copy"),
-        public="memmode_core.plugin",
-    ),
-)
+__getattr__ = moved_names(__name__)

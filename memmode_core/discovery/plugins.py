@@ -13,8 +13,7 @@ from __future__ import annotations
 import os
 import threading
 
-from memmode_core.contracts.deprecation import moved_names, names_moved_to
-from memmode_core.discovery import registering, registrations, sources
+from memmode_core.contracts.deprecation import moved_names
 from memmode_core.discovery.disabling import AUTOLOAD_ENV, DISABLE_ENV, registration_disabled
 from memmode_core.discovery.registering import add_registration, new_manager, register_one
 from memmode_core.discovery.registrations import KINDS, PluginInfo, PluginSet
@@ -122,10 +121,5 @@ def list_plugins() -> list[PluginInfo]:
     return rows
 
 
-#: what this module's ``__all__`` listed before discovery was split by job, served from where it lives now
-__getattr__ = moved_names(
-    __name__,
-    names_moved_to(registrations, "Registration", "PluginFailure")
-    | names_moved_to(registering, "clash_error", "provided_by")
-    | names_moved_to(sources, "temporary_plugin"),
-)
+#: what this module's ``__all__`` listed before discovery was split by job (memmode_core/contracts/deprecation.py)
+__getattr__ = moved_names(__name__)

@@ -1,8 +1,6 @@
-"""Deprecated: how the planner prices and measures a storage is :mod:`memmode_core.planning.measuring`."""
+"""Deprecated: how the planner prices and measures a storage is :mod:`memmode_core.planning.measuring`; what
+each old name is now is in the table of deprecated names, ``memmode_core/contracts/deprecation.py``."""
 
-from memmode_core.contracts.deprecation import moved_names, names_moved_to
-from memmode_core.planning import measuring as _measuring
+from memmode_core.contracts.deprecation import moved_names
 
-__getattr__ = moved_names(
-    __name__, names_moved_to(_measuring, "storage_cost", "measured_bandwidth", "probe", "PROBE_BYTES")
-)
+__getattr__ = moved_names(__name__)

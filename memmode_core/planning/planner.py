@@ -18,16 +18,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from memmode_core.contracts.deprecation import moved_names, names_moved_to
+from memmode_core.contracts.deprecation import moved_names
 from memmode_core.contracts.devices import resolve_device
 from memmode_core.contracts.errors import InvalidOptionError
 from memmode_core.contracts.targets import Target
 from memmode_core.discovery.grammar import lookup
 from memmode_core.discovery.plugins import current
 from memmode_core.discovery.registrations import Registration
-from memmode_core.planning import candidates as _candidates
-from memmode_core.planning import choosing as _choosing
-from memmode_core.planning import pricing as _pricing
 from memmode_core.planning.budgets import budget_bytes
 from memmode_core.planning.calls import DEFAULT_STEPS, CallTrace, call_sequence, call_shapes, default_calls
 from memmode_core.planning.candidates import priced_candidates
@@ -114,10 +111,5 @@ def _quantizers(quantizer: str | Iterable[str] | None) -> list[Registration | No
     return [lookup(current(), "quantizer", name, mode=None) for name in names]
 
 
-#: what this module's ``__all__`` listed before the planner was split by job, served from where it lives now
-__getattr__ = moved_names(
-    __name__,
-    names_moved_to(_choosing, "choose", "NoModeFitsError")
-    | names_moved_to(_pricing, "price")
-    | names_moved_to(_candidates, "candidates"),
-)
+#: what this module's ``__all__`` listed before the planner was split by job (memmode_core/contracts/deprecation.py)
+__getattr__ = moved_names(__name__)
