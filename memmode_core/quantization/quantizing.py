@@ -29,6 +29,7 @@ from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionEr
 from memmode_core.contracts.quantizer import DEFAULT_EXCLUDE, PAYLOAD, Quantizer
 from memmode_core.contracts.storage import data_class
 from memmode_core.contracts.targets import is_fsdp1
+from memmode_core.engine.standins.classes import is_stand_in, raw_reads
 from memmode_core.files.streamed import give_back_freed_memory
 from memmode_core.quantization.forward import install_forward
 from memmode_core.quantization.packed import COMPUTE_DTYPES, attach_packed, is_dtensor, packed_record
@@ -123,6 +124,19 @@ def check_weight_dtype(weight_dtype: torch.dtype | None) -> None:
         )
 
 
+def weight_class(weight: torch.Tensor) -> type:
+    """The class of a weight's data, as quantizing it will find it: seen through memmode's own stand-in of a
+    weight resting under a placement (a mode applied over another is prepared while the old one still places
+    the model, and is only removed, its weights back in ordinary memory, when the new one executes). Under a
+    storage that keeps nothing in memory (``disk``) ``weight.data`` is then a lazy ``StandIn`` of the stored
+    value; what it stands in for is the tensor it wraps (only plain parameters and buffers rest as stand-ins:
+    a library's wrapped tensor keeps its class, and is refused as one)."""
+    if is_stand_in(weight):
+        with raw_reads():
+            return data_class(weight)
+    return data_class(weight)
+
+
 def check_component(
     quantizer: Quantizer,
     name: str,
@@ -165,12 +179,12 @@ def check_component(
     wrapped = [
         p
         for p in selection.to_pack
-        if data_class(p.module.weight) is not torch.Tensor and not is_dtensor(p.module.weight)
+        if weight_class(p.module.weight) is not torch.Tensor and not is_dtensor(p.module.weight)
     ]
     if wrapped:
         raise IncompatibleModeError(
             f"cannot quantize {name!r} with {quantizer.name}: {wrapped[0].path}.weight is a "
-            f"{data_class(wrapped[0].module.weight).__name__}, not a plain tensor (another library quantized or "
+            f"{weight_class(wrapped[0].module.weight).__name__}, not a plain tensor (another library quantized or "
             f"wrapped it)"
         )
     sharded = [p.path for p in selection.to_pack if is_dtensor(p.module.weight)]
