@@ -14,6 +14,7 @@ import torch
 import memmode_core
 from memmode_core.cli import main
 from memmode_core.cli.parser import build_parser
+from memmode_core.contracts.units import format_bytes
 
 
 def tiny_demo(command: str, *argv: str) -> int:
@@ -289,6 +290,60 @@ def test_an_option_no_plugin_declares_is_the_invalid_option_message(command, cap
     assert captured.err.startswith("memmode: error: unexpected option num_block_per_group")
     assert "num_blocks_per_group" in captured.err  # what is accepted
     assert "Traceback" not in captured.err and captured.out == ""
+
+
+# -- what run says is on disk ---------------------------------------------------------------------------------
+
+
+def files_on_disk_now(streamed_sizes: dict[int, int]) -> int:
+    """Bytes of the streamed files among ``streamed_sizes`` (inode -> size) that this process still maps: unlinked
+    when written, each is on disk until its last mapping goes (read from ``/proc/self/maps``)."""
+    with open("/proc/self/maps") as maps:
+        inodes = {int(fields[4]) for fields in (line.split(maxsplit=5) for line in maps) if len(fields) == 6}
+    return sum(size for inode, size in streamed_sizes.items() if inode in inodes)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads which files are mapped from /proc")
+@pytest.mark.parametrize("storage", ["disk", "mmap"])
+def test_run_counts_on_disk_what_the_files_hold(storage, monkeypatch, capsys):
+    """A quantizer packs the layers into a streamed file (unlinked at once), which the file storage keeps the
+    groups in instead of writing them again (or, when it writes them, which their scales still view): that file is
+    on disk as much as the group files are. The disk column is the bytes of both, as measured on the files
+    themselves when the run reads its report: the group files in the session's folder, and the streamed files still
+    mapped (their size taken from the open file before it was mapped). qfloat4 takes less than qfloat8."""
+    from memmode_core.files import sessions, streamed
+
+    streamed_sizes, measured = {}, []
+    finish, stats = streamed.StreamedFile.finish, sessions.GroupFileSession.stats
+
+    def measuring_finish(self):
+        status = os.fstat(self._fd)
+        streamed_sizes[status.st_ino] = status.st_size
+        return finish(self)
+
+    def measuring_stats(self):
+        files = sum(p.stat().st_size for p in self.store.folder.glob("memmode-*.safetensors"))
+        measured.append((files, files_on_disk_now(streamed_sizes)))
+        return stats(self)
+
+    monkeypatch.setattr(streamed.StreamedFile, "finish", measuring_finish)
+    monkeypatch.setattr(sessions.GroupFileSession, "stats", measuring_stats)
+    modes = ["model_group_offload", "model_group_offload_and_qfloat8", "model_group_offload_and_qfloat4"]
+    assert tiny_demo("run", "--steps", "1", "--no-progress", "--json", "--storage", storage, "--compare", *modes) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert [r["storage"] for r in results] == [storage] * 3 and len(measured) == 3
+    assert [r["disk_bytes"] for r in results] == [files + staged for files, staged in measured]
+    plain, qfloat8, qfloat4 = (r["disk_bytes"] for r in results)
+    assert qfloat4 < qfloat8 < plain
+    assert [r.get("staged_bytes") for r in results] == [staged for _, staged in measured]
+    assert measured[0][1] == 0 and measured[1][1] > 0 and measured[2][1] > 0
+
+    assert tiny_demo("run", "--steps", "1", "--no-progress", "--storage", storage, "--compare", *modes) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("mode"))
+    assert header.split()[-1] == "disk"
+    shown = [line.split("  ")[-1].strip() for line in lines[lines.index(header) + 2 :]]
+    assert shown == [format_bytes(r["disk_bytes"]) for r in results]
 
 
 # -- run --compare goes on past a refused mode ---------------------------------------------------------------

@@ -20,6 +20,7 @@ runs all 50 cases here.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from collections import namedtuple
@@ -229,6 +230,59 @@ def test_files_written_in_a_given_folder_are_deleted_at_remove(storage, tmp_path
     assert files_under(folder)
     handle.remove()
     assert folder.is_dir() and files_under(folder) == []
+
+
+# -- what is on disk: the group files, and the streamed files the groups lie in -------------------------------
+
+
+def on_disk(folder, streamed_sizes: dict[int, int]) -> int:
+    """What is on disk now, measured on the files: the group files in ``folder``, and the streamed files among
+    ``streamed_sizes`` (inode -> size; unlinked when written) that this process still maps (``/proc/self/maps``)."""
+    with open("/proc/self/maps") as maps:
+        inodes = {int(fields[4]) for fields in (line.split(maxsplit=5) for line in maps) if len(fields) == 6}
+    streamed = sum(size for inode, size in streamed_sizes.items() if inode in inodes)
+    return sum(p.stat().st_size for p in folder.glob(f"{FILE_PREFIX}*.safetensors")) + streamed
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads which files are mapped from /proc")
+@pytest.mark.parametrize("keep_files", [False, True], ids=["in-place", "keep_files"])
+@pytest.mark.parametrize("storage", FILE_STORAGES)
+def test_the_storage_counts_on_disk_the_streamed_files_the_groups_lie_in(storage, keep_files, tmp_path, monkeypatch):
+    """A quantizer packs the layers into a streamed file (unlinked at once, on disk until its last mapping goes).
+    The storage keeps the groups in place in it (nothing written: borrowed), or, with ``keep_files``, writes them to
+    group files while their scales, kept readable at rest, still view it: either way the file is on disk, and
+    ``staged_bytes`` counts it beside the group files' ``disk_bytes``, as measured on the files; qfloat4 less than
+    qfloat8."""
+    from memmode_core.files import streamed
+
+    sizes, finish = {}, streamed.StreamedFile.finish
+
+    def measuring_finish(self):
+        status = os.fstat(self._fd)
+        sizes[status.st_ino] = status.st_size
+        return finish(self)
+
+    monkeypatch.setattr(streamed.StreamedFile, "finish", measuring_finish)
+    totals = {}
+    for quantizer in ("qfloat8", "qfloat4"):
+        sizes.clear()  # the streamed files of this apply only
+        folder = tmp_path / quantizer
+        model = make_blocks(0, width=128)
+        handle = memmode.apply(
+            model,
+            f"model_group_offload_and_{quantizer}",
+            device="cpu",
+            storage=storage,
+            offload_dir=folder,
+            **({"keep_files": True} if keep_files else {}),
+        )
+        stats = handle.report().storage_bytes
+        assert stats["staged_bytes"] > 0 and (stats["borrowed_groups"] > 0) is not keep_files, stats
+        totals[quantizer] = stats["disk_bytes"] + stats["staged_bytes"]
+        assert totals[quantizer] == on_disk(folder, sizes), stats
+        handle.remove()
+        assert handle.report().storage_bytes.get("staged_bytes", 0) == 0
+    assert totals["qfloat4"] < totals["qfloat8"]
 
 
 # -- the accelerator: the staging ring and the pinned storage (CUDA, else the strict model on the CPU) ---------

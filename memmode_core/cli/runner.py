@@ -35,10 +35,14 @@ class RunResult:
     bytes_transferred: int | None
     transfer_seconds: float | None
     offloaded_ram_bytes: int | None
+    #: bytes on disk that hold the offloaded weights: the storage's group files, and the streamed files memmode
+    #: wrote that the stored groups lie in (a quantizer's packed layers, kept there in place: ``staged_bytes``)
     disk_bytes: int | None
     output_shape: tuple[int, ...] | None
     trace: list[tuple[float, int]] = field(default_factory=list, repr=False)
     refused: str | None = None
+    #: of ``disk_bytes``, those of the streamed files (``report().storage_bytes["staged_bytes"]``)
+    staged_bytes: int | None = None
 
     @classmethod
     def refusal(cls, requested: str, error: BaseException) -> RunResult:
@@ -163,7 +167,8 @@ def run_modes(
                 bytes_transferred=report.bytes_transferred,
                 transfer_seconds=report.transfer_seconds,
                 offloaded_ram_bytes=held.get("pageable_bytes", 0) + held.get("pinned_bytes", 0),
-                disk_bytes=held.get("disk_bytes", 0),
+                disk_bytes=held.get("disk_bytes", 0) + held.get("staged_bytes", 0),
+                staged_bytes=held.get("staged_bytes", 0),
                 output_shape=tuple(output.shape),
                 trace=handle.trace() if trace else [],
             )

@@ -46,8 +46,15 @@ def map_private_range(path: str | os.PathLike, offset: int, length: int) -> torc
 def map_private_fd(fd: int, offset: int = 0, length: int = 0) -> torch.Tensor:
     """:func:`map_private` of an open file descriptor (an unlinked file has no path left to open); with
     ``length``, only ``length`` bytes from ``offset`` (a multiple of the page size)."""
+    return map_private_fd_kept(fd, offset, length)[1]
+
+
+def map_private_fd_kept(fd: int, offset: int = 0, length: int = 0) -> tuple[mmap.mmap, torch.Tensor]:
+    """:func:`map_private_fd`, with the ``mmap`` object too: the tensor and every view of it keep it alive, so a
+    weak reference to it says whether the mapping is still there (an unlinked file stays on disk until its last
+    mapping goes)."""
     mapping = mmap.mmap(fd, length, access=mmap.ACCESS_COPY, offset=offset)
-    return torch.frombuffer(mapping, dtype=torch.uint8)
+    return mapping, torch.frombuffer(mapping, dtype=torch.uint8)
 
 
 def map_private_kept(path: str | os.PathLike) -> tuple[mmap.mmap, torch.Tensor]:

@@ -2,7 +2,7 @@
 
 Both storages promise the same things about their files (:mod:`memmode_core.files.store`), so what their
 sessions have in common lives here once: opening a :class:`~memmode_core.files.store.GroupFileStore` with the
-storages' options (:mod:`memmode_core.files.options`), storing each group and keeping its file by key,
+storages' options (:mod:`memmode_core.files.file_options`), storing each group and keeping its file by key,
 naming the groups written in the background at ``flush``, checking a file before it is read back
 (``verify``), the page-locked staging ring for uploads to an accelerator, and the counts ``stats`` reports.
 A plugin adds only how it reads a group back (``disk``: at each onload, for as long as the group is on the
@@ -23,9 +23,9 @@ from memmode_core.contracts.storage import Storage, StorageSession, Tensors
 from memmode_core.engine.staging import Fill, StagingRing
 from memmode_core.engine.streams import active
 from memmode_core.files import folder as offload_folder
+from memmode_core.files.file_options import GroupFileOptions, check_offload_dir
 from memmode_core.files.groupfile import GroupFile
 from memmode_core.files.node import shared_folder
-from memmode_core.files.options import GroupFileOptions, check_offload_dir
 from memmode_core.files.store import GroupFileStore
 
 
@@ -73,7 +73,7 @@ class GroupFileSession(StorageSession):
         self.store = store
         self.device = device
         self.files: dict[str, GroupFile] = {}
-        #: see :class:`~memmode_core.files.options.GroupFileOptions`
+        #: see :class:`~memmode_core.files.file_options.GroupFileOptions`
         self.verify = "size"
         #: page-locked bounce buffers for uploads to an accelerator (allocated on the first upload)
         self.staging = StagingRing() if active().has_streams(device) else None
@@ -111,8 +111,14 @@ class GroupFileSession(StorageSession):
         self.store.close()
 
     def stats(self) -> dict[str, int]:
+        """``disk_bytes``: the group files. ``staged_bytes``: the other files on disk that hold the stored groups,
+        those memmode wrote while it quantized or converted weights (:attr:`GroupFileStore.staged_bytes`): a group
+        kept in one in place is counted there, not in ``disk_bytes``. What is on disk for the session is the sum.
+        ``borrowed_bytes``, ``borrowed_groups``: the groups kept in place in a lent mapping (those files, or a
+        checkpoint's own pages); ``written_groups``: the groups stored in group files."""
         return {
             "disk_bytes": self.store.disk_bytes,
+            "staged_bytes": self.store.staged_bytes,
             "borrowed_bytes": self.store.borrowed_bytes,
             "borrowed_groups": self.store.borrowed_groups,
             "written_groups": self.store.written_groups,

@@ -55,9 +55,10 @@ from memmode_core.files import folder as offload_folder
 from memmode_core.files import naming, readwrite
 from memmode_core.files.borrowed import borrow
 from memmode_core.files.borrowed import lending_now as lending
+from memmode_core.files.file_layout import FileLayout, UnsupportedDtypeError, host_tensors
 from memmode_core.files.folder import OffloadFolder
 from memmode_core.files.groupfile import FILE_PREFIX, FILE_SUFFIX, FileStamp, GroupFile
-from memmode_core.files.layout import FileLayout, UnsupportedDtypeError, host_tensors
+from memmode_core.files.streamed import WrittenFile, written_file_of
 from memmode_core.files.writers import InFlight, Unnamed
 
 logger = logging.getLogger("memmode")
@@ -102,6 +103,9 @@ class GroupFileStore:
         #: groups stored by reference (kept in a lent mapping's pages), and groups stored to files
         self.borrowed_groups = 0
         self.written_groups = 0
+        #: the files memmode wrote (streamed: packed layers, converted weights) that the stored groups' tensors
+        #: lay in (see staged_bytes)
+        self._staged: set[WrittenFile] = set()
         #: check the free space before each write rather than for all groups up front (see reserve)
         self._room_per_write = False
         #: the folder held no group file when reserved: write each group while hashing it (see store)
@@ -116,7 +120,17 @@ class GroupFileStore:
 
     @property
     def disk_bytes(self) -> int:
+        """Bytes of the group files this session uses."""
         return sum(self._sizes.values())
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes on disk, besides the group files, of the files memmode wrote that the stored groups lay in when
+        they were stored (a quantizer's layers packed into a streamed file, weights converted while loading),
+        each counted whole while it is still mapped: an unlinked file stays on disk as long as anything maps it,
+        a group kept in it in place (borrowed: nothing written) or a tensor still viewing it. A checkpoint's own
+        pages count nothing here: its files were there before."""
+        return sum(written.size for written in self._staged if written.mapped)
 
     # -- before anything is released -----------------------------------------------------------------
 
@@ -183,6 +197,7 @@ class GroupFileStore:
         until :meth:`flush`, which must come before the file is read, checked or mapped for use.
         """
         host = host_tensors(tensors)
+        self._staged.update(w for w in map(written_file_of, host.values()) if w is not None)
         try:
             layout = FileLayout.of(host)
         except UnsupportedDtypeError as exc:
@@ -345,3 +360,4 @@ class GroupFileStore:
         self._unnamed.drop()
         self._folder.close()
         self._sizes.clear()
+        self._staged.clear()

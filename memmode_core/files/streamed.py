@@ -12,6 +12,10 @@ privately (in windows, as checkpoints are: :class:`~memmode_core.files.mapping.W
 its pages readable (and evictable, unlike anonymous memory) for as long as a tensor views it, and nothing
 is ever left on disk — not even if the process is killed while writing.
 
+Nameless, such a file is on disk all the same until its last mapping goes: each mapped window knows its file
+(:class:`WrittenFile`, found from any tensor lying in it by :func:`written_file_of`), so that a file storage keeping
+groups there counts it on disk (``report().storage_bytes["staged_bytes"]``).
+
 Room is checked before a byte is written (:func:`check_room`): the sizes are known from the layout, and
 finding a full disk half-way through a 57 GB conversion would cost the time of writing it. A write that
 fails anyway (the disk filled up meanwhile, a file-size limit, an I/O error) is a :class:`StagingError`
@@ -23,9 +27,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import mmap
 import os
 import shutil
 import tempfile
+import threading
+import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -34,8 +41,8 @@ import torch
 from memmode_core.contracts.errors import StagingError
 from memmode_core.contracts.storage import Tensors
 from memmode_core.contracts.units import format_bytes
-from memmode_core.files.layout import FileLayout, byte_view, host_tensors
-from memmode_core.files.mapping import Windows, map_private_fd
+from memmode_core.files.file_layout import FileLayout, byte_view, host_tensors
+from memmode_core.files.mapping import Windows, map_private_fd_kept
 
 
 def staging_folder(folder: str | os.PathLike | None) -> Path:
@@ -149,7 +156,7 @@ class StreamedFile:
             if self.keep_as is not None:
                 os.fsync(self._fd)
             fd = self._fd
-            mapped = mapped_tensors(self.layout, lambda offset, length: map_private_fd(fd, offset, length))
+            mapped = mapped_tensors(self.layout, lambda offset, length: map_private_fd_kept(fd, offset, length))
             os.close(self._fd)
             self._fd = -1
             if self.keep_as is not None:
@@ -174,12 +181,68 @@ class StreamedFile:
                 os.unlink(self.path)
 
 
+class WrittenFile:
+    """A file memmode wrote and mapped (a streamed file of packed layers or converted weights, or one the ranks of
+    a machine made once), while its windows are mapped: ``size`` bytes on disk (an unlinked file stays there
+    until its last mapping goes, whatever holds it: a group a storage keeps in place, or one tensor viewing it).
+    :func:`written_file_of` finds it from any tensor lying in it."""
+
+    __slots__ = ("size", "_mappings")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._mappings: list[weakref.ref] = []
+
+    @property
+    def mapped(self) -> bool:
+        """Whether a window of it is still mapped (a tensor still views it)."""
+        return any(ref() is not None for ref in self._mappings)
+
+    def _window(self, mapping: mmap.mmap, flat: torch.Tensor) -> None:
+        ref = weakref.ref(mapping)
+        self._mappings.append(ref)
+        start = flat.data_ptr()
+        with _windows_lock:
+            _prune()
+            _WINDOWS.append((start, start + flat.numel(), ref, self))
+
+
+#: the windows of the files memmode wrote that may still be mapped: (first address, end address, a weak
+#: reference to the mapping, the file); a window whose mapping is gone is pruned (its addresses may be reused)
+_WINDOWS: list[tuple[int, int, weakref.ref, WrittenFile]] = []
+_windows_lock = threading.Lock()
+
+
+def _prune() -> None:
+    _WINDOWS[:] = [w for w in _WINDOWS if w[2]() is not None]
+
+
+def written_file_of(tensor: torch.Tensor) -> WrittenFile | None:
+    """The file memmode wrote (still mapped) whose bytes ``tensor`` views, or None."""
+    if tensor.device.type != "cpu" or tensor.is_meta or tensor.numel() == 0:
+        return None
+    address = tensor.data_ptr()
+    with _windows_lock:
+        for start, end, ref, written in _WINDOWS:
+            if start <= address < end and ref() is not None:
+                return written
+    return None
+
+
 def mapped_tensors(layout: FileLayout, map_window) -> MappedTensors:
-    """Every tensor of a file laid out as ``layout``, as views of its windows, each mapped by
-    ``map_window(offset, length)`` (see :class:`~memmode_core.files.mapping.Windows`)."""
+    """Every tensor of a file memmode wrote, laid out as ``layout``, as views of its windows, each mapped by
+    ``map_window(offset, length) -> (mmap, flat)`` (see :class:`~memmode_core.files.mapping.Windows`); the
+    windows are those of one :class:`WrittenFile` (what the file takes on disk while they are mapped)."""
     start = layout.data_start
     windows = Windows((start + e.start, start + e.end) for e in layout.entries)
-    windows.map_all(map_window)
+    written = WrittenFile(layout.file_size)
+
+    def window(offset: int, length: int) -> torch.Tensor:
+        mapping, flat = map_window(offset, length)
+        written._window(mapping, flat)
+        return flat
+
+    windows.map_all(window)
     tensors = {}
     for e in layout.entries:
         if e.end == e.start:
@@ -194,7 +257,7 @@ def map_file(path: str | os.PathLike, layout: FileLayout) -> MappedTensors:
     """A finished file laid out as ``layout``, mapped privately as :meth:`StreamedFile.finish` maps one."""
     with open(path, "rb") as file:
         fd = file.fileno()
-        return mapped_tensors(layout, lambda offset, length: map_private_fd(fd, offset, length))
+        return mapped_tensors(layout, lambda offset, length: map_private_fd_kept(fd, offset, length))
 
 
 class MappedTensors(dict):
