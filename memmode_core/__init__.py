@@ -12,42 +12,46 @@ Placements, quantizers and storages are plugins (entry-point group ``memmode``);
 ``apply`` is ``prepare`` then execute: :func:`prepare` builds the request once (the mode's names resolved,
 every argument checked, each plugin's typed options built), lays the target out, claims the groups, selects
 the layers to quantize and sizes what will be stored — into an inspectable :class:`Prepared` — and executing it
-quantizes and installs the engine. The planner prices such plans, ``load`` streams into one, ``auto`` (a
-resolver) executes the candidate it chose. Plugins import what they need from one module, the plugin kit
-:mod:`memmode_core.plugin`.
+quantizes and installs the engine. The planner prices such plans, ``load`` packs while it streams and executes
+one, ``auto`` (a resolver) executes the candidate it chose. Plugins import what they need from one module,
+the plugin kit :mod:`memmode_core.plugin`.
 
 The modules are layered, one folder per layer, and imports only point down, even through
 ``TYPE_CHECKING`` imports and ``from memmode_core import X`` (``tests/test_import_layers.py`` checks it, with
 the table of ``tests/layers.py``):
 
 0. ``contracts/``: what plugins implement and every layer shares — errors, typed options, hookspecs,
-   devices, costs, the ``Placement``, ``Quantizer``, ``Resolver`` and ``Storage`` contracts, targets, the
-   group vocabulary (``layout``: ``GroupSpec``, ``Policy``), packing, deprecated aliases;
-1. mechanics: ``engine/`` (``groups``: the group model and claiming; ``laying_out``: a placement's layout as
-   core adjusts it, and the engine's rebuilds; ``runtime``, the composition of ``moving``, ``changes``,
-   ``forwards`` and ``serving``; ``standins``: every read of a resting or quantized weight gets its value
-   (``standin_dispatch``, ``standin_values``, ``sources``, ``operations``); ``copying``: copies of placed
-   objects; ``hooks``: named hooks and their registry; ``pipeline_hooks``, ``reads``, ``watch``, ``inputs``,
-   ``ledger``, ``staging``, ``streams``: the one door to the accelerator),
-   ``files/`` (group files, checkpoints) and ``quantization/`` (``packed``, ``sizes``, ``standin``,
-   ``forward``, ``selection``, ``quantizing``, ``saved``: everything a quantizer does besides packing one
-   weight);
+   devices, ``storage_cost``, the ``Placement``, ``Quantizer``, ``Resolver`` and ``Storage`` contracts,
+   targets, the group vocabulary (``group_specs``: ``GroupSpec``, ``Policy``), ``packing`` (a group's tensors
+   in one flat buffer), the one table of deprecated names (``deprecation``);
+1. mechanics: ``engine/`` (``groups``: the group model and claiming; ``placement_layout``: a placement's
+   layout as core adjusts it, and the engine's rebuilds; ``runtime``: the engine of one ``apply``, made of
+   parts that each get their collaborators through their constructor — ``state`` (what they share),
+   ``moving``, ``serving``, ``changes``, ``forwards`` (with ``component_hooks``); ``standins/``: every read
+   of a resting or quantized weight gets its value, the rule and the four kinds of call stated in its
+   ``__init__``; ``copying``: copies of placed objects; ``hooks``: named hooks and their registry;
+   ``pipeline_hooks``, ``watch``, ``inputs``, ``ledger``, ``staging``, ``streams``: the one door to the
+   accelerator), ``files/`` (group files, checkpoints; what the layers above use is what
+   ``memmode_core.files`` exports) and ``quantization/`` (``packed``, ``sizes``, ``forward``, ``selection``,
+   ``quantizing``, ``saved``: everything a quantizer does besides packing one weight);
 2. ``discovery/``: plugins, grammar, the one table of first-party names (built-in plugins are loaded by
    module name, like entry points);
-3. ``planning/``: ``request`` (what was asked, resolved once), ``prepared`` (the plan of a concrete mode),
-   and the planner: ``calls`` (the call priced for), ``replay``, ``pricing``, ``candidates``, ``budgets``,
-   ``choosing``, ``planner`` (``plan``), ``measuring`` (what a storage costs, measured where it is not
-   declared), ``residency``, ``timing``, ``trace``;
+3. ``planning/``: ``request`` (what was asked, resolved once, built from named arguments), ``prepared`` (the
+   sealed plan of a concrete mode, what a user reads) and ``internal_plan`` (what the engine executes of
+   it), and the planner: ``calls`` (the call priced for), ``replay``, ``pricing``, ``candidates``,
+   ``budgets``, ``choosing``, ``planner`` (``plan``), ``measuring`` (what a storage costs, measured where it
+   is not declared), ``residency``, ``timing``, ``trace``;
 4. ``builtin/``: the built-in plugins (the placements, the ``auto`` resolver, the ``ram`` storage);
-5. top level: ``applying`` (``prepare``, ``apply``, execute, remove, convert), ``handle`` (the ``Handle``),
-   ``plugin`` (the plugin kit), ``loading/``, ``compat`` (the VideoX-Fun drop-in), ``cli/``, ``demo``,
-   ``testing/`` (the strict model of asynchronous copies), and ``storage``/``costs``: deprecated aliases.
+5. top level: ``applying`` (``prepare``, ``apply``: prepare -> pack -> execute; remove, convert),
+   ``layer_packing`` (the stage that packs a plan's layers, for ``apply`` and ``load``), ``handover`` (a
+   mode applied over another: what is taken off and put back), ``handle`` (the ``Handle``), ``plugin`` (the
+   plugin kit), ``loading/``, ``compat`` (the VideoX-Fun drop-in), ``cli/``, ``demo``, ``testing/`` (the
+   strict model of asynchronous copies), and ``storage``/``costs``: deprecated aliases.
 """
 
 from __future__ import annotations
 
 from memmode_core.applying import apply, convert, prepare, remove
-from memmode_core.contracts.costs import StorageCost
 from memmode_core.contracts.deprecation import MemmodeDeprecationWarning
 from memmode_core.contracts.errors import (
     CheckpointError,
@@ -68,13 +72,14 @@ from memmode_core.contracts.errors import (
     StorageUnavailableError,
     UnknownModeError,
 )
+from memmode_core.contracts.group_specs import GroupSpec, Policy, block_groups, leaf_groups, whole_component
 from memmode_core.contracts.hookspecs import hookimpl
-from memmode_core.contracts.layout import GroupSpec, Policy, block_groups, leaf_groups, whole_component
 from memmode_core.contracts.options import Option, Options, option
 from memmode_core.contracts.placement import Placement
 from memmode_core.contracts.quantizer import Quantizer
 from memmode_core.contracts.resolver import Budgets, Resolver
 from memmode_core.contracts.storage import Storage, StorageSession, Tensors, is_placeholder, placeholder
+from memmode_core.contracts.storage_cost import StorageCost
 from memmode_core.contracts.targets import Target
 from memmode_core.contracts.versions import CORE_VERSION as __version__
 from memmode_core.discovery.grammar import Mode, parse_mode
@@ -83,7 +88,7 @@ from memmode_core.discovery.registrations import PluginInfo
 from memmode_core.discovery.sources import temporary_plugin
 from memmode_core.engine.hooks import hooks_of
 from memmode_core.engine.ledger import Report
-from memmode_core.engine.reads import placeholder_trap
+from memmode_core.engine.standins.placeholders import placeholder_trap
 from memmode_core.handle import Handle
 from memmode_core.loading.load import load
 from memmode_core.loading.save import save_quantized

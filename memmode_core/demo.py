@@ -14,6 +14,6 @@ See docs/getting-started.md ("Testing your plugin on the demo pipeline").
 
 from __future__ import annotations
 
-from memmode_core.cli.demo import SIZES, DemoSize, demo_call, demo_call_kwargs, demo_size, make_demo_pipeline
+from memmode_core.cli.demo_pipeline import SIZES, DemoSize, demo_call, demo_call_kwargs, demo_size, make_demo_pipeline
 
 __all__ = ["make_demo_pipeline", "demo_call", "demo_call_kwargs", "demo_size", "SIZES", "DemoSize"]

@@ -46,7 +46,6 @@ from __future__ import annotations
 from memmode_core.applying import convert
 from memmode_core.builtin.auto import PricingResolver
 from memmode_core.contracts import packing
-from memmode_core.contracts.costs import StorageCost, copying_cost
 from memmode_core.contracts.devices import resolve_device
 from memmode_core.contracts.errors import (
     IncompatibleModeError,
@@ -54,21 +53,22 @@ from memmode_core.contracts.errors import (
     MemmodeError,
     StorageUnavailableError,
 )
+from memmode_core.contracts.group_specs import GroupSpec, Policy, block_groups, leaf_groups, whole_component
 from memmode_core.contracts.hookspecs import hookimpl
-from memmode_core.contracts.layout import GroupSpec, Policy, block_groups, leaf_groups, whole_component
 from memmode_core.contracts.options import Option, Options, boolean, byte_size, one_of, option, positive_int
 from memmode_core.contracts.placement import Placement
 from memmode_core.contracts.quantizer import DEFAULT_EXCLUDE, Quantizer
 from memmode_core.contracts.resolver import Budgets, Resolver
 from memmode_core.contracts.storage import Storage, StorageSession, Tensors, host_copy, is_placeholder, placeholder
+from memmode_core.contracts.storage_cost import StorageCost, copying_cost
 from memmode_core.contracts.targets import Target
 from memmode_core.contracts.versions import KIT_VERSION
 from memmode_core.discovery.sources import temporary_plugin
 from memmode_core.engine.streams import Streams
 from memmode_core.engine.streams import active as active_streams
+from memmode_core.files.file_options import GroupFileOptions
 from memmode_core.files.groupfile import GroupFile
 from memmode_core.files.node import ranks_share_a_machine, shared_folder, shared_memory
-from memmode_core.files.options import GroupFileOptions
 from memmode_core.files.sessions import GroupFileSession, GroupFileStorage
 from memmode_core.files.store import GroupFileStore
 from memmode_core.planning.choosing import NoModeFitsError

@@ -47,7 +47,7 @@ class StoredGroup:
 
 def stored_groups(handle) -> dict[str, StoredGroup]:
     """Every group of ``handle`` kept in a group file (disk, mmap), by group key."""
-    runtime = handle._runtime
+    runtime = handle.runtime
     files = runtime.session.files
     out = {}
     for group in runtime.groups:
@@ -63,7 +63,7 @@ def stored_groups(handle) -> dict[str, StoredGroup]:
 
 def all_groups(handle) -> dict[str, list[tuple[str, torch.Tensor]]]:
     """Every group of ``handle`` (whatever the storage) -> the tensor objects it swaps."""
-    return {g.key: [(slot.name, slot.tensor) for slot in g.slots] for g in handle._runtime.groups}
+    return {g.key: [(slot.name, slot.tensor) for slot in g.slots] for g in handle.runtime.groups}
 
 
 def copy_by_identity(components: dict[str, nn.Module]) -> dict[int, torch.Tensor]:

@@ -570,7 +570,7 @@ def test_the_stated_demo_sizes_are_measured():
                 f"{file.relative_to(ROOT)}: {match[0]!r}, but the demo's transformers have {measured} parameters"
             )
             stated.add(file.name)
-    assert {"README.md", "getting-started.md", "demo.py", "parser.py"} <= stated
+    assert {"README.md", "getting-started.md", "demo_pipeline.py", "parser.py"} <= stated
 
 
 def _quantize(quantizer: str, module, **options) -> dict:
@@ -611,3 +611,30 @@ def test_the_stated_quantized_bytes_are_measured():
     ) in quantizers
     assert f"{per_layer[q8]} (qfloat8) or {per_layer[q4]} (qfloat4) of its bf16 bytes" in modes
     assert f"{benchmark[q8]} or {benchmark[q4]} for a Wan transformer\n({demo[q8]} / {demo[q4]}" in modes
+
+
+#: words every page may use that the glossary must explain
+GLOSSARY_TERMS = [
+    *("stand-in", "placeholder", "slot", "ledger", "residency", "workspace", "lent", "borrowed", "made once"),
+    *("group", "placement", "quantizer", "storage", "mode", "packed", "at rest", "resting", "onload", "offload"),
+    *("prefetch", "plan", "prepared plan", "kit", "streamed"),
+]
+
+
+def test_the_glossary_explains_each_word_and_names_modules_that_exist():
+    """docs/glossary.md gives each word the module that owns it: a module moved or renamed must be moved there
+    too, and the README's layout links the page."""
+    rows = [
+        [cell.strip() for cell in line.split("|")[1:-1]]
+        for line in (ROOT / "docs" / "glossary.md").read_text().splitlines()
+        if line.startswith("| ") and not line.startswith("| term |")
+    ]
+    terms = {term for row in rows for term in re.split(r",\s*", re.sub(r"\s*\(.*?\)", "", row[0]))}
+    assert set(GLOSSARY_TERMS) <= terms, f"not in the glossary: {sorted(set(GLOSSARY_TERMS) - terms)}"
+    for term, _, where in rows:
+        owners = re.findall(r"`([^`]+)`", where)
+        assert owners, f"the glossary gives {term!r} no module"
+        for owner in owners:
+            assert (ROOT / owner).exists(), f"docs/glossary.md: {term!r} lives in {owner}, which is not there"
+    layout = (ROOT / "README.md").read_text().split("## Layout", 1)[1]
+    assert "docs/glossary.md" in layout

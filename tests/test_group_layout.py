@@ -1,4 +1,4 @@
-"""How a model is cut into groups (``memmode_core.contracts.layout``), and what the cut must get right on the
+"""How a model is cut into groups (``memmode_core.contracts.group_specs``), and what the cut must get right on the
 shapes real checkpoints have: block lists wherever they are (two containers deep, in the encoder and decoder of a
 VAE without ``quant_conv``, as every Flux-family VAE is), block modules the user names, weights tied between
 modules of different groups, and models that declare ``_supports_group_offloading = False`` (DiT, VQModel),
@@ -28,7 +28,7 @@ from helpers import (
     tensors_of,
 )
 from memmode_core import IncompatibleModeError, InvalidOptionError
-from memmode_core.contracts.layout import block_groups
+from memmode_core.contracts.group_specs import block_groups
 from tiny_components import blocks, configured, kl_vae, seeded
 from tiny_dit_pipelines import DIT_TRANSFORMER
 from tiny_models import TIED_MODELS, make_tied, token_ids
@@ -80,7 +80,7 @@ def test_block_level_accepts_a_vae_without_quant_conv(storage, quantized, qint8)
     pipe = flux_with_real_vae()
     before = tensors_of(pipe.vae)
     handle = memmode.apply(pipe, mode, device="cpu", storage=storage)
-    assert any(g.key.startswith("vae/decoder") for g in handle._runtime.groups)
+    assert any(g.key.startswith("vae/decoder") for g in handle.runtime.groups)
     assert_bit_equal(run(pipe, "flux", 0), expected)
     handle.remove()
     assert_same_tensors(tensors_of(pipe.vae), before)
@@ -116,7 +116,7 @@ def test_tied_weights_are_onloaded_for_every_module_that_reads_them(model, place
 def test_blocks_nested_two_containers_deep_are_the_called_modules():
     target = make_tied("nested_tied")
     handle = memmode.apply(target, "model_group_offload", device="cpu", storage="poison")
-    keys = [g.key for g in handle._runtime.groups]
+    keys = [g.key for g in handle.runtime.groups]
     assert keys == ["module/<rest>", "module/stages.0.0", "module/stages.0.1", "module/stages.1.0", "module/stages.1.1"]
     handle.remove()
 
@@ -208,7 +208,7 @@ def test_a_pipeline_with_such_a_component_streams_the_rest_around_it():
     expected = run(make_pipeline("flux"), "flux", 0)
     handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage="poison")
     assert list(handle.report().placement_notes) == ["vae"]
-    assert len([g for g in handle._runtime.groups if g.component == "transformer"]) > 1, "the rest still streams"
+    assert len([g for g in handle.runtime.groups if g.component == "transformer"]) > 1, "the rest still streams"
     assert_bit_equal(run(pipe, "flux", 0), expected)
     handle.remove()
     handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage="poison", unplaced=["vae"])

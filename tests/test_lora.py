@@ -133,7 +133,7 @@ def test_loading_an_adapter_stores_only_the_adapter():
     """A rebuild keeps every stored part whose tensors did not change."""
     pipe = make_pipeline("flux")
     handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage="poison")
-    session = handle._runtime.session
+    session = handle.runtime.session
     before = dict(session.groups)
     load_lora(pipe, "flux", "first", seed=1)
     added = set(session.groups) - set(before)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from memmode_core.contracts.errors import StagingError
-from memmode_core.files.layout import FileLayout
+from memmode_core.files.file_layout import FileLayout
 from memmode_core.files.made_once import PREFIX, MadeOnce, recipe_of
 from memmode_core.files.streamed import write_pieces
 
@@ -91,7 +91,7 @@ _CHILD = textwrap.dedent(
     """
     import sys, time, torch
     from pathlib import Path
-    from memmode_core.files.layout import FileLayout
+    from memmode_core.files.file_layout import FileLayout
     from memmode_core.files.made_once import MadeOnce, recipe_of
     from memmode_core.files.streamed import write_pieces
 

@@ -28,8 +28,8 @@ from memmode_core.engine import streams
 from memmode_core.engine.staging import StagingRing, chunks_of
 from memmode_core.files import folder as offload_folder
 from memmode_core.files import naming, readwrite
+from memmode_core.files.file_layout import DATA_ALIGNMENT, PADDING_PREFIX, FileLayout, byte_view, host_tensors
 from memmode_core.files.groupfile import FILE_PREFIX, FILE_SUFFIX, FileStamp
-from memmode_core.files.layout import DATA_ALIGNMENT, PADDING_PREFIX, FileLayout, byte_view, host_tensors
 from memmode_core.files.mapping import map_private
 from memmode_core.files.store import GroupFileStore
 

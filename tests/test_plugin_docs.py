@@ -165,7 +165,7 @@ def blocks(n, dtype=torch.float32):
 
 
 def keys(handle, policy):
-    return sorted(g.key for g in handle._runtime.groups if g.policy is policy)
+    return sorted(g.key for g in handle.runtime.groups if g.policy is policy)
 
 
 def same_weights(pipe, fresh):
@@ -215,7 +215,7 @@ def zram_pipelines():
         found[mode] = {
             "equal": equal,
             "held": handle.report().storage_bytes["pageable_bytes"],
-            "offloaded": sum(g.nbytes for g in handle._runtime.groups if g.policy is not Policy.RESIDENT),
+            "offloaded": sum(g.nbytes for g in handle.runtime.groups if g.policy is not Policy.RESIDENT),
             "parameters_at_rest_are_placeholders": all(
                 memmode.is_placeholder(p) for m in modules for p in m.parameters() if p.numel() > 1),
             "buffers_at_rest_are_real": not any(memmode.is_placeholder(b) for m in modules for b in m.buffers()),
@@ -242,7 +242,7 @@ def zram_cost():
     # timing: benchmarks/plugin_storage_cost.py measures how close plan() comes to it, not the suite
     declared = memmode_zram._costs["cpu"]
     return {"predicted_held": entry.pageable_bytes, "held": report.storage_bytes["pageable_bytes"],
-            "offloaded": sum(g.nbytes for g in handle._runtime.groups), "ratio": declared.pageable_per_byte,
+            "offloaded": sum(g.nbytes for g in handle.runtime.groups), "ratio": declared.pageable_per_byte,
             "predicted_moved": entry.transfer_bytes_per_call, "moved": report.bytes_transferred,
             "predicted_onloads": entry.onloads_per_call, "onloads": report.onloads}
 

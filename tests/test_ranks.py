@@ -296,7 +296,7 @@ def files_of_one_storage(storage: str) -> dict:
     model = wan_transformer(heads=4)
     handle = memmode.apply(model, "model_group_offload", device="cpu", storage=storage)
     output = forward(model)
-    folder = handle._runtime.session.store.folder
+    folder = handle.runtime.session.store.folder
     dist.barrier()  # every rank has placed its model: the files are there for all
     files = {p.name: os.stat(p).st_ino for p in folder.glob("memmode-*.safetensors")}
     stats = handle.report().storage_bytes
@@ -373,7 +373,7 @@ def pinned_once(rank: int, options: dict) -> dict:
         model = wan_transformer(heads=4)
         handle = memmode.apply(model, "model_group_offload", device="cpu", storage="pinned", **options)
         outputs = [forward(model), forward(model)]
-        session = handle._runtime.session
+        session = handle.runtime.session
         shared = hasattr(session, "store")
         folder = session.store.folder if shared else None
         dist.barrier()  # every rank has placed its model
@@ -459,7 +459,7 @@ def shared_pinned_faults(rank: int, world: int) -> dict:
         handle = memmode.apply(model, "model_group_offload", device="cpu", storage="pinned")
         forward(model)
         dist.barrier()
-        victim = sorted(handle._runtime.session.store.folder.glob("memmode-*.safetensors"))[0]
+        victim = sorted(handle.runtime.session.store.folder.glob("memmode-*.safetensors"))[0]
         if rank == 0:
             with open(victim, "r+b") as file:
                 file.truncate(100)

@@ -55,7 +55,7 @@ def ring(rank: int, world: int) -> dict:
         handle = None if mode is None else memmode.apply(model, mode, device=device, storage="pinned")
         outputs[mode] = device_forward(model, device)
         if handle is not None:
-            outputs["pinned shared"] = hasattr(handle._runtime.session, "store")
+            outputs["pinned shared"] = hasattr(handle.runtime.session, "store")
             handle.remove()
     return outputs
 
@@ -104,7 +104,7 @@ def shared_pinned_on_cuda(rank: int, world: int) -> dict:
     model = wan_transformer(torch.bfloat16, heads=4)
     handle = memmode.apply(model, "model_group_offload", device="cuda:0", storage="pinned")
     output = device_forward(model, torch.device("cuda:0"))
-    session = handle._runtime.session
+    session = handle.runtime.session
     locked = [flat.is_pinned() for flat, _ in session._mapped.values()]
     dist.barrier()
     handle.remove()

@@ -58,7 +58,7 @@ def test_each_onload_reads_the_file(tmp_path):
     """The file, not a copy in memory, is where the weights come from: a fetch sees the file's bytes."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
     handle = memmode.apply(model, "model_cpu_offload", device="cpu", storage="disk", offload_dir=tmp_path)
-    session = handle._runtime.session
+    session = handle.runtime.session
     (key,) = session.files
     group_file = session.files[key]
     fetched = session.fetch(key, torch.device("cpu"))
@@ -94,7 +94,7 @@ def _wide_model(tmp_path):
     handle = memmode.apply(
         model, "model_group_offload", device="cpu", storage="disk", offload_dir=tmp_path, offload_type="leaf_level"
     )
-    session = handle._runtime.session
+    session = handle.runtime.session
     (key,) = session.files
     return model, handle, session, key
 
@@ -194,7 +194,7 @@ def _fault_between_onloads(fault: str, folder: Path) -> None:
             model, "model_group_offload", device="cpu", storage="disk", offload_dir=folder, offload_type="block_level"
         )
         assert torch.equal(model(x), expected)
-        runtime = handle._runtime
+        runtime = handle.runtime
         (part,) = next(g for g in runtime.groups if g.key == BLOCK_KEY.format(2)).parts
         victim = runtime.session.files[part.key]
         assert victim._kept is not None, "the first call kept the mapping: the fault comes between two onloads"

@@ -44,7 +44,7 @@ def fetches_the_views_at_rest(session, key) -> bool:
 def test_on_cpu_the_weights_are_views_of_the_mapped_files(tmp_path):
     pipe = make_pipeline("wan22")
     handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage="mmap", offload_dir=tmp_path)
-    session = handle._runtime.session
+    session = handle.runtime.session
     assert session.zero_copy(torch.device("cpu")) and not session.zero_copy(torch.device("cuda"))
     ranges = mapped_ranges(tmp_path)
     for component in ("transformer", "transformer_2", "text_encoder", "vae"):

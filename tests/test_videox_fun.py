@@ -49,8 +49,8 @@ def test_reference_modes_equal_full_load(mode):
 
 def test_group_offload_is_leaf_level_as_in_the_reference():
     handle = apply_gpu_memory_mode(make_pipeline("wan22"), "model_group_offload", "cpu")
-    assert all(g.key.count("/") == 1 for g in handle._runtime.groups)
-    assert any(g.key.endswith(".to_q") for g in handle._runtime.groups)
+    assert all(g.key.count("/") == 1 for g in handle.runtime.groups)
+    assert any(g.key.endswith(".to_q") for g in handle.runtime.groups)
 
 
 def test_group_offload_with_a_quantizer_works():
@@ -343,8 +343,8 @@ def test_videox_fun_group_offload_arguments(caplog):
         )
     assert "use_stream=True ignored" in caplog.text
     assert handle.storage == "ram" and str(handle.device) == "cpu"
-    assert any(g.key.endswith("blocks.0-1") or "blocks" in g.key for g in handle._runtime.groups)
-    assert not any(g.key.endswith(".to_q") for g in handle._runtime.groups)  # block level, not leaf level
+    assert any(g.key.endswith("blocks.0-1") or "blocks" in g.key for g in handle.runtime.groups)
+    assert not any(g.key.endswith(".to_q") for g in handle.runtime.groups)  # block level, not leaf level
     assert torch.equal(vf.run(pipe), vf.run(vf.make("wan22")))
     pipe = vf.make("wan22")
     with pytest.raises(InvalidOptionError, match="offload_device"):

@@ -1,6 +1,6 @@
 """The placements built into memmode-core, registered through the same hook as any plugin.
 
-Each one only describes groups (see :mod:`memmode_core.contracts.layout`); the engine moves them.
+Each one only describes groups (see :mod:`memmode_core.contracts.group_specs`); the engine moves them.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from torch import nn
 
 from memmode_core.builtin.auto import Auto
 from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError
+from memmode_core.contracts.group_specs import GroupSpec, Policy, block_groups, leaf_groups, whole_component
 from memmode_core.contracts.hookspecs import hookimpl
-from memmode_core.contracts.layout import GroupSpec, Policy, block_groups, leaf_groups, whole_component
 from memmode_core.contracts.options import (
     Options,
     boolean,

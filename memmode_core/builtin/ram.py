@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from memmode_core.contracts.costs import StorageCost, copying_cost
 from memmode_core.contracts.hookspecs import hookimpl
 from memmode_core.contracts.options import Options
 from memmode_core.contracts.storage import Storage, StorageSession, Tensors, host_copy
+from memmode_core.contracts.storage_cost import StorageCost, copying_cost
 from memmode_core.contracts.versions import KIT_VERSION
 from memmode_core.engine.streams import active
 

@@ -10,7 +10,7 @@ installed plugins declare (:mod:`~memmode_core.cli.plugin_options`), which has n
   :mod:`~memmode_core.cli.plotting` draws ``--plot``;
 - :mod:`~memmode_core.cli.plan_command`: ``memmode plan``; :mod:`~memmode_core.cli.plan_table`: its table;
 - :mod:`~memmode_core.cli.pipelines`: the pipeline ``run`` and ``plan`` work on, loaded and called;
-  :mod:`~memmode_core.cli.demo`: the built-in one;
+  :mod:`~memmode_core.cli.demo_pipeline`: the built-in one;
 - :mod:`~memmode_core.cli.plugin_options`: ``--option NAME=VALUE``, read and checked;
 - :mod:`~memmode_core.cli.table`: aligned plain-text tables.
 

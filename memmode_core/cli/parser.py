@@ -19,7 +19,7 @@ from memmode_core.discovery.first_party import DEFAULT_RUN_MODE
 
 
 def _add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
-    from memmode_core.cli.demo import SIZES
+    from memmode_core.cli.demo_pipeline import SIZES
 
     parser.add_argument(
         "--model",

@@ -1,6 +1,6 @@
 """The pipeline ``run`` and ``plan`` work on: how it is loaded, how it is called, at which shapes.
 
-Without ``--model`` it is the built-in Wan 2.2-shaped pipeline (:mod:`memmode_core.cli.demo`), so that a
+Without ``--model`` it is the built-in Wan 2.2-shaped pipeline (:mod:`memmode_core.cli.demo_pipeline`), so that a
 first ``memmode run`` needs no download. With ``--model DIR`` it is a local diffusers folder: ``run`` loads
 it straight into each mode (``memmode.load``), never whole into RAM, and ``plan`` builds it from its config
 files and checkpoint headers without reading a weight.
@@ -49,7 +49,7 @@ def pipeline_source(args: argparse.Namespace):
     import torch
 
     if args.model is None:
-        from memmode_core.cli.demo import SIZES, demo_call, make_demo_pipeline
+        from memmode_core.cli.demo_pipeline import SIZES, demo_call, make_demo_pipeline
 
         dtype = torch_dtype(args.dtype) or torch.float32
 
@@ -122,7 +122,7 @@ def run_call_shapes(args: argparse.Namespace) -> dict[str, int]:
     """The shapes of the call ``run`` makes: the built-in pipeline's size, or what --height/--width/--num-frames
     say for --model (the pipeline's defaults otherwise, which ``auto`` cannot know: then none)."""
     if args.model is None:
-        from memmode_core.cli.demo import SIZES
+        from memmode_core.cli.demo_pipeline import SIZES
 
         dims = SIZES[args.size]
         return {"height": dims.height, "width": dims.width, "num_frames": dims.frames}

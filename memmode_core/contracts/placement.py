@@ -1,17 +1,17 @@
 """The placement contract: *when* and *what* moves between the compute device and the storage.
 
 A placement does not move anything itself. It cuts the target into groups (``layout``) and says
-for each one when it must be on the device (:class:`~memmode_core.contracts.layout.Policy`); the
+for each one when it must be on the device (:class:`~memmode_core.contracts.group_specs.Policy`); the
 engine does the moving, the hooks and the ledger, and the planner predicts costs from the same
 layout (core adjusts a layout where the model or the pipeline declares it must:
-:mod:`memmode_core.engine.laying_out`).
+:mod:`memmode_core.engine.placement_layout`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from memmode_core.contracts.layout import GroupSpec
+from memmode_core.contracts.group_specs import GroupSpec
 from memmode_core.contracts.options import Option, Options
 from memmode_core.contracts.targets import Target
 

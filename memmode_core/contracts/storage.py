@@ -43,8 +43,8 @@ from collections.abc import Mapping
 
 import torch
 
-from memmode_core.contracts.costs import StorageCost
 from memmode_core.contracts.options import Option, Options
+from memmode_core.contracts.storage_cost import StorageCost
 
 Tensors = dict[str, torch.Tensor]
 
@@ -120,7 +120,7 @@ class Storage:
         return None
 
     def cost(self, device: torch.device) -> StorageCost | None:
-        """What holding and fetching offloaded weights costs on ``device`` (see :mod:`memmode_core.contracts.costs`).
+        """What holding and fetching offloaded weights costs on ``device`` (:mod:`memmode_core.contracts.storage_cost`).
 
         The planner and ``auto`` price this storage with it. Declare it when you know it (a storage
         that compresses holds fewer bytes and fetches at its decompression speed); the default, None,

@@ -42,8 +42,8 @@ from memmode_core.contracts.errors import StorageUnavailableError
 from memmode_core.contracts.storage import Tensors
 from memmode_core.engine.staging import Fill
 from memmode_core.engine.streams import active
+from memmode_core.files.file_layout import DATA_ALIGNMENT, FileLayout
 from memmode_core.files.groupfile import FileStamp, GroupFile
-from memmode_core.files.layout import DATA_ALIGNMENT, FileLayout
 
 
 @dataclass(eq=False)

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from memmode_core.contracts.errors import CheckpointError
-from memmode_core.files.layout import DTYPE_NAMES, PADDING_PREFIX
+from memmode_core.files.file_layout import DTYPE_NAMES, PADDING_PREFIX
 from memmode_core.files.mapping import Windows, map_private_range
 from memmode_core.files.naming import file_identity
 

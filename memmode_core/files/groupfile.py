@@ -21,7 +21,7 @@ from memmode_core.contracts.errors import StorageUnavailableError
 from memmode_core.contracts.storage import Tensors
 from memmode_core.engine.staging import Fill
 from memmode_core.files import readwrite
-from memmode_core.files.layout import FileLayout, byte_view
+from memmode_core.files.file_layout import FileLayout, byte_view
 from memmode_core.files.mapping import map_private, map_private_kept, map_readonly
 from memmode_core.files.naming import file_digest_name
 from memmode_core.files.pages import drop_pages, holds_own_pages, page_range

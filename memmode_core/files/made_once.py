@@ -35,8 +35,8 @@ import blake3
 import torch
 
 from memmode_core.contracts.errors import StagingError
+from memmode_core.files.file_layout import FileLayout
 from memmode_core.files.folder import OffloadFolder
-from memmode_core.files.layout import FileLayout
 from memmode_core.files.naming import file_digest_name
 from memmode_core.files.node import shared_folder
 from memmode_core.files.streamed import MappedTensors, map_file

@@ -25,7 +25,7 @@ import torch
 
 from memmode_core.contracts.packing import views
 from memmode_core.contracts.storage import Tensors
-from memmode_core.files.layout import FileLayout, byte_view
+from memmode_core.files.file_layout import FileLayout, byte_view
 from memmode_core.files.mapping import map_readonly
 from memmode_core.files.pools import LazyPool
 

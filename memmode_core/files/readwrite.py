@@ -1,11 +1,11 @@
 """A group file's bytes written from the tensors' memory, and read back into fresh memory.
 
-Writing goes straight from the tensors' memory (:func:`~memmode_core.files.layout.byte_view`), in steps of
+Writing goes straight from the tensors' memory (:func:`~memmode_core.files.file_layout.byte_view`), in steps of
 :data:`WRITE_STEP` bytes, each hashed for the file's content name just before it is written when the name
 is computed along the write (:class:`~memmode_core.files.naming.ContentNamer`): ``safetensors``'
 ``save_file`` would first copy every tensor into a ``bytes`` object, one extra group in RAM. Where and
 under which name a file is written is :mod:`memmode_core.files.store`'s business; the layout of the bytes
-is :mod:`memmode_core.files.layout`'s.
+is :mod:`memmode_core.files.file_layout`'s.
 
 Reading is the other way of getting the tensors back besides a private mapping
 (:mod:`memmode_core.files.mapping`): into fresh memory, or chunk by chunk into staging buffers. A file
@@ -21,7 +21,7 @@ import torch
 
 from memmode_core.contracts.packing import views
 from memmode_core.contracts.storage import Tensors
-from memmode_core.files.layout import FileLayout, byte_view
+from memmode_core.files.file_layout import FileLayout, byte_view
 
 if TYPE_CHECKING:
     from memmode_core.files.naming import ContentNamer

@@ -1,6 +1,6 @@
 """What a storage costs, as the planner prices it: declared, refined by measurement, or measured.
 
-A storage declares its :class:`~memmode_core.contracts.costs.StorageCost` or answers None
+A storage declares its :class:`~memmode_core.contracts.storage_cost.StorageCost` or answers None
 (:meth:`Storage.cost`). :func:`storage_cost` is the figure the planner uses:
 
 - a declared copy from host memory (pageable or page-locked) to an accelerator with streams at the
@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from memmode_core.contracts.costs import DEFAULT_BANDWIDTH, StorageCost, onload_latency
 from memmode_core.contracts.options import resolve_options
 from memmode_core.contracts.storage import Storage
+from memmode_core.contracts.storage_cost import DEFAULT_BANDWIDTH, StorageCost, onload_latency
 from memmode_core.engine.streams import Streams, active
 
 #: Bytes of the group :func:`probe` stores and fetches to measure bandwidth.

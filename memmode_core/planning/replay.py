@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from memmode_core.contracts.layout import Policy
+from memmode_core.contracts.group_specs import Policy
 from memmode_core.engine.groups import Group
 from memmode_core.planning.residency import encloses, idle_groups
 

@@ -36,10 +36,10 @@ from itertools import accumulate
 from torch import nn
 
 from memmode_core.contracts.errors import InvalidOptionError
-from memmode_core.contracts.layout import GroupSpec, Policy
+from memmode_core.contracts.group_specs import GroupSpec, Policy
 from memmode_core.contracts.units import format_bytes
 from memmode_core.engine.groups import Group
-from memmode_core.engine.laying_out import keep_while_running
+from memmode_core.engine.placement_layout import keep_while_running
 
 
 class BudgetTooSmallError(InvalidOptionError):

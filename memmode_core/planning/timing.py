@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from memmode_core.contracts.costs import StorageCost
-from memmode_core.contracts.layout import Policy
+from memmode_core.contracts.group_specs import Policy
+from memmode_core.contracts.storage_cost import StorageCost
 from memmode_core.engine.groups import Group
 from memmode_core.engine.streams import Streams, active
 from memmode_core.planning.residency import encloses

@@ -31,7 +31,7 @@ from memmode_core.contracts.errors import CheckpointError
 from memmode_core.contracts.quantizer import PAYLOAD, Quantizer
 from memmode_core.contracts.storage import is_placeholder
 from memmode_core.engine.streams import active
-from memmode_core.files.layout import FileLayout
+from memmode_core.files.file_layout import FileLayout
 from memmode_core.files.made_once import MadeOnce, recipe_of
 from memmode_core.files.naming import content_name
 from memmode_core.files.streamed import check_room, file_size, write_pieces
