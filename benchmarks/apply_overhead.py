@@ -39,7 +39,7 @@ def one_round(size: str) -> dict[str, float]:
 
     torch.set_num_threads(1)
     import memmode_core as memmode
-    from memmode_core.cli.demo_pipeline import make_demo_pipeline
+    from memmode_core.demo import make_demo_pipeline
 
     memmode.list_plugins()  # discovery once, before any timing
     times: dict[str, float] = {}
@@ -68,7 +68,7 @@ def profile(size: str, mode: str) -> None:
     import pstats
 
     import memmode_core as memmode
-    from memmode_core.cli.demo_pipeline import make_demo_pipeline
+    from memmode_core.demo import make_demo_pipeline
 
     memmode.list_plugins()
     pipe = make_demo_pipeline(size, seed=0)

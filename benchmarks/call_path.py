@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true", help="print every stop")
     args = parser.parse_args()
     import memmode_core as memmode
-    from memmode_core.cli.demo_pipeline import make_demo_pipeline
+    from memmode_core.demo import make_demo_pipeline
 
     memmode.list_plugins()  # discovery runs once, before any trace: what is traced is apply's own path
 

@@ -77,7 +77,7 @@ def build(folder: Path) -> int:
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from memmode_core.cli.demo_pipeline import make_demo_pipeline
+    from memmode_core.demo import make_demo_pipeline
 
     make_demo_pipeline("small").save_pretrained(folder)
     total = 0
