@@ -7,8 +7,8 @@ import torch
 
 import memmode_core as memmode
 from memmode_core.contracts.errors import InvalidOptionError
-from memmode_core.contracts.options import parse_byte_size
 from memmode_core.contracts.targets import Target
+from memmode_core.contracts.units import parse_byte_size
 from memmode_core.planning.calls import default_calls
 from memmode_core.planning.choosing import NoModeFitsError
 from tiny_pipelines import make_pipeline, run

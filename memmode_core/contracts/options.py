@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memmode_core.contracts.errors import InvalidOptionError
+from memmode_core.contracts.units import finite_bytes, parse_byte_size
 
 
 @dataclass(frozen=True)
@@ -93,50 +94,10 @@ def byte_size(value: Any) -> int | None:
     if isinstance(value, bool):
         raise TypeError("must be a number of bytes or a string such as '8GiB'")
     if isinstance(value, (int, float)):
-        return _finite_bytes(value)
+        return finite_bytes(value)
     if isinstance(value, str):
         return parse_byte_size(value)
     raise TypeError("must be a number of bytes or a string such as '8GiB'")
-
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
-
-
-def parse_byte_size(text: str) -> int:
-    """``"8GiB"`` -> 8589934592. Decimal units are powers of 1000, binary ones of 1024."""
-    stripped = text.strip().lower().replace(" ", "")
-    number = stripped.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = stripped[len(number) :]
-    if unit not in _UNITS or not number:
-        raise ValueError(f"cannot read {text!r} as a size; write e.g. '8GiB', '512MB' or a number of bytes")
-    try:
-        amount = float(number)
-    except ValueError:
-        raise ValueError(f"cannot read {text!r} as a size; write e.g. '8GiB'") from None
-    return _finite_bytes(amount * _UNITS[unit])
-
-
-def _finite_bytes(amount: float) -> int:
-    if amount != amount or amount in (float("inf"), float("-inf")):  # NaN, or a string such as '1e400GB'
-        raise ValueError("must be a finite number of bytes (None means no limit)")
-    if amount < 0:
-        raise ValueError("must not be negative")
-    return int(amount)
 
 
 def option(default: Any, doc: str, check: Callable[[Any], Any] | None = None) -> Any:
