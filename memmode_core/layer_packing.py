@@ -54,15 +54,6 @@ class Packed:
     #: the ranks' shared maker, when the ranks of a machine packed once between them
     made_once: MadeOnce | None = None
 
-    def __or__(self, other: Packed) -> Packed:
-        return Packed(
-            {**self.layers, **other.layers},
-            self.shared | other.shared,
-            (*self.mappings, *other.mappings),
-            self.nbytes + other.nbytes,
-            other.made_once or self.made_once,
-        )
-
 
 #: nothing packed ahead
 NOTHING = Packed()
@@ -109,11 +100,10 @@ def pack_while_streaming(internal: InternalPlan, *, staging_dir: Any, sources: M
 
 @dataclass(frozen=True)
 class Packing:
-    """What :func:`pack` did: each component's quantizer summary, everything packed into streamed files (ahead
-    of it, and by it), and what it streamed itself (whose mappings a file storage may keep groups in)."""
+    """What :func:`pack` did: each component's quantizer summary, and what it streamed itself (whose mappings a
+    file storage may keep groups in; what was packed ahead, its caller lends already)."""
 
     summaries: dict[str, Any]
-    packed: Packed
     streamed_now: Packed = NOTHING
 
 
@@ -128,7 +118,7 @@ def pack(internal: InternalPlan, ahead: Packed = NOTHING) -> Packing:
     map one file."""
     request = internal.request
     if request.quantizer is None:
-        return Packing({}, ahead)
+        return Packing({})
     quantizer = request.quantizer.obj
     pending = [name for name in internal.selections if name not in ahead.layers]
     made_once = MadeOnce.for_ranks(request.offload_dir) if pending and request.packs_once_per_machine else None
@@ -140,12 +130,12 @@ def pack(internal: InternalPlan, ahead: Packed = NOTHING) -> Packing:
         now = _stream(
             checked, staging_dir=request.offload_dir, device=request.device, made_once=made_once, sources=sources
         )
-    packed = ahead | now
+    packed_layers = {**ahead.layers, **now.layers}
     summaries: dict[str, Any] = {}
     for name, selection in internal.selections.items():
         module = internal.whole.components[name]
-        if name in packed.layers:
-            layers, bytes_before = packed.layers[name]
+        if name in packed_layers:
+            layers, bytes_before = packed_layers[name]
             quantization.install_forwards(module, quantizer, request.weight_dtype)
             summaries[name] = quantization.summarize(quantizer, selection, layers, bytes_before)
         else:
@@ -159,8 +149,8 @@ def pack(internal: InternalPlan, ahead: Packed = NOTHING) -> Packing:
                 selection=selection,
             )
     if summaries:
-        _say_each_rank_holds_its_own_copy(internal, summaries, packed)
-    return Packing(summaries, packed, now)
+        _say_each_rank_holds_its_own_copy(internal, summaries, ahead.shared | now.shared)
+    return Packing(summaries, now)
 
 
 def refuse_stale_selection(internal: InternalPlan, ahead: Packed) -> None:
@@ -208,12 +198,14 @@ def _checked(internal: InternalPlan, name: str) -> quantization.LayerSelection:
     )
 
 
-def _say_each_rank_holds_its_own_copy(internal: InternalPlan, summaries: Mapping[str, Any], packed: Packed) -> None:
+def _say_each_rank_holds_its_own_copy(
+    internal: InternalPlan, summaries: Mapping[str, Any], shared: frozenset[str]
+) -> None:
     """Ranks of one machine that keep packed weights in their own memory hold one copy each: said, with the
     storage that keeps one copy for all of them. The components packed into a file the ranks share
     (:mod:`memmode_core.files.made_once`) are one copy already; those whose weights nothing names (not all in CPU
     memory) or that a quantizer packs its own way are not."""
-    own = [name for name in summaries if name not in packed.shared]
+    own = [name for name in summaries if name not in shared]
     if not (own and internal.request.packed_rest_on_host and ranks_share_a_machine()):
         return
     logger.warning(
