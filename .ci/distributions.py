@@ -3,12 +3,12 @@
 
 ``.ci/run`` runs ``all``; the release workflow runs ``build``. Steps, each a subcommand:
 
-- ``build OUT``: the six distributions' sdists, and each wheel built from its sdist (so a file missing from an
+- ``build OUT``: the seven distributions' sdists, and each wheel built from its sdist (so a file missing from an
   sdist fails here), into ``OUT``; ``twine check --strict`` and the metadata the ecosystem expects (license file,
   license expression, classifiers, project URLs, bounds between plugins and core, ``py.typed``, README links
   that work on the index, one version per distribution, no tests in an sdist: docs/versioning.md).
 - ``install OUT VENV``: a fresh virtual environment; torch pinned to its CPU build (requirements.txt's pin),
-  then the six from a local package index made of ``OUT``'s files only, non-editable, everything else resolved
+  then the seven from a local package index made of ``OUT``'s files only, non-editable, everything else resolved
   by pip to the newest releases the configured index has. The report of that install proves each memmode
   distribution came from ``OUT``.
 - ``use VENV``: from a folder outside the checkout, ``memmode list``, ``memmode run``, an ``apply`` of
@@ -215,7 +215,7 @@ def pinned(requirement: str) -> str:
 
 
 def install(out: Path, venv: Path) -> Path:
-    """A fresh environment with the six distributions from ``out``'s index; its python."""
+    """A fresh environment with the seven distributions from ``out``'s index; its python."""
     started = time.monotonic()
     run(sys.executable, "-m", "venv", venv)
     python = venv / "bin" / "python"
@@ -287,7 +287,8 @@ def use(venv: Path) -> None:
         where = Path(elsewhere)
         listed = json.loads(run(memmode, "list", "--json", cwd=where, capture=True).stdout)
         found = {(row["kind"], row["name"]): row for row in listed}
-        for kind, name in [("quantizer", "qfloat8"), ("quantizer", "qfloat4"), ("storage", "pinned")]:
+        registered = [("quantizer", "qfloat8"), ("quantizer", "qfloat4"), ("storage", "pinned"), ("reader", "gguf")]
+        for kind, name in registered:
             if (kind, name) not in found:
                 raise SystemExit(f"[distributions] memmode list has no {kind} {name}: {sorted(found)}")
         for kind, name in [("storage", "disk"), ("storage", "mmap"), ("placement", "model_group_offload")]:

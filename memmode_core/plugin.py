@@ -13,7 +13,7 @@ module; a plugin built for a kit this core does not provide is refused, with a
 
 - versions: :data:`KIT_VERSION`, the kit this memmode-core provides;
 
-- registering: :func:`hookimpl` (the three hooks take a ``register`` callback), :func:`temporary_plugin`
+- registering: :func:`hookimpl` (the four hooks take a ``register`` callback), :func:`temporary_plugin`
   for tests;
 - options: :class:`Option`, :class:`Options`, :func:`option` and the checks the built-in plugins use
   (:func:`byte_size`, :func:`boolean`, :func:`one_of`, :func:`positive_int`);
@@ -26,6 +26,9 @@ module; a plugin built for a kit this core does not provide is refused, with a
 - quantizers: :class:`Quantizer`, :data:`DEFAULT_EXCLUDE`, core's mechanics for an override that wraps them
   (:func:`check_components`, :func:`quantize_component`), :func:`convert` (pack ahead of ``apply``) and
   :class:`QuantizationSummary`;
+- readers (kit 1.1): :class:`Reader` (a format of weight files ``load`` reads: parse a header into
+  :class:`FileContents` of :class:`StoredTensor` and :class:`EncodedTensor` records), :data:`PAYLOAD` (the part
+  of an encoded tensor that takes a weight's place), :class:`CheckpointError` (what a damaged file raises);
 - storages: :class:`Storage`, :class:`StorageSession`, :data:`Tensors`, what a parameter holds at rest
   (:func:`placeholder`, :func:`is_placeholder`, :func:`host_copy`), :class:`StorageCost` and
   :func:`copying_cost`, :func:`resolve_device`, ``packing`` (how a group's tensors lie in one flat buffer);
@@ -48,6 +51,7 @@ from memmode_core.builtin.auto import PricingResolver
 from memmode_core.contracts import packing
 from memmode_core.contracts.devices import resolve_device
 from memmode_core.contracts.errors import (
+    CheckpointError,
     IncompatibleModeError,
     InvalidOptionError,
     MemmodeError,
@@ -57,7 +61,8 @@ from memmode_core.contracts.group_specs import GroupSpec, Policy, block_groups, 
 from memmode_core.contracts.hookspecs import hookimpl
 from memmode_core.contracts.options import Option, Options, boolean, byte_size, one_of, option, positive_int
 from memmode_core.contracts.placement import Placement
-from memmode_core.contracts.quantizer import DEFAULT_EXCLUDE, Quantizer
+from memmode_core.contracts.quantizer import DEFAULT_EXCLUDE, PAYLOAD, Quantizer
+from memmode_core.contracts.reader import EncodedTensor, FileContents, Reader, StoredTensor
 from memmode_core.contracts.resolver import Budgets, Resolver
 from memmode_core.contracts.storage import Storage, StorageSession, Tensors, host_copy, is_placeholder, placeholder
 from memmode_core.contracts.storage_cost import StorageCost, copying_cost
@@ -117,6 +122,13 @@ __all__ = [
     "quantize_component",
     "convert",
     "QuantizationSummary",
+    # readers
+    "Reader",
+    "StoredTensor",
+    "EncodedTensor",
+    "FileContents",
+    "PAYLOAD",
+    "CheckpointError",
     # storages
     "Storage",
     "StorageSession",

@@ -28,6 +28,7 @@ def pytest_configure(config):
     there, memmode and its plugins must come from the virtual environment, never from this checkout."""
     if os.environ.get("MEMMODE_TEST_FROM_WHEELS") != "1":
         return
+    import memmode_gguf
     import memmode_qfloat4
     import memmode_qfloat8
     import memmode_storage_disk
@@ -42,6 +43,7 @@ def pytest_configure(config):
         memmode_storage_pinned,
         memmode_storage_disk,
         memmode_storage_mmap,
+        memmode_gguf,
     ):
         where = Path(module.__file__).resolve()
         assert checkout not in where.parents, f"{module.__name__} comes from the checkout ({where}), not a wheel"

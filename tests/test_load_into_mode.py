@@ -302,7 +302,7 @@ def test_foreign_files_are_refused(damage, tmp_path):
 
 
 def test_bad_arguments_are_refused_before_reading_anything(tmp_path):
-    with pytest.raises(CheckpointError, match="no such folder"):
+    with pytest.raises(CheckpointError, match="no such file or folder"):
         memmode.load(tmp_path / "nothing", "model_cpu_offload")
     with pytest.raises(memmode.UnknownModeError):
         memmode.load(saved_folder("flux"), "model_cpu_ofload")

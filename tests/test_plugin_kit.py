@@ -64,6 +64,7 @@ def test_every_plugin_file_is_checked():
         "memmode_storage_pinned",
         "memmode_storage_disk",
         "memmode_storage_mmap",
+        "memmode_gguf",
     }
 
 

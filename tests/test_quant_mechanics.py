@@ -127,9 +127,32 @@ def test_pipeline_dtype_keeps_reporting_the_compute_dtype_when_the_first_paramet
     pipe = make_pipeline("flux", dtype=torch.bfloat16)
     memmode.apply(pipe, "model_cpu_offload_and_qfloat8", default_exclude=())
     assert packed_record(pipe.transformer.x_embedder) is not None
-    assert next(pipe.transformer.parameters()).dtype == torch.uint8  # x_embedder.weight_packed
+    assert list(dict(pipe.transformer.x_embedder.named_parameters())) == ["bias", "weight_packed"]
     assert pipe.transformer.dtype == torch.bfloat16
     assert sqnr_db(reference, run(pipe, "flux")) > 25
+
+
+def test_a_parent_reading_its_childs_first_parameter_for_a_dtype_reads_the_compute_dtype():
+    """Wan embeds the timestep with ``timestep.to(next(iter(self.time_embedder.parameters())).dtype)``: with the
+    time embedder packed (GGUF files quantize it: tests/test_load_single_file.py), a payload listed first cast the
+    timestep to uint8. A packed layer lists its payload after its floating parameters."""
+
+    class Embedder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.child = nn.Sequential(nn.Linear(64, 64), nn.SiLU(), nn.Linear(64, 64))
+
+        def forward(self, t):
+            return self.child(t.to(next(iter(self.child.parameters())).dtype))
+
+    torch.manual_seed(0)
+    model = Embedder()
+    t = torch.linspace(-1, 1, 64).reshape(1, 64).double()
+    reference = model(t)
+    quantize_component(QFloat8(), model, weight_dtype=None, options={"default_exclude": ()})
+    assert packed_record(model.child[0]) is not None
+    assert next(iter(model.child.parameters())).dtype == torch.float32
+    assert sqnr_db(reference, model(t)) > 25
 
 
 def test_weight_dtype_is_the_compute_dtype_and_outputs_keep_the_input_dtype():

@@ -47,6 +47,7 @@ THIRD_PARTY_PRIVATES = {
     "_pytree": "torch.utils._pytree: flattening a call's nested inputs and outputs as torch does",
     "_disable_current_modes": "torch.utils._python_dispatch: leaving a dispatch mode to make a real tensor",
     "_get_default_store": "torch.distributed's store: the ranks of a node agree on one group file",
+    "_version": "a tensor's version counter: diffusers' conversion passed a file's tensor on unwritten",
     # diffusers' and transformers' class attributes: what a model or pipeline declares about itself
     "_cp_plan": "diffusers: a transformer's context-parallel plan (it can be split over ranks)",
     "_diffusers_hook": "diffusers' HookRegistry on a module: its own group offloading, refused beside ours",

@@ -17,6 +17,7 @@ DISTRIBUTIONS: dict[tuple[str, str], str] = {
     ("storage", "pinned"): "memmode-storage-pinned",
     ("storage", "disk"): "memmode-storage-disk",
     ("storage", "mmap"): "memmode-storage-mmap",
+    ("reader", "gguf"): "memmode-gguf",
     **{
         ("placement", name): CORE
         for name in (
@@ -29,6 +30,7 @@ DISTRIBUTIONS: dict[tuple[str, str], str] = {
         )
     },
     ("storage", "ram"): CORE,
+    ("reader", "comfy_fp8"): CORE,
 }
 
 #: the mode ``memmode run`` uses when none is named

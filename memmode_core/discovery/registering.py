@@ -21,6 +21,7 @@ from memmode_core.contracts import hookspecs
 from memmode_core.contracts.errors import DuplicatePluginError
 from memmode_core.contracts.placement import Placement
 from memmode_core.contracts.quantizer import Quantizer
+from memmode_core.contracts.reader import Reader
 from memmode_core.contracts.resolver import Resolver
 from memmode_core.contracts.storage import Storage
 from memmode_core.discovery.compatibility import declared_refusal
@@ -28,7 +29,7 @@ from memmode_core.discovery.disabling import DISABLE_ENV, registration_disabled
 from memmode_core.discovery.registrations import PluginFailure, PluginSet, PluginSource, Registration
 
 #: what each kind's register() takes; the placement slot of a mode also takes resolvers (``auto``)
-_BASES = {"placement": (Placement, Resolver), "quantizer": (Quantizer,), "storage": (Storage,)}
+_BASES = {"placement": (Placement, Resolver), "quantizer": (Quantizer,), "storage": (Storage,), "reader": (Reader,)}
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -153,7 +154,7 @@ def _registrar(kind: str, source: PluginSource, staged: list[Registration]):
         name = getattr(obj, "name", "")
         if not isinstance(name, str) or not _NAME.match(name):
             raise ValueError(f"{kind} name {name!r} must be lowercase letters, digits and underscores")
-        if kind != "storage" and "_and_" in name:
+        if kind in ("placement", "quantizer") and "_and_" in name:
             raise ValueError(f"{kind} name {name!r} must not contain '_and_', the mode separator")
         staged.append(Registration(kind, name, obj, source.name, source.distribution, source.version))
 

@@ -12,7 +12,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-KINDS = ("placement", "quantizer", "storage")
+KINDS = ("placement", "quantizer", "storage", "reader")
 
 
 def normalize(name: str) -> str:

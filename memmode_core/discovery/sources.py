@@ -81,6 +81,7 @@ def core_version() -> str:
 BUILTIN_PLUGINS = {
     "memmode-core.placements": "memmode_core.builtin.placements",
     "memmode-core.ram": "memmode_core.builtin.ram",
+    "memmode-core.comfy_fp8": "memmode_core.builtin.comfy_fp8",
 }
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,6 +124,40 @@ class CheckpointFile:
                 )
             records[key] = TensorRecord(key, path, dtype, shape, data_start + begin, data_start + end)
         return cls(path, records, {str(k): str(v) for k, v in metadata.items()}, size)
+
+    @classmethod
+    def of_records(
+        cls, path: str | os.PathLike, records: Iterable[TensorRecord], metadata: Mapping[str, str], size: int
+    ) -> CheckpointFile:
+        """A file whose header a reader plugin parsed (:mod:`memmode_core.contracts.reader`): its records are
+        checked here as a safetensors header is, each byte range against the file's size and against its dtype
+        and shape, so that a reader's mistake is a :class:`CheckpointError` too, never a read past the end."""
+        path = Path(path)
+        try:
+            actual = path.stat().st_size
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+        if actual != size:
+            raise CheckpointError(f"{path} has {actual} bytes, and its header was read from {size}: it changed")
+        checked = {}
+        for record in records:
+            numel = 1
+            for d in record.shape:
+                numel *= d
+            if record.end - record.start != numel * record.dtype.itemsize or record.start < 0:
+                raise CheckpointError(
+                    f"{path}: tensor {record.key!r} has {record.end - record.start} bytes for a "
+                    f"{list(record.shape)} {str(record.dtype).removeprefix('torch.')} tensor (a damaged header)"
+                )
+            if record.end > size:
+                raise CheckpointError(
+                    f"{path} is truncated: tensor {record.key!r} ends at byte {record.end} and the file has "
+                    f"{size} bytes"
+                )
+            checked[record.key] = TensorRecord(
+                record.key, path, record.dtype, tuple(record.shape), record.start, record.end
+            )
+        return cls(path, checked, {str(k): str(v) for k, v in metadata.items()}, size)
 
     def check(self) -> None:
         """Refuse the file if it changed size since its header was read (it is about to be mapped)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ from memmode_core.contracts.errors import CheckpointError
 from memmode_core.contracts.units import format_bytes
 from memmode_core.files import Checkpoint, file_size, staging_folder, write_pieces
 from memmode_core.loading.skeleton import Skeleton
+
+if TYPE_CHECKING:
+    from memmode_core.loading.single_file import WeightsFile
 
 logger = logging.getLogger("memmode")
 
@@ -85,8 +89,10 @@ def slots_of(module: nn.Module) -> list[Slot]:
     return list(found.values())
 
 
-def binding_for(skeleton: Skeleton, checkpoint: Checkpoint, *, where: str) -> Binding:
-    """What to read for each tensor of the skeleton; refuses a checkpoint that does not fit it."""
+def binding_for(skeleton: Skeleton, checkpoint: Checkpoint | WeightsFile, *, where: str) -> Binding:
+    """What to read for each tensor of the skeleton; refuses a checkpoint that does not fit it. ``checkpoint`` may
+    be a single file's tensors under the model's names (:class:`~memmode_core.loading.single_file.WeightsFile`):
+    it answers the same questions."""
     slots = slots_of(skeleton.module)
     source, convert, missing, wrong = {}, {}, [], []
     wanted = set()
@@ -103,16 +109,24 @@ def binding_for(skeleton: Skeleton, checkpoint: Checkpoint, *, where: str) -> Bi
             continue
         source[index] = key
         target = skeleton.dtypes.get(key, record.dtype) if record.dtype.is_floating_point else record.dtype
-        if target != record.dtype:
+        # a tensor a single file holds as several runs of rows, or encoded, is assembled at load: it goes to the
+        # staging file as a converted one does, rather than into anonymous memory
+        if target != record.dtype or not getattr(record, "is_view", True):
             convert[index] = target
+    unexpected = sorted(set(checkpoint.keys()) - wanted)
     if missing or wrong:
         lines = [*(f"{k}: missing from the checkpoint" for k in missing[:5]), *wrong[:5]]
         more = len(missing) + len(wrong) - len(lines)
+        extra = (
+            f". The checkpoint has {len(unexpected)} tensors the model does not (e.g. {', '.join(unexpected[:3])}): "
+            f"is it another architecture than the config?"
+            if missing and unexpected
+            else ""
+        )
         raise CheckpointError(
             f"{where} does not fit {type(skeleton.module).__name__}: {'; '.join(lines)}"
-            f"{f'; and {more} more' if more > 0 else ''}"
+            f"{f'; and {more} more' if more > 0 else ''}{extra}"
         )
-    unexpected = sorted(set(checkpoint.keys()) - wanted)
     return Binding(slots, source, convert, unexpected)
 
 

@@ -17,59 +17,32 @@ failure leaves nothing behind: streamed files are unlinked as soon as they are m
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from memmode_core.applying import execute, prepare_request
-from memmode_core.contracts.errors import CheckpointError, IncompatibleModeError, InvalidOptionError
-from memmode_core.contracts.targets import MODULE_COMPONENT
+from memmode_core.contracts.errors import CheckpointError, InvalidOptionError
 from memmode_core.contracts.units import format_bytes
 from memmode_core.discovery.plugins import current
-from memmode_core.files import Checkpoint, check_room, lending, source_of_mapping, staging_folder
+from memmode_core.files import check_room, lending, source_of_mapping, staging_folder
 from memmode_core.handle import Handle
 from memmode_core.layer_packing import Packed, pack_while_streaming
-from memmode_core.loading.binding import Binding, bind, binding_for
-from memmode_core.loading.dtypes import one_dtype, pipeline_dtype_keyword, resolve_dtype
+from memmode_core.loading.binding import bind
+from memmode_core.loading.components import ComponentLoad, component_files, component_loads, install_file_forwards
+from memmode_core.loading.dtypes import one_dtype, pipeline_dtype_keyword
 from memmode_core.loading.skeleton import (
-    Skeleton,
-    build,
     complete,
-    is_weight_module_class,
-    model_class,
     pipeline_index,
 )
 from memmode_core.planning.request import Request
-from memmode_core.quantization import install_forward, saved
+from memmode_core.quantization import install_forward
 
 logger = logging.getLogger("memmode")
-
-
-@dataclass
-class ComponentLoad:
-    """One model of the folder, checked and ready to bind."""
-
-    name: str
-    folder: Path
-    skeleton: Skeleton
-    checkpoint: Checkpoint
-    binding: Binding | None = None
-    #: the format it was saved in by ``save_quantized``, and the quantizer that reads it
-    saved_format: str | None = None
-    reader: Any = None
-    saved_layers: list = dataclasses.field(default_factory=list)
-    #: loaded by its library's own ``from_pretrained`` (see :func:`_needs_library_loader`)
-    library_loaded: bool = False
-    cls: type | None = None
-    #: the ``torch_dtype`` it is built with: ``"auto"`` resolved to its checkpoint's dtype (but for
-    #: transformers, which applies its own ``"auto"``)
-    torch_dtype: torch.dtype | str | None = None
 
 
 def load(
@@ -89,6 +62,7 @@ def load(
     variant: str | None = None,
     staging_dir: str | os.PathLike | None = None,
     in_place: bool | None = None,
+    config: str | os.PathLike | None = None,
     **options: Any,
 ) -> Handle:
     """Load the diffusers pipeline (or the single model) saved in ``path`` straight into ``mode``.
@@ -109,7 +83,15 @@ def load(
     outputs may then differ in the last bits from ``from_pretrained`` + ``apply``: CPU kernels can sum in
     another order for a weight at another alignment), ``False`` never (the storage's files are independent
     of the checkpoint, e.g. one on a slow or removable disk).
+
+    **One file for a component.** A component of the pipeline may be given as one file in place of its subfolder
+    (``transformer="wan2.2_t2v_high_noise_14B_Q4_K_M.gguf"``), its config taken from the subfolder; a bare model
+    file as ``path`` takes its config from ``config`` (a model folder, or its ``config.json``). The file may be a
+    safetensors file (diffusers' names or the original checkpoint's) or any format an installed reader plugin
+    reads (GGUF with memmode-gguf, ComfyUI fp8 scaled): what it keeps encoded rests packed under every
+    placement and storage (:mod:`memmode_core.loading.single_file`).
     """
+    folder, files, options = component_files(Path(path), config, options)
     request = Request.build(
         mode,
         device=device,
@@ -125,16 +107,13 @@ def load(
     if in_place not in (None, True, False):
         raise InvalidOptionError(f"in_place={in_place!r} must be None (where no bit can change), True or False")
     torch_dtype = one_dtype(torch_dtype, dtype)
-    folder = Path(path)
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder}: no such folder (load() takes a folder saved with save_pretrained)")
     plugins = current()
     quantizer = request.quantizer.obj if request.quantizer is not None else None
     staging = staging_dir if staging_dir is not None else offload_dir
 
     # -- check everything: configs, headers, formats -------------------------------------------------
     index = pipeline_index(folder) if (folder / "model_index.json").is_file() else None
-    loads = _component_loads(folder, index, torch_dtype, variant, plugins, quantizer)
+    loads = component_loads(folder, index, torch_dtype, variant, plugins, quantizer, files)
 
     # -- room for the conversions, checked before anything is written ------------------------------------
     converted = [item for item in loads if item.binding is not None and item.binding.convert]
@@ -164,8 +143,9 @@ def load(
         complete(item.skeleton, item.name)
         mappings.extend(item.binding.streamed)
     target = _assemble(folder, index, loads, torch_dtype, variant)
-    if index is None:
+    if index is None and not files:
         _say_how_to_hand_it_to_its_pipeline(folder)
+    install_file_forwards(loads, weight_dtype)
 
     # -- the plan apply executes: laid out, claimed and selected once ----------------------------------------
     prepared = prepare_request(target, request)
@@ -254,98 +234,6 @@ def _say_what_was_done(folder: Path, handle: Handle) -> None:
     logger.info("memmode: loaded %s into %s: %s%s", folder, handle.mode, staged, groups)
 
 
-def _component_loads(folder: Path, index: dict | None, torch_dtype, variant, plugins, quantizer) -> list[ComponentLoad]:
-    if index is None:
-        cls = _single_model_class(folder)
-        entries = [(MODULE_COMPONENT, folder, cls)]
-    else:
-        entries = []
-        for name, value in index.items():
-            if name.startswith("_") or not isinstance(value, (list, tuple)) or len(value) != 2 or value[0] is None:
-                continue
-            library, class_name = value
-            cls = model_class(library, class_name)
-            if is_weight_module_class(cls):
-                entries.append((name, folder / name, cls))
-    loads = []
-    for name, sub, cls in entries:
-        checkpoint = Checkpoint.open(sub, variant=variant)
-        dtype = resolve_dtype(torch_dtype, cls, checkpoint, name)
-        skeleton = build(cls, sub, dtype, name)
-        item = ComponentLoad(name, sub, skeleton, checkpoint, torch_dtype=dtype)
-        fmt = saved.saved_format(checkpoint.metadata)
-        if fmt is not None:
-            item.saved_format = fmt
-            item.reader = _reader_for(fmt, plugins, quantizer, sub)
-            item.saved_layers = saved.saved_layers(checkpoint.metadata, str(sub))
-            saved.prepare_packed(skeleton.module, item.reader, item.saved_layers, str(sub))
-        item.cls = cls
-        if fmt is None and _needs_library_loader(skeleton, checkpoint):
-            logger.info(
-                "memmode: %s (%s) is loaded by %s itself: its checkpoint names tensors otherwise than "
-                "the model, which only the library converts; it is read as from_pretrained reads it",
-                name,
-                cls.__name__,
-                skeleton.library,
-            )
-            item.library_loaded = True
-        else:
-            item.binding = binding_for(skeleton, checkpoint, where=str(sub))
-        loads.append(item)
-    return loads
-
-
-def _needs_library_loader(skeleton: Skeleton, checkpoint: Checkpoint) -> bool:
-    """A checkpoint that names its tensors otherwise than the model does: transformers 5 renames, merges and
-    splits tensors of many architectures while loading, and diffusers renames the attention weights of
-    older checkpoints (``_fix_state_dict_keys_on_load``). Only the library itself can load those."""
-    from memmode_core.loading.binding import slots_of
-
-    names = {key for slot in slots_of(skeleton.module) for key in slot.keys}
-    return any(key not in names for key in checkpoint.keys())
-
-
-def _reader_for(fmt: str, plugins, quantizer, where: Path):
-    if quantizer is not None:
-        if quantizer.format_name != fmt:
-            raise IncompatibleModeError(
-                f"{where} is saved quantized in {fmt}; the mode's quantizer {quantizer.name} "
-                f"writes {quantizer.format_name}, and memmode does not re-quantize a quantized "
-                f"model: use a mode with a {fmt} quantizer, or none"
-            )
-        return quantizer
-    readers = [
-        reg.obj for reg in plugins.registrations["quantizer"].values() if getattr(reg.obj, "format_name", None) == fmt
-    ]
-    if not readers:
-        raise CheckpointError(
-            f"{where} is saved quantized in format {fmt!r}, which no installed quantizer reads "
-            f"(pip install memmode-{fmt.split('_')[0]}?)"
-        )
-    return readers[0]
-
-
-def _single_model_class(folder: Path) -> type:
-    import json
-
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{folder}: neither model_index.json nor a readable config.json ({exc})") from None
-    if "_class_name" in config:
-        import diffusers
-
-        cls = getattr(diffusers, config["_class_name"], None)
-    else:
-        import transformers
-
-        architectures = config.get("architectures") or []
-        cls = getattr(transformers, architectures[0], None) if architectures else None
-    if cls is None:
-        raise CheckpointError(f"{folder}/config.json names no model class memmode can import")
-    return cls
-
-
 def _say_how_to_hand_it_to_its_pipeline(folder: Path) -> None:
     """A model folder inside a pipeline folder: say which ``from_pretrained`` really uses the loaded model.
 
@@ -408,16 +296,19 @@ def skeleton(
     torch_dtype: torch.dtype | str | None = "auto",
     dtype: torch.dtype | str | None = None,
     variant: str | None = None,
+    config: str | os.PathLike | None = None,
+    **files_given: str | os.PathLike,
 ):
     """The pipeline (or model) in ``path`` with every weight on the meta device, in the dtype loading would
     give it: what ``memmode.plan`` needs, from config files and checkpoint headers alone (no weight is read;
-    tokenizers and schedulers are loaded, they are small)."""
+    tokenizers and schedulers are loaded, they are small). Components given as one file (and ``config``) as
+    :func:`load` takes them: their layers kept encoded are packed layers of the file's sizes."""
     torch_dtype = one_dtype(torch_dtype, dtype)
-    folder = Path(path)
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder}: no such folder")
+    folder, files, rest = component_files(Path(path), config, files_given)
+    if rest:
+        raise InvalidOptionError(f"{next(iter(rest))}= names no model of the pipeline in {folder}")
     index = pipeline_index(folder) if (folder / "model_index.json").is_file() else None
-    loads = _component_loads(folder, index, torch_dtype, variant, current(), None)
+    loads = component_loads(folder, index, torch_dtype, variant, current(), None, files)
     for item in loads:
         if item.binding is None:
             continue
@@ -426,4 +317,5 @@ def skeleton(
             record = item.checkpoint.record(key)
             dtype = item.binding.convert.get(i, record.dtype)
             slot.assign(torch.empty(slot.current.shape, dtype=dtype, device="meta"))
+    install_file_forwards(loads, None)
     return _assemble(folder, index, loads, torch_dtype, variant)

@@ -52,6 +52,9 @@ class PackedLayer:
     codec: Quantizer | None = None
     #: the dtype the forward computes in (set when the forward is installed)
     compute_dtype: torch.dtype | None = None
+    #: the file whose encoding the layer holds, when a reader's codec decodes it (a GGUF's blocks): None for a
+    #: layer memmode packed itself
+    encoded_by: str | None = None
 
 
 def packed_record(module: nn.Module) -> PackedLayer | None:
@@ -90,11 +93,17 @@ def attach_packed(
 
 
 def _replace_parameter(module: nn.Module, old: str, new: str, parameter: nn.Parameter) -> None:
-    """Put ``parameter`` under ``new`` where ``old`` was, keeping the order of ``named_parameters()``
-    (what FSDP2 groups and diffusers' dtype lookup walk)."""
-    entries = [(new, parameter) if name == old else (name, value) for name, value in module._parameters.items()]
+    """Put ``parameter`` under ``new`` in place of ``old``, after the layer's other parameters.
+
+    Last, because models read a child's first parameter for the dtype to cast its input to: diffusers' Wan
+    embeds the timestep with ``timestep.to(next(iter(self.time_embedder.parameters())).dtype)``, and a
+    packed payload there (a GGUF file quantizes the time embedder) cast the timestep to ``uint8``. After the
+    floating bias, that reads the dtype the layer computes in. The order is the same on every rank, which is
+    all FSDP2 needs of it; diffusers' ``ModelMixin.dtype`` skips integer tensors wherever they are."""
+    entries = [(name, value) for name, value in module._parameters.items() if name != old]
     module._parameters.clear()
     module._parameters.update(entries)
+    module._parameters[new] = parameter
 
 
 # -- what a weight tensor really is (a packed layer's tensors must be plain, whole and present) ----------

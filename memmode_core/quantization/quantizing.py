@@ -137,6 +137,12 @@ def weight_class(weight: torch.Tensor) -> type:
     return data_class(weight)
 
 
+def _decodes_a_file(module: nn.Module) -> bool:
+    """Whether a packed layer holds what a weight file encoded (a GGUF's blocks, say), not memmode's packing."""
+    record = packed_record(module)
+    return record is not None and record.encoded_by is not None
+
+
 def check_component(
     quantizer: Quantizer,
     name: str,
@@ -163,6 +169,15 @@ def check_component(
     elif selection.quantizer is not quantizer or selection.component is not component:
         raise ValueError(f"the selection given for {name!r} was made for another quantizer or component")
     others = sorted({p.format for p in selection.packed} - {fmt})
+    from_file = [p for p in selection.packed if p.format != fmt and _decodes_a_file(p.module)]
+    if from_file:
+        raise IncompatibleModeError(
+            f"{name!r} was loaded from a file that keeps {len(from_file)} layers encoded "
+            f"({', '.join(sorted({p.format for p in from_file}))}); memmode does not quantize again what the file "
+            f"quantized, nor quantize the layers it left at full precision (its tools leave norms, embeddings and "
+            f"small layers so on purpose). Use the mode without '_and_{quantizer.name}': the file's layers rest "
+            f"packed under every placement and storage."
+        )
     if others:
         raise IncompatibleModeError(
             f"{name!r} is already quantized with {', '.join(others)}; memmode does not re-quantize a quantized "

@@ -1,0 +1,148 @@
+"""The reader contract: *which files* a model's weights can come from.
+
+memmode reads safetensors itself. A file in another format — a GGUF file, a ComfyUI "fp8 scaled" safetensors
+file — is read by a reader plugin, found through the same entry points as quantizers and storages, so that
+``pip install memmode-gguf`` is what makes ``load(folder, mode, transformer="x-Q4_K_M.gguf")`` work.
+
+A reader contributes only what is specific to its format: it parses the file's header — never its tensors —
+and says where each tensor lies and how its bytes are read:
+
+- a **stored** tensor (:class:`StoredTensor`) is a plain tensor: its bytes, viewed as ``dtype`` and ``shape``,
+  are its value (a GGUF F32/F16/BF16 tensor, a bias, a norm);
+- an **encoded** tensor (:class:`EncodedTensor`) is one whose value a codec computes from one or more stored
+  tensors (a GGUF Q4_K weight: blocks of scales and 4-bit codes; an fp8 weight and its scale). Its codec is a
+  :class:`~memmode_core.contracts.quantizer.Quantizer` whose ``unpack`` decodes the stored bytes: a layer whose
+  weight is an encoded tensor *rests packed*, under every placement and storage, exactly as a layer memmode
+  quantized itself, and is decoded by the forward on the compute device.
+
+Core does the rest, for every format alike: it maps the tensors' names (a community file keeps the original
+checkpoint's names; diffusers' own single-file conversion says what they are called in the model), checks the
+file against the model before anything is bound, binds each stored tensor as a view of the file's pages, makes
+each ``nn.Linear`` whose weight is encoded a packed layer holding views of the encoded bytes, decodes at load
+the few encoded tensors that are not a linear layer's weight (a patch embedding), and prices the result for
+``plan`` from the header alone.
+
+A complete reader of a made-up format "rows8" — int8 codes with one float32 scale per row, the codes at
+``<key>`` and the scales at ``<key>.scale`` of a safetensors-like file parsed elsewhere — is::
+
+    class Rows8Codec(memmode_core.Quantizer):
+        name = format = "rows8"
+        packs = False                                      # a codec of files: it never packs weights itself
+
+        def unpack(self, packed, shape, dtype):
+            codes, scale = packed["weight_packed"], packed["weight_scale"]
+            return (codes.float() * scale.float()[:, None]).reshape(shape).to(dtype)
+
+    class Rows8Reader(memmode_core.Reader):
+        name = "rows8"
+        description = "int8 rows with a float32 scale each"
+        suffixes = (".rows8",)
+
+        def reads(self, path, head):
+            return head.startswith(b"ROWS8")
+
+        def read(self, path):
+            stored, encoded = parse_my_header(path)        # StoredTensor and EncodedTensor records
+            return memmode_core.FileContents(stored, encoded, metadata={}, size=path.stat().st_size)
+
+docs/writing-a-plugin.md has the page in full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from memmode_core.contracts.quantizer import PAYLOAD, Quantizer
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor's bytes in a file: ``dtype`` and ``shape`` say how the bytes from ``start`` to ``end``
+    (absolute offsets in the file) are viewed. For a plain tensor that is its value, so ``shape`` is its real
+    shape (a tensor a tool stored reshaped is given back in its real shape: the bytes are the same)."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class EncodedTensor:
+    """A tensor whose value ``codec.unpack(parts, shape, dtype)`` computes from stored tensors.
+
+    ``parts`` maps each name ``unpack`` reads (:data:`~memmode_core.contracts.quantizer.PAYLOAD` first, the
+    others ``weight_*``) to the key of the stored tensor that holds it. Core keeps the encoded tensor packed
+    where it is a linear layer's weight: the payload takes the weight's place (an integer dtype, as for every
+    packed layer: a float8 payload is stored viewed as ``uint8``), the other parts become buffers.
+
+    Splitting along rows: diffusers' conversion of an original checkpoint splits some weights along their
+    first dimension (Flux's fused ``qkv``). A part whose stored first dimension equals ``shape[0]`` is split
+    with it (the codes of whole rows, a scale per row); a part of one element is shared (a scale for the whole
+    tensor). Any other part cannot follow a split: such a tensor is decoded whole at load when split.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    #: the dtype ``unpack`` decodes exactly in (float32 for GGUF blocks and fp8 with a float32 scale)
+    dtype: torch.dtype
+    codec: Quantizer
+    parts: Mapping[str, str]
+
+    def __post_init__(self) -> None:
+        if next(iter(self.parts), None) != PAYLOAD:
+            raise ValueError(f"{self.key}: an encoded tensor's parts start with {PAYLOAD!r}, got {list(self.parts)}")
+
+
+@dataclass(frozen=True)
+class FileContents:
+    """What a reader found in a file's header: every stored tensor, the encoded ones built on them, the file's
+    metadata (strings) and its size in bytes (core checks every byte range against it before mapping).
+
+    The tensors of the model are the encoded tensors and the stored tensors that are not a part of one."""
+
+    stored: Mapping[str, StoredTensor]
+    encoded: Mapping[str, EncodedTensor] = field(default_factory=dict)
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    size: int = 0
+
+
+class Reader:
+    """Base class of every reader: a format of weight files memmode can load from. Subclasses set ``name``,
+    ``description`` and ``suffixes`` and implement :meth:`reads` and :meth:`read`."""
+
+    name: str = ""
+    description: str = ""
+    #: the file name endings of the format (``.gguf``): a file with one of them that no installed reader
+    #: reads is refused naming the distribution to install
+    suffixes: tuple[str, ...] = ()
+
+    def reads(self, path: Path, head: bytes) -> bool:
+        """Whether this reader reads the file at ``path``, whose first bytes are ``head`` (at least 64 of
+        them, fewer only for a shorter file). Readers are asked before core's own safetensors reading: a
+        reader of a safetensors dialect (ComfyUI's fp8 scaled files) says yes only to files of its dialect."""
+        raise NotImplementedError
+
+    def read(self, path: Path) -> FileContents:
+        """Parse the header of ``path``: where each tensor lies and how it is read. Read no tensor data.
+
+        A file that is damaged (truncated, a header that contradicts itself) or that holds a type the reader
+        cannot decode raises :class:`~memmode_core.contracts.errors.CheckpointError` naming the file and the
+        tensor; core checks every byte range against the file's size besides."""
+        raise NotImplementedError
+
+    def unavailable_reason(self) -> str | None:
+        """Why this reader cannot run in this environment (a missing library), or None when it can."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"<reader {self.name}>"

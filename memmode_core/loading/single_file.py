@@ -1,0 +1,351 @@
+"""A model's weights given as one file — a GGUF, a ComfyUI fp8 file, a safetensors file with the original
+checkpoint's names — read as the model's tensors, with what the file keeps encoded kept packed.
+
+Community files differ from a diffusers folder in three ways, and each is answered once, here:
+
+- **The format.** Which reader parses the file is asked of the installed reader plugins
+  (:mod:`memmode_core.contracts.reader`), before core's own safetensors reading; a file that only an
+  uninstalled first-party reader reads (``.gguf`` without memmode-gguf) is refused naming what to install.
+- **The names.** The file keeps the original checkpoint's names; :func:`~memmode_core.loading.original_keys.
+  diffusers_names` says which rows of which of its tensors each of the model's tensors is (diffusers' own
+  conversion, traced), so a tensor diffusers splits (Flux's fused ``qkv``) is a run of rows of the file's.
+- **The encoding.** A linear layer whose weight the file holds encoded (GGUF blocks, fp8 and a scale) becomes
+  a packed layer (:func:`prepare_packed_layers`) whose parts are bound, like any tensor, as views of the file's
+  pages; its forward decodes on the compute device. What cannot stay encoded — an encoded tensor that is not a
+  linear layer's weight (a patch embedding), or rows a split cannot cut out of the encoding — is decoded at
+  load, one tensor at a time, into the staging file that converted tensors go to.
+
+:class:`WeightsFile` answers what :mod:`memmode_core.loading.binding` and ``load`` ask of a
+:class:`~memmode_core.files.Checkpoint` (keys, records, views, mappings), under the model's names.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from memmode_core.contracts.errors import CheckpointError, PluginLoadError, PluginNotInstalledError
+from memmode_core.contracts.quantizer import PAYLOAD, Quantizer
+from memmode_core.contracts.reader import EncodedTensor, Reader
+from memmode_core.discovery.first_party import DISTRIBUTIONS
+from memmode_core.files import Checkpoint
+from memmode_core.files.checkpoint import CheckpointFile
+from memmode_core.loading.original_keys import Rows, diffusers_names
+from memmode_core.loading.skeleton import Skeleton
+from memmode_core.quantization.packed import attach_packed, packed_record
+
+#: how many bytes of a file a reader is shown to recognise it
+HEAD_BYTES = 64
+#: file name endings first-party readers read: named when none installed reads such a file
+FIRST_PARTY_SUFFIXES = {".gguf": "gguf"}
+
+
+@dataclass(frozen=True)
+class OpenedFile:
+    """A weight file whose header was read: its stored tensors as a checkpoint, the encoded ones beside."""
+
+    checkpoint: Checkpoint
+    encoded: Mapping[str, EncodedTensor]
+    #: the reader plugin's name, or "safetensors" for core's own reading
+    reader: str
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor of the model the file holds, by the file's name: the encoded ones, and the stored ones
+        that are not a part of one."""
+        parts = {key for tensor in self.encoded.values() for key in tensor.parts.values()}
+        shapes = {key: tuple(t.shape) for key, t in self.encoded.items()}
+        for record in self.checkpoint.records():
+            if record.key not in parts and record.key not in shapes:
+                shapes[record.key] = tuple(record.shape)
+        return shapes
+
+    def floating_dtype(self, skip_modules: tuple[str, ...] = ()) -> torch.dtype | None:
+        """The dtype most of the file's plain floating bytes are in (what ``torch_dtype="auto"`` loads the model
+        in); encoded tensors and their parts do not count, as packed tensors do not in a safetensors
+        checkpoint (a GGUF's norms and biases are float32: its model computes in float32 unless told)."""
+        parts = {key for tensor in self.encoded.values() for key in tensor.parts.values()}
+        totals: dict[torch.dtype, int] = {}
+        for record in self.checkpoint.records():
+            if record.key in parts or not record.dtype.is_floating_point or record.dtype.itemsize < 2:
+                continue
+            if skip_modules and any(name in record.key.split(".") for name in skip_modules):
+                continue
+            totals[record.dtype] = totals.get(record.dtype, 0) + record.nbytes
+        return max(totals, key=lambda d: totals[d], default=None)
+
+
+def open_weights(path: Path, plugins) -> OpenedFile:
+    """Read the header of weight file ``path`` with the installed reader that reads it, else as safetensors."""
+    try:
+        with open(path, "rb") as file:
+            head = file.read(HEAD_BYTES)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    reader = _reader_for(path, head, plugins)
+    if reader is None:
+        return OpenedFile(Checkpoint.open(path), {}, "safetensors")
+    contents = reader.read(path)
+    file = CheckpointFile.of_records(path, contents.stored.values(), contents.metadata, contents.size)
+    for tensor in contents.encoded.values():
+        absent = [key for key in tensor.parts.values() if key not in file.records]
+        if absent:
+            raise CheckpointError(
+                f"{path}: the {reader.name} reader encodes {tensor.key!r} from {absent[0]!r}, "
+                f"which it did not find in the file"
+            )
+    return OpenedFile(Checkpoint([file], path), dict(contents.encoded), reader.name)
+
+
+def _reader_for(path: Path, head: bytes, plugins) -> Reader | None:
+    for registration in plugins.registrations["reader"].values():
+        reader: Reader = registration.obj
+        if not reader.reads(path, head):
+            continue
+        reason = registration.unavailable_reason()
+        if reason is not None:
+            raise CheckpointError(
+                f"{path}: the {reader.name} reader ({registration.distribution}) cannot run: {reason}"
+            )
+        return reader
+    if path.suffix.lower() == ".safetensors" or _looks_like_safetensors(head):
+        return None
+    name = FIRST_PARTY_SUFFIXES.get(path.suffix.lower())
+    failed = [f for f in plugins.failures if "reader" in f.kinds]
+    if failed:
+        raise PluginLoadError(
+            f"{path}: no installed reader reads it, and the reader plugin {failed[0].name} "
+            f"({failed[0].distribution}) failed to load: {failed[0].reason}"
+        )
+    if name is not None:
+        distribution = DISTRIBUTIONS[("reader", name)]
+        raise PluginNotInstalledError(
+            f"{path} is a {name.upper()} file, which the {name} reader reads: pip install {distribution}"
+        )
+    readers = ", ".join(plugins.names("reader")) or "none"
+    raise CheckpointError(
+        f"{path}: not a safetensors file, and no installed reader reads it (installed readers: {readers})"
+    )
+
+
+def _looks_like_safetensors(head: bytes) -> bool:
+    return len(head) > 9 and head[8:9] == b"{"
+
+
+# -- the file's tensors under the model's names ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FileTensor:
+    """One tensor of the model, as rows of the file's tensors: the rows of ``pieces`` along dimension 0, in
+    order. ``decoded``: the pieces are rows of encoded tensors (or of both kinds), decoded at load."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: tuple[Rows, ...]
+    decoded: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def is_view(self) -> bool:
+        """Bound as a view of the file's pages (one run of rows, nothing decoded), else copied at load."""
+        return len(self.pieces) == 1 and not self.decoded
+
+
+@dataclass(frozen=True)
+class PackedFromFile:
+    """A linear layer whose weight the file keeps encoded: it rests packed, its parts views of the file."""
+
+    path: str
+    codec: Quantizer
+    shape: tuple[int, ...]
+    #: part name (``weight_packed`` first) -> the tensor the layer registers under that name
+    parts: Mapping[str, FileTensor]
+
+
+class WeightsFile:
+    """A component's weights in one file, as the model names them (what binding reads; see the module
+    docstring). ``unused``: the file's tensors no tensor of the model is made of."""
+
+    def __init__(
+        self,
+        opened: OpenedFile,
+        tensors: Mapping[str, FileTensor],
+        packed: tuple[PackedFromFile, ...],
+        unused: tuple[str, ...],
+    ) -> None:
+        self.opened = opened
+        self.tensors = dict(tensors)
+        self.packed = packed
+        self.unused = unused
+
+    # -- what binding asks of a checkpoint --
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors
+
+    def record(self, key: str) -> FileTensor:
+        return self.tensors[key]
+
+    def records(self) -> Iterator[FileTensor]:
+        return iter(self.tensors.values())
+
+    def view(self, key: str) -> torch.Tensor:
+        """The tensor: a view of the file's pages where it is one run of stored rows, else assembled (decoded
+        where encoded) in memory — one tensor at a time, as binding converts them."""
+        tensor = self.tensors[key]
+        values = [self._rows(piece, tensor.dtype) for piece in tensor.pieces]
+        value = values[0] if len(values) == 1 else torch.cat(values)
+        return value.reshape(tensor.shape)
+
+    def _rows(self, piece: Rows, dtype: torch.dtype) -> torch.Tensor:
+        encoded = self.opened.encoded.get(piece.key)
+        if encoded is None:
+            whole = self.opened.checkpoint.view(piece.key)
+        else:
+            parts = {name: self.opened.checkpoint.view(key) for name, key in encoded.parts.items()}
+            whole = encoded.codec.unpack(parts, torch.Size(encoded.shape), encoded.dtype)
+        rows = (
+            whole
+            if (piece.start, piece.stop) == (0, whole.shape[0] if whole.dim() else 1)
+            else whole[piece.start : piece.stop]
+        )
+        return rows.to(dtype) if rows.dtype != dtype else rows
+
+    # -- what load asks of a checkpoint --
+
+    @property
+    def files(self) -> list[CheckpointFile]:
+        return self.opened.checkpoint.files
+
+    @property
+    def metadata(self) -> Mapping[str, str]:
+        return self.opened.checkpoint.metadata
+
+    @property
+    def nbytes(self) -> int:
+        return self.opened.checkpoint.nbytes
+
+    def identity(self) -> tuple:
+        return self.opened.checkpoint.identity()
+
+    def release(self) -> None:
+        self.opened.checkpoint.release()
+
+
+def weights_for_model(opened: OpenedFile, skeleton: Skeleton, config: Mapping, where: str) -> WeightsFile:
+    """The file's tensors under ``skeleton``'s names (diffusers' conversion for its class, traced), each linear
+    layer whose weight is encoded planned to rest packed."""
+    module = skeleton.module
+    model_keys = list(module.state_dict(keep_vars=True))
+    try:
+        renamed = diffusers_names(type(module), config, opened.tensor_shapes(), model_keys)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{where}: {exc}") from exc.__cause__
+    linear = {f"{path}.weight": path for path, sub in module.named_modules() if isinstance(sub, nn.Linear) and path}
+    tensors: dict[str, FileTensor] = {}
+    packed: list[PackedFromFile] = []
+    used: set[str] = set()
+    for key, target in renamed.items():
+        used.update(piece.key for piece in target.pieces)
+        sources = [opened.encoded.get(piece.key) for piece in target.pieces]
+        if not any(sources):
+            dtype = _one_dtype(opened, target.pieces)
+            tensors[key] = FileTensor(key, tuple(target.shape), dtype, tuple(target.pieces))
+            continue
+        layer = _packed_layer(opened, key, target.shape, target.pieces, linear.get(key)) if all(sources) else None
+        if layer is not None:
+            packed.append(layer)
+            tensors.update((part.key, part) for part in layer.parts.values())
+        else:
+            dtype = next(s.dtype for s in sources if s is not None)
+            tensors[key] = FileTensor(key, tuple(target.shape), dtype, tuple(target.pieces), decoded=True)
+    unused = tuple(sorted(set(opened.tensor_shapes()) - used))
+    return WeightsFile(opened, tensors, tuple(packed), unused)
+
+
+def _one_dtype(opened: OpenedFile, pieces) -> torch.dtype:
+    dtypes = {opened.checkpoint.record(piece.key).dtype for piece in pieces}
+    dtype = dtypes.pop()
+    for other in dtypes:
+        dtype = torch.promote_types(dtype, other)
+    return dtype
+
+
+def _packed_layer(opened: OpenedFile, key: str, shape, pieces, path: str | None) -> PackedFromFile | None:
+    """The packed layer ``path`` whose weight ``key`` is ``pieces`` of encoded tensors, or None where it
+    cannot rest packed: not a linear layer's weight, pieces in several codecs, or rows a part cannot follow (a
+    part of one element — a scale of the whole tensor — is shared only by pieces of one tensor)."""
+    if path is None or len(shape) != 2:
+        return None
+    encoded = [opened.encoded[piece.key] for piece in pieces]
+    codec = encoded[0].codec
+    if any(e.codec is not codec or list(e.parts) != list(encoded[0].parts) for e in encoded):
+        return None
+    parts: dict[str, FileTensor] = {}
+    for name in encoded[0].parts:
+        runs, shared = [], set()
+        for piece, tensor in zip(pieces, encoded, strict=True):
+            record = opened.checkpoint.record(tensor.parts[name])
+            rows = record.shape[0] if record.shape else 1
+            whole = (piece.start, piece.stop) == (0, tensor.shape[0])
+            if record.shape and rows == tensor.shape[0]:
+                runs.append(Rows(record.key, piece.start, piece.stop))
+            elif math.prod(record.shape) == 1 and (whole or len(pieces) == 1 or len({p.key for p in pieces}) == 1):
+                shared.add(record.key)
+            elif whole:
+                runs.append(Rows(record.key, 0, rows))
+            else:
+                return None
+        if shared and (runs or len(shared) > 1):
+            return None  # a scale of several tensors, or of part of one
+        if shared:
+            record = opened.checkpoint.record(shared.pop())
+            runs = [Rows(record.key, 0, record.shape[0] if record.shape else 1)]
+        first = opened.checkpoint.record(runs[0].key)
+        rows = sum(run.stop - run.start for run in runs)
+        part_shape = (rows, *first.shape[1:]) if first.shape else ()
+        parts[name] = FileTensor(f"{path}.{name}", part_shape, first.dtype, tuple(runs))
+    return PackedFromFile(path, codec, tuple(shape), parts)
+
+
+def prepare_packed_layers(skeleton: Skeleton, weights: WeightsFile, where: str) -> None:
+    """Make each layer the file keeps encoded a packed layer holding meta tensors of its parts' shapes, so that
+    binding fills them like any other tensor. A layer whose weight has another shape than the file's tensor is
+    refused here, before anything is bound."""
+    module = skeleton.module
+    wrong = []
+    for layer in weights.packed:
+        sub = module.get_submodule(layer.path)
+        if tuple(sub.weight.shape) != layer.shape:
+            wrong.append(f"{layer.path}.weight: {list(layer.shape)} in the file, {list(sub.weight.shape)} in the model")
+    if wrong:
+        raise CheckpointError(
+            f"{where} does not fit {type(module).__name__}: {'; '.join(wrong[:5])}"
+            f"{f'; and {len(wrong) - 5} more' if len(wrong) > 5 else ''}"
+        )
+    for layer in weights.packed:
+        sub = module.get_submodule(layer.path)
+        dtype = skeleton.dtypes.get(f"{layer.path}.weight", sub.weight.dtype)
+        payload_part = layer.parts[PAYLOAD]
+        payload = nn.Parameter(
+            torch.empty(payload_part.shape, dtype=payload_part.dtype, device="meta"), requires_grad=False
+        )
+        buffers = {
+            name: torch.empty(part.shape, dtype=part.dtype, device="meta")
+            for name, part in layer.parts.items()
+            if name != PAYLOAD
+        }
+        attach_packed(sub, layer.codec.format_name, torch.Size(layer.shape), dtype, payload, buffers, layer.path)
+        packed_record(sub).encoded_by = where

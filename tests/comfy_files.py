@@ -1,0 +1,161 @@
+"""Fixture writers: float8 safetensors files in the forms ComfyUI's community reposts use, from a state dict of
+float weights, for the ``comfy_fp8`` reader's tests.
+
+Each writer quantizes the 2-D tensors (the linear weights: what ComfyUI's converters quantize) and keeps the
+others as they are, and returns what it stored for each quantized weight — the float8 tensor and the scale —
+so that a test computes the value the file means (``q.float() * scale``) without decoding it the reader's way.
+
+- :func:`write_legacy_scaled`: ``<layer>.weight`` float8, ``<layer>.scale_weight`` float32, the ``scaled_fp8``
+  marker, and ``<layer>.scale_input`` (Comfy-Org's "fp8_scaled" files, Kijai's ``_scaled_KJ`` ones);
+- :func:`write_metadata_scaled`: ``<layer>.weight_scale`` and ``_quantization_metadata`` in the header
+  (ComfyUI's QUANTIZATION.md), the weight as float8 or as its ``uint8`` container;
+- :func:`write_plain_fp8`: float8 casts without a scale;
+- bad inputs: ``scales=`` replaces chosen scales (empty, NaN), ``extra=`` adds tensors (a scale without its
+  weight), :func:`truncate` cuts a file short and :func:`damage_header` breaks its JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+
+
+def tiny_state(seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """A small model's weights: two linear layers with biases around a layer norm, in ``dtype``."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 24), nn.LayerNorm(24), nn.Linear(24, 8))
+    with torch.no_grad():
+        model[1].weight.uniform_(0.5, 1.5)
+        model[1].bias.uniform_(-0.1, 0.1)
+    return {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+
+
+def quantized_keys(state: Mapping[str, torch.Tensor]) -> list[str]:
+    return [k for k, v in state.items() if k.endswith(".weight") and v.dim() == 2]
+
+
+def scale_of(weight: torch.Tensor, fp8: torch.dtype = E4M3) -> torch.Tensor:
+    """ComfyUI's per-tensor scale: the absolute maximum over the float8 type's largest value, in float32."""
+    return (weight.float().abs().amax() / torch.finfo(fp8).max).reshape(())
+
+
+def to_fp8(weight: torch.Tensor, scale: torch.Tensor | None, fp8: torch.dtype = E4M3) -> torch.Tensor:
+    values = weight.float() if scale is None else weight.float() / scale
+    return values.to(fp8).contiguous()
+
+
+def write_legacy_scaled(
+    path: Path,
+    state: Mapping[str, torch.Tensor],
+    *,
+    fp8: torch.dtype = E4M3,
+    scale_input: bool = True,
+    marker: bool = True,
+    scale_shape: tuple[int, ...] = (),
+    scales: Mapping[str, torch.Tensor] | None = None,
+    extra: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The legacy "fp8 scaled" form; ``scales`` maps a weight key to the scale tensor to store instead."""
+    tensors: dict[str, torch.Tensor] = {}
+    stored: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for key, value in state.items():
+        if key not in quantized_keys(state):
+            tensors[key] = value
+            continue
+        layer = key.removesuffix(".weight")
+        scale = scale_of(value, fp8)
+        tensors[key] = to_fp8(value, scale, fp8)
+        tensors[f"{layer}.scale_weight"] = scale.reshape(scale_shape)
+        if scales is not None and key in scales:
+            tensors[f"{layer}.scale_weight"] = scales[key]
+        if scale_input:
+            tensors[f"{layer}.scale_input"] = torch.tensor(1.0)
+        stored[key] = (tensors[key], scale)
+    if marker:
+        tensors["scaled_fp8"] = torch.empty(0, dtype=fp8)
+    tensors.update(extra or {})
+    save_file(tensors, str(path))
+    return stored
+
+
+def write_metadata_scaled(
+    path: Path,
+    state: Mapping[str, torch.Tensor],
+    *,
+    fp8: torch.dtype = E4M3,
+    container: bool = False,
+    layer_names: Mapping[str, str] | None = None,
+    formats: Mapping[str, object] | None = None,
+    input_scale: bool = True,
+    extra: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The ``_quantization_metadata`` form. ``container`` stores each weight's float8 bytes as ``uint8``;
+    ``layer_names`` maps a layer to the name the metadata gives it; ``formats`` maps a layer to the config the
+    metadata declares (default ``{"format": "float8_e4m3fn"}``, or e5m2's)."""
+    tensors: dict[str, torch.Tensor] = {}
+    stored: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    layers: dict[str, object] = {}
+    for key, value in state.items():
+        if key not in quantized_keys(state):
+            tensors[key] = value
+            continue
+        layer = key.removesuffix(".weight")
+        scale = scale_of(value, fp8)
+        q = to_fp8(value, scale, fp8)
+        tensors[key] = q.view(torch.uint8) if container else q
+        tensors[f"{layer}.weight_scale"] = scale
+        if input_scale:
+            tensors[f"{layer}.input_scale"] = torch.tensor(1.0)
+        name = (layer_names or {}).get(layer, layer)
+        layers[name] = (formats or {}).get(layer, {"format": f"float8_{str(fp8).split('_', 1)[1]}"})
+        stored[key] = (q, scale)
+    tensors.update(extra or {})
+    metadata = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})}
+    save_file(tensors, str(path), metadata=metadata)
+    return stored
+
+
+def write_plain_fp8(
+    path: Path, state: Mapping[str, torch.Tensor], *, fp8: torch.dtype = E4M3
+) -> dict[str, tuple[torch.Tensor, None]]:
+    """Float8 casts of the linear weights, no scale (ComfyUI's "fp8_e4m3fn" downloads)."""
+    tensors = dict(state)
+    stored = {}
+    for key in quantized_keys(state):
+        tensors[key] = to_fp8(state[key], None, fp8)
+        stored[key] = (tensors[key], None)
+    save_file(tensors, str(path))
+    return stored
+
+
+def write_plain(path: Path, state: Mapping[str, torch.Tensor]) -> None:
+    """An ordinary safetensors file: no float8 tensor (core's to read)."""
+    save_file(dict(state), str(path))
+
+
+def comfy_quant_marker(config: object) -> torch.Tensor:
+    """A ``<layer>.comfy_quant`` tensor, as ComfyUI's ``convert_old_quants`` makes it: the JSON's bytes."""
+    return torch.tensor(list(json.dumps(config).encode()), dtype=torch.uint8)
+
+
+def truncate(path: Path, drop: int = 16) -> None:
+    """Cut the last ``drop`` bytes off the file: the last tensor's byte range now runs past the end."""
+    data = path.read_bytes()
+    path.write_bytes(data[:-drop])
+
+
+def damage_header(path: Path) -> None:
+    """Overwrite the header's JSON in place (same length) so that it no longer parses."""
+    data = bytearray(path.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    data[8 + length // 2 : 8 + length // 2 + 4] = b"\x00]]{"
+    path.write_bytes(bytes(data))

@@ -1,0 +1,195 @@
+"""A component given as one community file — a GGUF from city96's converter — loaded into every mode, kept packed.
+
+The fixture is a Wan 2.2 pipeline (a high-noise and a low-noise transformer) whose transformers are 256 wide, so that
+every GGML type, the K types' 256-value super-blocks included, quantizes some of their layers; each transformer is
+written to a GGUF file the way the community's tools write one (original key names, a mix of types, small and 1-D
+tensors in F32). What ``load`` must give:
+
+- with ``model_full_load``, the output of the pipeline built with gguf-py's reference dequantization of the same
+  file (computed apart, in float32: close, since the reference's weights lie at other addresses than ours);
+- under every lossless placement x storage, that same output bit for bit (like with like: the same file);
+- every quantized layer resting packed (its payload the file's blocks, never dequantized whole);
+- bad input refused, typed, before anything is bound.
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import DiffusionPipeline, WanTransformer3DModel
+from gguf import GGMLQuantizationType as Q
+
+import memmode_core as memmode
+from gguf_files import reference_dequantize, write_gguf
+from memmode_core import CheckpointError, IncompatibleModeError, PluginNotInstalledError
+from memmode_core.discovery import plugins
+from memmode_core.quantization import packed_record
+from original_checkpoints import PREFIX, to_original, wan_plan
+from tiny_components import WAN_TRANSFORMER
+from tiny_pipelines import make_pipeline, run
+
+FAMILY = "wan22"
+#: the tiny Wan transformer made 256 wide (2 heads of 128), so that the K types' super-blocks fit its rows
+WIDE_WAN = {**WAN_TRANSFORMER, "attention_head_dim": 128, "ffn_dim": 256, "freq_dim": 256}
+#: the types given to the transformers' tensors in turn (city96's converter keeps small and 1-D ones F32)
+TYPES = (Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q4_0, Q.Q5_K, Q.Q2_K, Q.Q3_K, Q.Q4_1, Q.Q5_1, Q.F16, Q.BF16)
+
+PLACEMENTS = [
+    ("model_cpu_offload", {}),
+    ("model_group_offload", {"offload_type": "block_level"}),
+    ("model_group_offload", {"offload_type": "leaf_level"}),
+    ("sequential_cpu_offload", {}),
+]
+STORAGES = ["ram", "disk", "mmap"]
+
+
+class GgufPipeline:
+    """The folder (configs, the other components' weights), the two GGUF files, and the reference output."""
+
+    def __init__(self) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="memmode-gguf-pipeline-"))
+        atexit.register(shutil.rmtree, self.folder, True)
+        pipe = make_pipeline(FAMILY)
+        for index, name in enumerate(("transformer", "transformer_2")):
+            torch.manual_seed(100 + index)
+            model = WanTransformer3DModel(**WIDE_WAN).eval()
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.normal_(0, 0.05)  # no zero-initialised output layer: every layer shows in the output
+            setattr(pipe, name, model)
+            pipe.register_modules(**{name: model})
+        pipe.save_pretrained(self.folder)
+        self.files: dict[str, Path] = {}
+        self.types: dict[str, dict[str, Q]] = {}
+        for name in ("transformer", "transformer_2"):
+            state = getattr(pipe, name).state_dict()
+            original = to_original(wan_plan(list(state)), state)
+            # the types in turn over the matrices whose rows fit a K type's super-block, Q8_0 for the others
+            wide = [key for key, value in original.items() if value.dim() == 2 and value.shape[1] % 256 == 0]
+            asked = {key: TYPES[(i + len(TYPES) // 2 * index) % len(TYPES)] for i, key in enumerate(wide)}
+            tensors = {key: (value.float().numpy(), asked.get(key, Q.Q8_0)) for key, value in original.items()}
+            path = self.folder / f"{name}-mixed.gguf"
+            self.types[name] = write_gguf(path, tensors, arch="wan", keep_f32=(".modulation",))
+            self.files[name] = path
+        self.reference = self._reference()
+
+    def files_kwargs(self) -> dict[str, str]:
+        return {name: str(path) for name, path in self.files.items()}
+
+    def _reference(self) -> torch.Tensor:
+        """The pipeline with each transformer's weights set to gguf-py's dequantization of its file, mapped to
+        diffusers' names by diffusers' own converter: the independent reference."""
+        from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+        pipe = DiffusionPipeline.from_pretrained(self.folder)
+        pipe.set_progress_bar_config(disable=True)
+        for name, path in self.files.items():
+            values = reference_dequantize(path)
+            values = convert_wan_transformer_to_diffusers({k.removeprefix(PREFIX): v for k, v in values.items()})
+            getattr(pipe, name).load_state_dict(values, strict=True)
+        return run(pipe, FAMILY)
+
+
+_MADE: list[GgufPipeline] = []
+
+
+@pytest.fixture
+def gguf_pipeline() -> GgufPipeline:
+    if not _MADE:
+        _MADE.append(GgufPipeline())
+    return _MADE[0]
+
+
+def load(gguf_pipeline: GgufPipeline, mode: str, **kwargs):
+    kwargs.setdefault("torch_dtype", torch.float32)
+    return memmode.load(gguf_pipeline.folder, mode, device="cpu", **gguf_pipeline.files_kwargs(), **kwargs)
+
+
+_FULL: dict[str, torch.Tensor] = {}
+
+
+def full_load_output(gguf_pipeline: GgufPipeline) -> torch.Tensor:
+    if "out" not in _FULL:
+        handle = load(gguf_pipeline, "model_full_load")
+        handle.target.set_progress_bar_config(disable=True)
+        _FULL["out"] = run(handle.target, FAMILY)
+    return _FULL["out"]
+
+
+def packed_layers(module: torch.nn.Module) -> dict[str, str]:
+    return {path: record.format for path, sub in module.named_modules() if (record := packed_record(sub)) is not None}
+
+
+def test_every_type_is_in_the_files(gguf_pipeline):
+    """The fixture does what it says: each quantized GGML type stores some layer of the transformers."""
+    stored = {qtype for types in gguf_pipeline.types.values() for qtype in types.values()}
+    assert {Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F32} <= stored
+
+
+def test_full_load_matches_the_reference_dequantization(gguf_pipeline):
+    handle = load(gguf_pipeline, "model_full_load")
+    formats = packed_layers(handle.target.transformer)
+    quantized = {k for k, t in gguf_pipeline.types["transformer"].items() if t not in (Q.F32, Q.F16, Q.BF16)}
+    assert len(formats) == len([k for k in quantized if k.endswith(".weight") and "patch_embedding" not in k]) > 10
+    assert {f.startswith("gguf_") for f in formats.values()} == {True}
+    output = full_load_output(gguf_pipeline)
+    torch.testing.assert_close(output, gguf_pipeline.reference, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize(("placement", "options"), PLACEMENTS, ids=lambda p: p if isinstance(p, str) else "")
+def test_every_placement_and_storage_gives_the_full_load_output(gguf_pipeline, placement, options, storage, tmp_path):
+    expected = full_load_output(gguf_pipeline)
+    files = {"offload_dir": str(tmp_path)} if storage != "ram" else {}
+    handle = load(gguf_pipeline, placement, storage=storage, **files, **options)
+    handle.target.set_progress_bar_config(disable=True)
+    assert torch.equal(run(handle.target, FAMILY), expected)
+    # still packed after the call: nothing dequantized the model whole
+    assert packed_layers(handle.target.transformer)
+    report = handle.report()
+    assert report.bytes_transferred > 0
+    handle.remove()
+
+
+def test_a_mode_with_a_quantizer_is_refused_before_anything_is_bound(gguf_pipeline):
+    with pytest.raises(IncompatibleModeError, match="without '_and_qfloat8'"):
+        load(gguf_pipeline, "model_group_offload_and_qfloat8")
+
+
+def test_a_gguf_without_its_reader_names_the_package(gguf_pipeline, monkeypatch):
+    monkeypatch.setenv("MEMMODE_DISABLE_PLUGINS", "memmode-gguf")
+    plugins.reset()
+    with pytest.raises(PluginNotInstalledError, match="pip install memmode-gguf"):
+        load(gguf_pipeline, "model_full_load")
+
+
+def test_a_truncated_file_is_refused(gguf_pipeline, tmp_path):
+    path = tmp_path / "cut.gguf"
+    data = gguf_pipeline.files["transformer"].read_bytes()
+    path.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(CheckpointError, match="cut.gguf"):
+        memmode.load(gguf_pipeline.folder, "model_full_load", device="cpu", transformer=str(path))
+
+
+def test_a_file_of_another_architecture_names_missing_and_unexpected_keys(gguf_pipeline, tmp_path):
+    import numpy as np
+
+    path = tmp_path / "other.gguf"
+    write_gguf(path, {"double_blocks.0.img_attn.qkv.weight": (np.ones((96, 32), np.float32), Q.Q8_0)}, arch="flux")
+    with pytest.raises(CheckpointError) as refused:
+        memmode.load(gguf_pipeline.folder, "model_full_load", device="cpu", transformer=str(path))
+    message = str(refused.value)
+    assert str(path) in message and "double_blocks.0.img_attn.qkv.weight" in message and "scale_shift_table" in message
+
+
+def test_a_bare_model_file_takes_its_config(gguf_pipeline):
+    handle = memmode.load(
+        gguf_pipeline.files["transformer"], "model_full_load", device="cpu", config=gguf_pipeline.folder / "transformer"
+    )
+    assert isinstance(handle.target, WanTransformer3DModel)
+    assert packed_layers(handle.target)
