@@ -1,0 +1,113 @@
+"""Community files made in code for tests: a Wan 2.2 pipeline folder whose two transformers are given as GGUF files
+written the way the community's tools write them (city96's converter: the original checkpoint's key names, a mix of
+types, small and 1-D tensors in F32), with the output of the independent reference (gguf-py's dequantization, mapped
+by diffusers' own converter) and of ``model_full_load`` on the same files.
+
+The transformers are 256 wide (2 heads of 128), so that every GGML type, the K types' 256-value super-blocks
+included, quantizes some of their layers. Built once per session (``gguf_pipeline()``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from diffusers import DiffusionPipeline, WanTransformer3DModel
+from gguf import GGMLQuantizationType as Q
+
+import memmode_core as memmode
+from gguf_files import reference_dequantize, write_gguf
+from memmode_core.quantization import packed_record
+from original_checkpoints import PREFIX, to_original, wan_plan
+from tiny_components import WAN_TRANSFORMER
+from tiny_pipelines import make_pipeline, run
+
+FAMILY = "wan22"
+#: the tiny Wan transformer made 256 wide (2 heads of 128), so that the K types' super-blocks fit its rows
+WIDE_WAN = {**WAN_TRANSFORMER, "attention_head_dim": 128, "ffn_dim": 256, "freq_dim": 256}
+#: the types given to the transformers' tensors in turn (city96's converter keeps small and 1-D ones F32)
+TYPES = (Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q4_0, Q.Q5_K, Q.Q2_K, Q.Q3_K, Q.Q4_1, Q.Q5_1, Q.F16, Q.BF16)
+
+
+class GgufPipeline:
+    """The folder (configs, the other components' weights), the two GGUF files, and the reference output."""
+
+    def __init__(self) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="memmode-gguf-pipeline-"))
+        atexit.register(shutil.rmtree, self.folder, True)
+        pipe = make_pipeline(FAMILY)
+        for index, name in enumerate(("transformer", "transformer_2")):
+            torch.manual_seed(100 + index)
+            model = WanTransformer3DModel(**WIDE_WAN).eval()
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.normal_(0, 0.05)  # no zero-initialised output layer: every layer shows in the output
+            setattr(pipe, name, model)
+            pipe.register_modules(**{name: model})
+        pipe.save_pretrained(self.folder)
+        self.files: dict[str, Path] = {}
+        self.types: dict[str, dict[str, Q]] = {}
+        for name in ("transformer", "transformer_2"):
+            state = getattr(pipe, name).state_dict()
+            original = to_original(wan_plan(list(state)), state)
+            # the types in turn over the matrices whose rows fit a K type's super-block, Q8_0 for the others
+            wide = [key for key, value in original.items() if value.dim() == 2 and value.shape[1] % 256 == 0]
+            asked = {key: TYPES[(i + len(TYPES) // 2 * index) % len(TYPES)] for i, key in enumerate(wide)}
+            tensors = {key: (value.float().numpy(), asked.get(key, Q.Q8_0)) for key, value in original.items()}
+            path = self.folder / f"{name}-mixed.gguf"
+            self.types[name] = write_gguf(path, tensors, arch="wan", keep_f32=(".modulation",))
+            self.files[name] = path
+        self.reference = self._reference()
+
+    def files_kwargs(self) -> dict[str, str]:
+        return {name: str(path) for name, path in self.files.items()}
+
+    def _reference(self) -> torch.Tensor:
+        """The pipeline with each transformer's weights set to gguf-py's dequantization of its file, mapped to
+        diffusers' names by diffusers' own converter: the independent reference."""
+        from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+        pipe = DiffusionPipeline.from_pretrained(self.folder)
+        pipe.set_progress_bar_config(disable=True)
+        for name, path in self.files.items():
+            values = reference_dequantize(path)
+            values = convert_wan_transformer_to_diffusers({k.removeprefix(PREFIX): v for k, v in values.items()})
+            getattr(pipe, name).load_state_dict(values, strict=True)
+        return run(pipe, FAMILY)
+
+
+_MADE: list[GgufPipeline] = []
+
+
+def gguf_pipeline() -> GgufPipeline:
+    """The session's GGUF pipeline (made on first use)."""
+    if not _MADE:
+        _MADE.append(GgufPipeline())
+    return _MADE[0]
+
+
+def load(gguf_pipeline: GgufPipeline, mode: str, **kwargs):
+    """``memmode.load`` of the folder with both transformers from their GGUF files, on the CPU, in float32 (the
+    reference's dtype) unless told otherwise."""
+    kwargs.setdefault("torch_dtype", torch.float32)
+    return memmode.load(gguf_pipeline.folder, mode, device="cpu", **gguf_pipeline.files_kwargs(), **kwargs)
+
+
+_FULL: dict[str, torch.Tensor] = {}
+
+
+def full_load_output(gguf_pipeline: GgufPipeline) -> torch.Tensor:
+    """Call 1 of the pipeline loaded from the files under ``model_full_load``: what every lossless mode must give."""
+    if "out" not in _FULL:
+        handle = load(gguf_pipeline, "model_full_load")
+        handle.target.set_progress_bar_config(disable=True)
+        _FULL["out"] = run(handle.target, FAMILY)
+    return _FULL["out"]
+
+
+def packed_layers(module: torch.nn.Module) -> dict[str, str]:
+    """layer path -> packed format, for every packed layer of ``module``."""
+    return {path: record.format for path, sub in module.named_modules() if (record := packed_record(sub)) is not None}
