@@ -455,3 +455,28 @@ def test_run_on_ranks_refuses_what_it_cannot_split(capsys, tmp_path):
     assert "2 attention heads cannot be shared evenly by 3 ranks" in capsys.readouterr().err
     assert main(["run", "--model", str(tmp_path), "--nproc", "2"]) == 2
     assert "torchrun" in capsys.readouterr().err
+
+
+def test_run_and_plan_a_transformer_given_as_a_gguf_file(tmp_path, capsys):
+    """``memmode run --transformer FILE`` (the README's community-file job) loads the built-in pipeline's configs with
+    the file in the transformer's place, its blocks resting packed; ``plan`` prices it from the file's header (the
+    packed bytes, not the full-precision ones) and the run moves what the plan said."""
+    from memmode_core.demo import make_demo_pipeline, write_demo_gguf
+
+    write_demo_gguf(tmp_path / "demo-Q8_0.gguf", "Q8_0", size="tiny")
+    common = ["--size", "tiny", "--steps", "1", "--transformer", str(tmp_path / "demo-Q8_0.gguf"), "--json"]
+    assert main(["run", *common, "--mode", "model_cpu_offload"]) == 0
+    (result,) = json.loads(capsys.readouterr().out)["results"]
+    assert result["mode"] == "model_cpu_offload" and result["output_shape"]
+
+    def full_load_bytes(*argv: str) -> int:
+        assert main(["plan", "--size", "tiny", "--json", *argv]) == 0
+        entries = json.loads(capsys.readouterr().out)["entries"]
+        return next(e for e in entries if e["mode"] == "model_full_load")["peak_device_bytes"]
+
+    from_file = full_load_bytes("--transformer", str(tmp_path / "demo-Q8_0.gguf"))
+    built_in = full_load_bytes()
+    packed = sum(p.numel() for p in make_demo_pipeline("tiny").transformer.parameters() if p.dim() == 2) * 3
+    assert built_in - from_file > packed // 2, "the transformer's matrices are priced packed (Q8_0: ~1/4 of float32)"
+    assert main(["run", "--size", "tiny", "--transformer", str(tmp_path / "missing.gguf")]) != 0
+    assert "no such file" in capsys.readouterr().err

@@ -215,6 +215,10 @@ class Substitution:
             for match in re.finditer(rf"{re.escape(str(self.tmp))}/models/{re.escape(model)}", text):
                 if not Path(match[0]).exists():
                     shutil.copytree(self.models / MODELS[model], match[0])
+        # the demo's transformer written as a file is the tiny one, as the CLI's built-in pipeline is (cli below)
+        text = re.sub(
+            r"write_demo_gguf\(([^)]*)\)", lambda m: m[0] if "size=" in m[1] else m[0][:-1] + ', size="tiny")', text
+        )
         if not CUDA:
             text = re.sub(r"([\"'])cuda\1", r"\1cpu\1", text)
             text = re.sub(r"(?<=[ =])cuda\b", "cpu", text)  # --device cuda

@@ -27,6 +27,19 @@ def _add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
         help="a local diffusers pipeline folder (default: the built-in Wan 2.2-shaped pipeline with random weights)",
     )
     parser.add_argument(
+        "--transformer",
+        metavar="FILE",
+        help="the transformer from one file in place of its weights (a GGUF with memmode-gguf, a ComfyUI fp8 or any "
+        "safetensors file, original or diffusers names), its config from the folder (--model, else the built-in "
+        "pipeline's)",
+    )
+    parser.add_argument(
+        "--transformer-2",
+        dest="transformer_2",
+        metavar="FILE",
+        help="as --transformer, for the second expert of a Wan 2.2 pipeline (transformer_2)",
+    )
+    parser.add_argument(
         "--size",
         choices=sorted(SIZES),
         default="small",

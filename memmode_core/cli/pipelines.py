@@ -3,14 +3,20 @@
 Without ``--model`` it is the built-in Wan 2.2-shaped pipeline (:mod:`memmode_core.cli.demo_pipeline`), so that a
 first ``memmode run`` needs no download. With ``--model DIR`` it is a local diffusers folder: ``run`` loads
 it straight into each mode (``memmode.load``), never whole into RAM, and ``plan`` builds it from its config
-files and checkpoint headers without reading a weight.
+files and checkpoint headers without reading a weight. ``--transformer FILE`` (and ``--transformer-2``) give a
+denoiser as one community file (a GGUF, a ComfyUI fp8 file): loaded the same way, into the ``--model`` folder or,
+without one, into the built-in pipeline's configs (saved once to a temporary folder).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import memmode_core as memmode
 from memmode_core.planning.calls import call_shapes
@@ -30,14 +36,41 @@ def torch_dtype(name: str | None):
     return dtype
 
 
+def component_files(args: argparse.Namespace) -> dict[str, str]:
+    """The components given as one file (``--transformer``, ``--transformer-2``)."""
+    given = {"transformer": getattr(args, "transformer", None), "transformer_2": getattr(args, "transformer_2", None)}
+    return {name: path for name, path in given.items() if path is not None}
+
+
+_DEMO_FOLDERS: dict[tuple, Path] = {}
+
+
+def model_folder(args: argparse.Namespace) -> str | Path:
+    """The folder ``load`` reads: ``--model``, or the built-in pipeline saved to a temporary folder (once per
+    process, removed at exit), whose configs a ``--transformer`` file is read with."""
+    if args.model is not None:
+        return args.model
+    from memmode_core.cli.demo_pipeline import make_demo_pipeline
+
+    key = (args.size, args.seed)
+    if key not in _DEMO_FOLDERS:
+        folder = Path(tempfile.mkdtemp(prefix="memmode-demo-pipeline-"))
+        atexit.register(shutil.rmtree, folder, True)
+        make_demo_pipeline(args.size, seed=args.seed).save_pretrained(folder)
+        _DEMO_FOLDERS[key] = folder
+    return _DEMO_FOLDERS[key]
+
+
 def load_into(args: argparse.Namespace):
-    """``memmode.load`` for ``--model``: the folder goes straight into each mode, never whole into RAM."""
-    if args.model is None:
+    """``memmode.load`` for ``--model`` or ``--transformer``: the folder (and files) go straight into each mode,
+    never whole into RAM."""
+    files = component_files(args)
+    if args.model is None and not files:
         return None
     dtype = torch_dtype(args.dtype)
 
     def load_into(mode, **kwargs):
-        handle = memmode.load(args.model, mode, torch_dtype=dtype or "auto", **kwargs)
+        handle = memmode.load(model_folder(args), mode, torch_dtype=dtype or "auto", **files, **kwargs)
         handle.target.set_progress_bar_config(disable=True)
         return handle
 
@@ -60,11 +93,12 @@ def pipeline_source(args: argparse.Namespace):
             return demo_call(pipe, size=args.size, steps=args.steps, seed=args.seed, callback=callback)
 
         dims = SIZES[args.size]
+        files = "".join(f", {name} from {path}" for name, path in component_files(args).items())
         return (
             load,
             call,
             f"built-in Wan 2.2-shaped pipeline ({args.size}, random weights, {dims.frames} frames "
-            f"{dims.height}x{dims.width})",
+            f"{dims.height}x{dims.width}{files})",
         )
 
     from diffusers import DiffusionPipeline
@@ -95,7 +129,8 @@ def pipeline_source(args: argparse.Namespace):
         output = pipe(**kwargs)[0]
         return output if isinstance(output, torch.Tensor) else torch.as_tensor(output)
 
-    return load, call, f"{args.model}"
+    files = "".join(f", {name} from {path}" for name, path in component_files(args).items())
+    return load, call, f"{args.model}{files}"
 
 
 @contextmanager
@@ -104,13 +139,14 @@ def pipeline_to_plan(args: argparse.Namespace) -> Iterator[tuple[object, str]]:
     skeleton built from its config files and checkpoint headers: no weight is read, so quantizers are checked
     on the shapes and dtypes of meta weights (``SIZES_ONLY``) until the ``with`` ends."""
     load, _, description = pipeline_source(args)
-    if args.model is None:
+    files = component_files(args)
+    if args.model is None and not files:
         yield load(), description
         return
     from memmode_core.loading.load import skeleton
     from memmode_core.quantization import SIZES_ONLY
 
-    pipe = skeleton(args.model, torch_dtype=torch_dtype(args.dtype) or "auto")
+    pipe = skeleton(model_folder(args), torch_dtype=torch_dtype(args.dtype) or "auto", **files)
     sizes_only = SIZES_ONLY.set(True)
     try:
         yield pipe, description

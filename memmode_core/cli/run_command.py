@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from memmode_core.cli.pipelines import load_into, pipeline_source, run_call_shapes
+from memmode_core.cli.pipelines import component_files, load_into, pipeline_source, run_call_shapes
 from memmode_core.cli.plugin_options import describe_options, refuse_undeclared
 from memmode_core.contracts.errors import InvalidOptionError
 from memmode_core.contracts.units import format_bytes
@@ -105,6 +105,11 @@ def _run_on_ranks(args: argparse.Namespace) -> int:
 
     if args.plot:
         raise InvalidOptionError("--plot draws one process's trace; leave it out with --nproc")
+    if component_files(args):
+        raise InvalidOptionError(
+            "--nproc splits a pipeline built in each rank; a --transformer file is loaded by memmode.load, which "
+            "the ranks of a script call themselves (docs/community-checkpoints.md): leave out --nproc"
+        )
     refuse_undeclared(args.options)
     _, _, description = pipeline_source(args)
     per_rank = [
