@@ -53,6 +53,9 @@ def test_full_load_matches_the_reference_dequantization(gguf_pipeline):
     quantized = {k for k, t in gguf_pipeline.types["transformer"].items() if t not in (Q.F32, Q.F16, Q.BF16)}
     assert len(formats) == len([k for k in quantized if k.endswith(".weight") and "patch_embedding" not in k]) > 10
     assert {f.startswith("gguf_") for f in formats.values()} == {True}
+    read = handle.report().loading["files"]["transformer"]
+    assert (read["path"], read["reader"]) == (str(gguf_pipeline.files["transformer"]), "gguf")
+    assert read["packed_layers"] == {f: list(formats.values()).count(f) for f in sorted(set(formats.values()))}
     output = full_load_output(gguf_pipeline)
     torch.testing.assert_close(output, gguf_pipeline.reference, rtol=1e-4, atol=1e-5)
 

@@ -35,6 +35,7 @@ from memmode_core.layer_packing import Packed, pack_while_streaming
 from memmode_core.loading.binding import bind
 from memmode_core.loading.components import ComponentLoad, component_files, component_loads, install_file_forwards
 from memmode_core.loading.dtypes import one_dtype, pipeline_dtype_keyword
+from memmode_core.loading.single_file import WeightsFile
 from memmode_core.loading.skeleton import (
     complete,
     pipeline_index,
@@ -189,6 +190,9 @@ def load(
         for item in loads:
             item.checkpoint.release()
     handle.loading = _summary(handle, converting, sum(len(i.binding.convert) for i in converted), packed, staging)
+    files_read = {item.name: item.checkpoint.summary() for item in loads if isinstance(item.checkpoint, WeightsFile)}
+    if files_read:
+        handle.loading["files"] = files_read
     _say_what_was_done(folder, handle)
     return handle
 
@@ -218,6 +222,16 @@ def _summary(handle: Handle, converted_bytes: int, converted_tensors: int, packe
 
 def _say_what_was_done(folder: Path, handle: Handle) -> None:
     s = handle.loading
+    for name, read in s.get("files", {}).items():
+        formats = ", ".join(f"{n} {fmt}" for fmt, n in read["packed_layers"].items()) or "none"
+        logger.info(
+            "memmode: %s from %s (%s reader): layers resting packed: %s; %d tensors decoded at load",
+            name,
+            read["path"],
+            read["reader"],
+            formats,
+            read["decoded_tensors"],
+        )
     staged = (
         f"{s['converted_tensors']} tensors converted ({format_bytes(s['converted_bytes'])}) and "
         f"{format_bytes(s['quantized_bytes'])} quantized into staging files in {s['staging_dir']}"

@@ -223,6 +223,21 @@ class WeightsFile:
         )
         return rows.to(dtype) if rows.dtype != dtype else rows
 
+    def summary(self) -> dict:
+        """What the file gave (``handle.report().loading["files"]``): its path and reader, the layers resting packed
+        by format, and the tensors decoded at load (encoded, but not a linear layer's weight, or split otherwise
+        than by whole rows)."""
+        formats: dict[str, int] = {}
+        for layer in self.packed:
+            formats[layer.codec.format_name] = formats.get(layer.codec.format_name, 0) + 1
+        return {
+            "path": str(self.opened.checkpoint.where),
+            "reader": self.opened.reader,
+            "packed_layers": dict(sorted(formats.items())),
+            "decoded_tensors": sum(1 for tensor in self.tensors.values() if tensor.decoded),
+            "unused_tensors": len(self.unused),
+        }
+
     # -- what load asks of a checkpoint --
 
     @property
