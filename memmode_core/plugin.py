@@ -1,7 +1,7 @@
 """The plugin kit: everything a placement, quantizer, resolver or storage plugin needs, in one public place.
 
 A plugin imports from here and from nowhere else in memmode — the first-party plugins do too (a test checks
-every file under ``plugins/`` and the three complete packages of docs/writing-a-plugin.md), so a third-party
+every file under ``plugins/`` and the four complete packages of docs/writing-a-plugin.md), so a third-party
 storage can do what ``disk`` does with the same parts. What is exported here is public: it keeps working,
 or stays importable as a deprecated alias that says what replaced it, for at least one release. Where each
 name is explained: docs/writing-a-plugin.md.

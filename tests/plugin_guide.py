@@ -9,11 +9,12 @@ from pathlib import Path
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "writing-a-plugin.md"
 FILE_BLOCK = re.compile(r"<!-- file: (?P<path>[^ ]+) -->\n```[a-z]*\n(?P<body>.*?)```", re.S)
-#: distribution -> package of the three packages the guide holds
+#: distribution -> package of the four packages the guide holds
 PACKAGES = {
     "memmode-qint8": "memmode_qint8",
     "memmode-keepfirst": "memmode_keepfirst",
     "memmode-zram": "memmode_zram",
+    "memmode-nf4": "memmode_nf4",
 }
 
 

@@ -215,6 +215,9 @@ class Substitution:
             for match in re.finditer(rf"{re.escape(str(self.tmp))}/models/{re.escape(model)}", text):
                 if not Path(match[0]).exists():
                     shutil.copytree(self.models / MODELS[model], match[0])
+        for match in re.finditer(rf"{re.escape(str(self.tmp))}/models/([\w.\-]+)\.gguf", text):
+            if not Path(match[0]).exists():
+                community_file(Path(match[0]))
         # the demo's transformer written as a file is the tiny one, as the CLI's built-in pipeline is (cli below)
         text = re.sub(
             r"write_demo_gguf\(([^)]*)\)", lambda m: m[0] if "size=" in m[1] else m[0][:-1] + ', size="tiny")', text
@@ -279,6 +282,21 @@ class Substitution:
         return argv
 
 
+def community_file(path: Path) -> None:
+    """A community GGUF file a page names under /models/: the tiny Wan 2.2 pipeline's transformer (``transformer_2``
+    for a file named ``low_noise``), under the original checkpoint's names, its matrices Q8_0, written the way
+    city96's converter writes them."""
+    from gguf import GGMLQuantizationType as Q
+
+    from gguf_files import write_gguf
+    from original_checkpoints import to_original, wan_plan
+
+    pipe = tiny_pipelines.make_pipeline("wan22")
+    state = (pipe.transformer_2 if "low_noise" in path.name else pipe.transformer).state_dict()
+    original = to_original(wan_plan(list(state)), state)
+    write_gguf(path, {key: (value.float().numpy(), Q.Q8_0) for key, value in original.items()}, arch="wan")
+
+
 def _tiny_call(call):
     parameters = inspect.signature(call).parameters
 
@@ -302,7 +320,7 @@ def tiny_models(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def guide_site(tmp_path_factory) -> Path:
-    """The plugin guide's three packages, installed as ``pip install ./memmode-...`` leaves them (their code,
+    """The plugin guide's four packages, installed as ``pip install ./memmode-...`` leaves them (their code,
     and a .dist-info folder with the entry points of their pyproject.toml), in a folder of their own."""
     site = tmp_path_factory.mktemp("guide-site")
     files = files_from_the_guide()

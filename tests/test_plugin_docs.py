@@ -1,7 +1,8 @@
 """The plugin guide's complete packages, built from docs/writing-a-plugin.md, installed and used.
 
-The guide holds three whole third-party packages: a quantizer (memmode-qint8), a placement
-(memmode-keepfirst) and a storage (memmode-zram). They are extracted from the page, pip-installed
+The guide holds four whole third-party packages: a quantizer (memmode-qint8), a placement
+(memmode-keepfirst), a storage (memmode-zram) and a reader (memmode-nf4, whose files
+tests/test_guide_reader.py loads in-process). They are extracted from the page, pip-installed
 into a folder of their own (the environment stays untouched) and exercised in a child process that
 finds them as a user's scripts would, through their entry points. Importing torch and diffusers is
 most of a child's cost, so one child runs every check (``CHECKS``) and prints one JSON report; each
@@ -25,7 +26,7 @@ from memmode_core.discovery.disabling import AUTOLOAD_ENV, DISABLE_ENV
 from plugin_guide import GUIDE, PACKAGES, files_from_the_guide
 
 
-def test_the_guide_holds_three_complete_packages():
+def test_the_guide_holds_four_complete_packages():
     expected = {f"{dist}/pyproject.toml" for dist in PACKAGES}
     expected |= {f"{dist}/{package}/__init__.py" for dist, package in PACKAGES.items()}
     assert expected <= files_from_the_guide().keys()
@@ -102,7 +103,7 @@ def _build_isolation_flags() -> list[str]:
 
 @pytest.fixture(scope="module")
 def installed_guide_plugins(tmp_path_factory) -> Path:
-    """The guide's three packages, pip-installed into a folder of their own."""
+    """The guide's four packages, pip-installed into a folder of their own."""
     root = tmp_path_factory.mktemp("guide")
     for relative, body in files_from_the_guide().items():
         path = root / relative
@@ -325,6 +326,7 @@ def test_the_guide_plugins_are_listed_with_their_distributions(guide_checks):
         ("quantizer", "qint8", "memmode-qint8"),
         ("placement", "keep_first_offload", "memmode-keepfirst"),
         ("storage", "zram", "memmode-zram"),
+        ("reader", "nf4", "memmode-nf4"),
     ]:
         row = rows[name]
         assert (row["kind"], row["distribution"], row["version"], row["available"], row["reason"]) == (

@@ -1,6 +1,6 @@
 """The plugin kit (``memmode_core.plugin``) is the one door plugins use, memmode's own included.
 
-Every file of the first-party plugin distributions under ``plugins/``, and every file of the three complete
+Every file of the first-party plugin distributions under ``plugins/``, and every file of the four complete
 packages of docs/writing-a-plugin.md, imports from memmode only the kit: a third-party plugin built from the
 guide has every part the first-party ones use, and a refactor of memmode's internals breaks no plugin. The
 check reads the source (``ast``), as ``test_import_layers`` does for memmode_core's own layers, and sees
