@@ -205,12 +205,15 @@ class WeightsFile:
         """The tensor: a view of the file's pages where it is one run of stored rows, else assembled (decoded
         where encoded) in memory — one tensor at a time, as binding converts them."""
         tensor = self.tensors[key]
-        values = [self._rows(piece, tensor.dtype) for piece in tensor.pieces]
+        values = [self._rows(piece, tensor.dtype, tensor.decoded) for piece in tensor.pieces]
         value = values[0] if len(values) == 1 else torch.cat(values)
         return value.reshape(tensor.shape)
 
-    def _rows(self, piece: Rows, dtype: torch.dtype) -> torch.Tensor:
-        encoded = self.opened.encoded.get(piece.key)
+    def _rows(self, piece: Rows, dtype: torch.dtype, decoded: bool) -> torch.Tensor:
+        """Rows of a stored tensor (a plain tensor, or a part of a packed layer: a reader may name a part as its
+        encoded tensor, ``<layer>.weight`` for an fp8 payload), or, for a decoded tensor, of the model's tensor
+        the file names ``piece.key``: encoded ones decoded whole."""
+        encoded = self.opened.encoded.get(piece.key) if decoded else None
         if encoded is None:
             whole = self.opened.checkpoint.view(piece.key)
         else:
