@@ -5,6 +5,11 @@ by diffusers' own converter) and of ``model_full_load`` on the same files.
 
 The transformers are 256 wide (2 heads of 128), so that every GGML type, the K types' 256-value super-blocks
 included, quantizes some of their layers. Built once per session (``gguf_pipeline()``).
+
+The same pipeline with its transformers given as ComfyUI fp8 files (``comfy_files``: legacy "fp8 scaled",
+``_quantization_metadata``, plain e4m3fn and e5m2 casts), under the original names too, with the output of the
+independent reference (``q.float() * scale`` of what the writer stored, mapped by diffusers' own converter) and of
+``model_full_load`` on each form's files: ``comfy_fp8_pipeline()``, built once per session.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from diffusers import DiffusionPipeline, WanTransformer3DModel
 from gguf import GGMLQuantizationType as Q
 
 import memmode_core as memmode
+from comfy_files import E4M3, E5M2, write_legacy_scaled, write_metadata_scaled, write_plain_fp8
 from gguf_files import reference_dequantize, write_gguf
 from memmode_core.quantization import packed_record
 from original_checkpoints import PREFIX, to_original, wan_plan
@@ -111,3 +117,128 @@ def full_load_output(gguf_pipeline: GgufPipeline) -> torch.Tensor:
 def packed_layers(module: torch.nn.Module) -> dict[str, str]:
     """layer path -> packed format, for every packed layer of ``module``."""
     return {path: record.format for path, sub in module.named_modules() if (record := packed_record(sub)) is not None}
+
+
+# -- the same pipeline with its transformers as ComfyUI fp8 files ---------------------------------------------------
+
+
+def _write_legacy(path: Path, state: dict) -> dict:
+    return write_legacy_scaled(path, state)
+
+
+def _write_metadata(path: Path, state: dict) -> dict:
+    return write_metadata_scaled(path, state)
+
+
+def _write_plain_e4m3(path: Path, state: dict) -> dict:
+    return write_plain_fp8(path, state, fp8=E4M3)
+
+
+def _write_plain_e5m2(path: Path, state: dict) -> dict:
+    return write_plain_fp8(path, state, fp8=E5M2)
+
+
+#: the forms ComfyUI's fp8 files come in (``comfy_files``), by name: how each writes a transformer's file. Each
+#: writer quantizes every 2-D ``.weight`` (the linear layers; Wan's patch embedding is a 5-D convolution) and
+#: returns, for each, the float8 tensor and the scale it stored (None for a plain cast)
+COMFY_FORMS = {
+    "legacy_scaled": _write_legacy,
+    "metadata_scaled": _write_metadata,
+    "plain_e4m3fn": _write_plain_e4m3,
+    "plain_e5m2": _write_plain_e5m2,
+}
+
+
+class ComfyFp8Pipeline:
+    """The Wan 2.2 pipeline of :class:`GgufPipeline` (the same 256-wide transformers, the same seeds), its two
+    transformers written as ComfyUI fp8 safetensors files under the original checkpoint's names
+    (``model.diffusion_model.`` included), one pair of files per form of :data:`COMFY_FORMS`; per form, the
+    independent reference output (``q.float() * scale`` of what the writer stored, mapped to diffusers' names by
+    diffusers' own converter) and the output of ``model_full_load`` on the same files, each computed once."""
+
+    def __init__(self) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="memmode-comfy-fp8-pipeline-"))
+        atexit.register(shutil.rmtree, self.folder, True)
+        pipe = make_pipeline(FAMILY)
+        for index, name in enumerate(("transformer", "transformer_2")):
+            torch.manual_seed(100 + index)
+            model = WanTransformer3DModel(**WIDE_WAN).eval()
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.normal_(0, 0.05)  # no zero-initialised output layer: every layer shows in the output
+            setattr(pipe, name, model)
+            pipe.register_modules(**{name: model})
+        pipe.save_pretrained(self.folder)
+        #: transformer -> its state dict under the original names (float32)
+        self.originals: dict[str, dict[str, torch.Tensor]] = {}
+        for name in ("transformer", "transformer_2"):
+            state = getattr(pipe, name).state_dict()
+            self.originals[name] = to_original(wan_plan(list(state)), state)
+        #: form -> transformer -> the file
+        self.files: dict[str, dict[str, Path]] = {}
+        #: form -> transformer -> original key -> (the float8 tensor, its scale or None), as the writer stored them
+        self.stored: dict[str, dict[str, dict]] = {}
+        for form, write in COMFY_FORMS.items():
+            self.files[form], self.stored[form] = {}, {}
+            for name, original in self.originals.items():
+                path = self.folder / f"{name}-{form}.safetensors"
+                self.stored[form][name] = write(path, original)
+                self.files[form][name] = path
+        self._references: dict[str, torch.Tensor] = {}
+        self._full: dict[str, torch.Tensor] = {}
+
+    def files_kwargs(self, form: str) -> dict[str, str]:
+        return {name: str(path) for name, path in self.files[form].items()}
+
+    def meant(self, form: str, name: str) -> dict[str, torch.Tensor]:
+        """The transformer's weights as the file of ``form`` means them, under diffusers' names: each float8
+        weight ``q.float() * scale`` (``q.float()`` for a plain cast), every other tensor as written, mapped by
+        diffusers' own converter."""
+        from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+        values = dict(self.originals[name])
+        for key, (q, scale) in self.stored[form][name].items():
+            values[key] = q.float() if scale is None else q.float() * scale
+        return convert_wan_transformer_to_diffusers({k.removeprefix(PREFIX): v for k, v in values.items()})
+
+    def fp8_layers(self, form: str, name: str) -> set[str]:
+        """The paths, in diffusers' model, of the layers whose weight the file of ``form`` stores in float8."""
+        from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+        mapped = convert_wan_transformer_to_diffusers({k.removeprefix(PREFIX): 0 for k in self.stored[form][name]})
+        return {key.removesuffix(".weight") for key in mapped}
+
+    def reference(self, form: str) -> torch.Tensor:
+        """The pipeline with each transformer holding :meth:`meant`: the independent reference (computed once)."""
+        if form not in self._references:
+            pipe = DiffusionPipeline.from_pretrained(self.folder)
+            pipe.set_progress_bar_config(disable=True)
+            for name in self.originals:
+                getattr(pipe, name).load_state_dict(self.meant(form, name), strict=True)
+            self._references[form] = run(pipe, FAMILY)
+        return self._references[form]
+
+    def load(self, form: str, mode: str, **kwargs):
+        """``memmode.load`` of the folder with both transformers from their files of ``form``, on the CPU, in
+        float32 (the reference's dtype) unless told otherwise."""
+        kwargs.setdefault("torch_dtype", torch.float32)
+        return memmode.load(self.folder, mode, device="cpu", **self.files_kwargs(form), **kwargs)
+
+    def full_load_output(self, form: str) -> torch.Tensor:
+        """Call 1 of the pipeline loaded from the files of ``form`` under ``model_full_load`` (computed once):
+        what every lossless mode on the same files must give."""
+        if form not in self._full:
+            handle = self.load(form, "model_full_load")
+            handle.target.set_progress_bar_config(disable=True)
+            self._full[form] = run(handle.target, FAMILY)
+        return self._full[form]
+
+
+_MADE_FP8: list[ComfyFp8Pipeline] = []
+
+
+def comfy_fp8_pipeline() -> ComfyFp8Pipeline:
+    """The session's ComfyUI fp8 pipeline (made on first use)."""
+    if not _MADE_FP8:
+        _MADE_FP8.append(ComfyFp8Pipeline())
+    return _MADE_FP8[0]

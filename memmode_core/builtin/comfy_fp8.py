@@ -127,6 +127,11 @@ class ComfyFloat8Reader(Reader):
         raw = metadata.get(QUANTIZATION_METADATA) if isinstance(metadata, dict) else None
         return isinstance(raw, str) and any(f in raw for f in FORMATS)
 
+    def codecs(self) -> Mapping[str, Quantizer]:
+        """Each float8 type's codec by its format name (``comfy_fp8_e4m3fn``): what reads back a model saved with
+        ``memmode.save_quantized`` after it was loaded from a ComfyUI file."""
+        return {codec.format_name: codec for codec in CODECS.values()}
+
     def read(self, path: Path) -> FileContents:
         path = Path(path)
         file = CheckpointFile.open(path)  # every entry's dtype, byte count and range checked against the size

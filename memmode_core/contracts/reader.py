@@ -140,6 +140,13 @@ class Reader:
         tensor; core checks every byte range against the file's size besides."""
         raise NotImplementedError
 
+    def codecs(self) -> Mapping[str, Quantizer]:
+        """The codecs of the encoded tensors this reader makes, by format name (``Quantizer.format_name``:
+        ``"gguf_q4_k"`` -> its codec). Optional (none by default): it is what lets ``load`` read back a model
+        saved with :func:`memmode_core.save_quantized` whose layers rest in this reader's formats — they are
+        kept packed as the file encoded them, and decoded by the same codec."""
+        return {}
+
     def unavailable_reason(self) -> str | None:
         """Why this reader cannot run in this environment (a missing library), or None when it can."""
         return None

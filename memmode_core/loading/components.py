@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from memmode_core.contracts.errors import CheckpointError, IncompatibleModeError, InvalidOptionError
-from memmode_core.contracts.targets import MODULE_COMPONENT
+from memmode_core.contracts.targets import MODULE_COMPONENT, takes_timestep
 from memmode_core.files import Checkpoint
 from memmode_core.loading.binding import Binding, binding_for, slots_of
 from memmode_core.loading.dtypes import resolve_dtype
@@ -33,6 +33,7 @@ from memmode_core.loading.single_file import (
 )
 from memmode_core.loading.skeleton import Skeleton, build, is_weight_module_class, model_class, pipeline_index
 from memmode_core.quantization import install_forward, packed_record, saved
+from memmode_core.quantization.quantizing import encoded_by_a_file
 
 logger = logging.getLogger("memmode")
 
@@ -61,8 +62,31 @@ class ComponentLoad:
     file_layers: tuple[PackedFromFile, ...] = ()
 
 
+@dataclass(frozen=True)
+class QuantizerTargets:
+    """Which components the mode's quantizer would take, known before the pipeline exists: those named by
+    ``components=``, else the denoisers (a model whose forward takes the step), or a bare model."""
+
+    quantizer: Any = None
+    components: tuple[str, ...] | None = None
+
+    def takes(self, name: str, module) -> bool:
+        if self.quantizer is None:
+            return False
+        if self.components is not None:
+            return name in self.components or name == MODULE_COMPONENT
+        return name == MODULE_COMPONENT or takes_timestep(module)
+
+
 def component_loads(
-    folder: Path, index: dict | None, torch_dtype, variant, plugins, quantizer, files: dict[str, Path]
+    folder: Path,
+    index: dict | None,
+    torch_dtype,
+    variant,
+    plugins,
+    quantizer,
+    files: dict[str, Path],
+    quantizing: QuantizerTargets = QuantizerTargets(),
 ) -> list[ComponentLoad]:
     if index is None:
         cls = _single_model_class(folder)
@@ -85,7 +109,7 @@ def component_loads(
     loads = []
     for name, sub, cls in entries:
         if name in files:
-            loads.append(_file_load(name, sub, cls, files[name], torch_dtype, plugins))
+            loads.append(_file_load(name, sub, cls, files[name], torch_dtype, plugins, quantizing))
             continue
         checkpoint = Checkpoint.open(sub, variant=variant)
         dtype = resolve_dtype(torch_dtype, cls, checkpoint, name)
@@ -94,9 +118,17 @@ def component_loads(
         fmt = saved.saved_format(checkpoint.metadata)
         if fmt is not None:
             item.saved_format = fmt
-            item.reader = _reader_for(fmt, plugins, quantizer, sub)
             item.saved_layers = saved.saved_layers(checkpoint.metadata, str(sub))
-            saved.prepare_packed(skeleton.module, item.reader, item.saved_layers, str(sub))
+            formats = sorted({layer.format for layer in item.saved_layers}) or [fmt]
+            codecs = {f: _reader_for(f, plugins, quantizer, sub) for f in formats}
+            saved.prepare_packed(skeleton.module, codecs, item.saved_layers, str(sub), _stored_in(checkpoint))
+            if len(codecs) == 1:
+                item.reader = codecs[formats[0]]
+            else:  # several formats (a model loaded from a GGUF file): each layer's forward decodes with its own
+                item.file_layers = tuple(
+                    PackedFromFile(layer.path, codecs[layer.format], layer.shape, {}, layer.compute_dtype)
+                    for layer in item.saved_layers
+                )
         item.cls = cls
         if fmt is None and _needs_library_loader(skeleton, checkpoint):
             logger.info(
@@ -113,14 +145,19 @@ def component_loads(
     return loads
 
 
-def _file_load(name: str, config_folder: Path, cls: type, file: Path, torch_dtype, plugins) -> ComponentLoad:
+def _file_load(
+    name: str, config_folder: Path, cls: type, file: Path, torch_dtype, plugins, quantizing: QuantizerTargets
+) -> ComponentLoad:
     """A component given as one file: its header read by the reader that reads it, the model built from
-    ``config_folder``'s config, the file's names mapped to the model's and its encoded layers made packed."""
+    ``config_folder``'s config, the file's names mapped to the model's and its encoded layers made packed. A
+    quantizer of the mode that would take the component is refused here, before anything is bound."""
     opened = open_weights(file, plugins)
     dtype = resolve_dtype(torch_dtype, cls, opened, name)
     skeleton = build(cls, config_folder, dtype, name)
     where = str(file)
     weights = weights_for_model(opened, skeleton, dict(getattr(skeleton.module, "config", None) or {}), where)
+    if weights.packed and quantizing.takes(name, skeleton.module):
+        raise encoded_by_a_file(quantizing.quantizer, name, [layer.codec.format_name for layer in weights.packed])
     prepare_packed_layers(skeleton, weights, where)
     item = ComponentLoad(name, config_folder, skeleton, weights, torch_dtype=dtype, cls=cls)
     item.binding = binding_for(skeleton, weights, where=where)
@@ -188,23 +225,48 @@ def _needs_library_loader(skeleton: Skeleton, checkpoint: Checkpoint) -> bool:
 
 
 def _reader_for(fmt: str, plugins, quantizer, where: Path):
+    """The codec of saved format ``fmt``: the mode's quantizer, which must write it; else an installed quantizer
+    writing it, or a reader's codec of it (a layer loaded from a GGUF file and saved: :meth:`Reader.codecs`)."""
+    codecs = [
+        reg.obj for reg in plugins.registrations["quantizer"].values() if getattr(reg.obj, "format_name", None) == fmt
+    ]
+    if not codecs:
+        for reg in plugins.registrations["reader"].values():
+            codec = (getattr(reg.obj, "codecs", None) or dict)().get(fmt)
+            if codec is not None:
+                codecs.append(codec)
     if quantizer is not None:
         if quantizer.format_name != fmt:
+            if codecs and not getattr(codecs[0], "packs", True):
+                raise IncompatibleModeError(
+                    f"{where} holds layers a file encoded in {fmt}; memmode does not quantize again what the "
+                    f"file quantized: use the mode without '_and_{quantizer.name}' (the layers rest packed under "
+                    f"every placement and storage)"
+                )
             raise IncompatibleModeError(
                 f"{where} is saved quantized in {fmt}; the mode's quantizer {quantizer.name} "
                 f"writes {quantizer.format_name}, and memmode does not re-quantize a quantized "
                 f"model: use a mode with a {fmt} quantizer, or none"
             )
         return quantizer
-    readers = [
-        reg.obj for reg in plugins.registrations["quantizer"].values() if getattr(reg.obj, "format_name", None) == fmt
-    ]
-    if not readers:
+    if not codecs:
         raise CheckpointError(
-            f"{where} is saved quantized in format {fmt!r}, which no installed quantizer reads "
-            f"(pip install memmode-{fmt.split('_')[0]}?)"
+            f"{where} is saved quantized in format {fmt!r}, which no installed quantizer reads, nor any "
+            f"installed reader's codec (pip install memmode-{fmt.split('_')[0]}?)"
         )
-    return readers[0]
+    return codecs[0]
+
+
+def _stored_in(checkpoint: Checkpoint):
+    """``key`` -> the shape and dtype of the checkpoint's tensor ``key``, or None where it has none."""
+
+    def stored(key: str):
+        if key not in checkpoint:
+            return None
+        record = checkpoint.record(key)
+        return tuple(record.shape), record.dtype
+
+    return stored
 
 
 def _single_model_class(folder: Path) -> type:
@@ -232,4 +294,4 @@ def install_file_forwards(loads: list[ComponentLoad], weight_dtype: torch.dtype 
     for item in loads:
         for layer in item.file_layers:
             module = item.skeleton.module.get_submodule(layer.path)
-            install_forward(module, layer.codec, weight_dtype or packed_record(module).dtype)
+            install_forward(module, layer.codec, weight_dtype or layer.compute_dtype or packed_record(module).dtype)

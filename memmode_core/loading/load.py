@@ -33,7 +33,13 @@ from memmode_core.files import check_room, lending, source_of_mapping, staging_f
 from memmode_core.handle import Handle
 from memmode_core.layer_packing import Packed, pack_while_streaming
 from memmode_core.loading.binding import bind
-from memmode_core.loading.components import ComponentLoad, component_files, component_loads, install_file_forwards
+from memmode_core.loading.components import (
+    ComponentLoad,
+    QuantizerTargets,
+    component_files,
+    component_loads,
+    install_file_forwards,
+)
 from memmode_core.loading.dtypes import one_dtype, pipeline_dtype_keyword
 from memmode_core.loading.single_file import WeightsFile
 from memmode_core.loading.skeleton import (
@@ -114,7 +120,8 @@ def load(
 
     # -- check everything: configs, headers, formats -------------------------------------------------
     index = pipeline_index(folder) if (folder / "model_index.json").is_file() else None
-    loads = component_loads(folder, index, torch_dtype, variant, plugins, quantizer, files)
+    quantizing = QuantizerTargets(quantizer, request.components)
+    loads = component_loads(folder, index, torch_dtype, variant, plugins, quantizer, files, quantizing)
 
     # -- room for the conversions, checked before anything is written ------------------------------------
     converted = [item for item in loads if item.binding is not None and item.binding.convert]

@@ -169,6 +169,9 @@ class PackedFromFile:
     shape: tuple[int, ...]
     #: part name (``weight_packed`` first) -> the tensor the layer registers under that name
     parts: Mapping[str, FileTensor]
+    #: the dtype its forward computes in when ``load`` is given no ``weight_dtype`` (None: the model's dtype); set
+    #: for a layer saved by ``save_quantized``, which records it
+    compute_dtype: torch.dtype | None = None
 
 
 class WeightsFile:

@@ -137,6 +137,18 @@ def weight_class(weight: torch.Tensor) -> type:
     return data_class(weight)
 
 
+def encoded_by_a_file(quantizer: Quantizer, name: str, formats: list[str]) -> IncompatibleModeError:
+    """The refusal of a quantizer over a component whose layers a weight file encoded (``formats``, one per
+    layer): ``load`` raises it before binding, ``apply`` (on a pipeline loaded so) from the checks."""
+    return IncompatibleModeError(
+        f"{name!r} was loaded from a file that keeps {len(formats)} layers encoded "
+        f"({', '.join(sorted(set(formats)))}); memmode does not quantize again what the file quantized, nor "
+        f"quantize the layers it left at full precision (its tools leave norms, embeddings and small layers so "
+        f"on purpose). Use the mode without '_and_{quantizer.name}': the file's layers rest packed under every "
+        f"placement and storage."
+    )
+
+
 def _decodes_a_file(module: nn.Module) -> bool:
     """Whether a packed layer holds what a weight file encoded (a GGUF's blocks, say), not memmode's packing."""
     record = packed_record(module)
@@ -171,13 +183,7 @@ def check_component(
     others = sorted({p.format for p in selection.packed} - {fmt})
     from_file = [p for p in selection.packed if p.format != fmt and _decodes_a_file(p.module)]
     if from_file:
-        raise IncompatibleModeError(
-            f"{name!r} was loaded from a file that keeps {len(from_file)} layers encoded "
-            f"({', '.join(sorted({p.format for p in from_file}))}); memmode does not quantize again what the file "
-            f"quantized, nor quantize the layers it left at full precision (its tools leave norms, embeddings and "
-            f"small layers so on purpose). Use the mode without '_and_{quantizer.name}': the file's layers rest "
-            f"packed under every placement and storage."
-        )
+        raise encoded_by_a_file(quantizer, name, [p.format for p in from_file])
     if others:
         raise IncompatibleModeError(
             f"{name!r} is already quantized with {', '.join(others)}; memmode does not re-quantize a quantized "

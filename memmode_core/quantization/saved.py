@@ -4,8 +4,14 @@ A quantized checkpoint is an ordinary safetensors file whose packed layers are s
 tensors (``<layer>.weight_packed``, ``<layer>.weight_scale``, … — the attribute names the layer holds)
 and whose ``__metadata__`` records what is needed to rebuild the layers without the full-precision
 weights: the format, and each packed layer's full-precision shape, dtype and compute dtype. Anything a
-reader needs beyond that is the quantizer's (its ``unpack``), which is why a checkpoint in a format no
-installed quantizer reads is refused by name rather than guessed at.
+reader needs beyond that is the format's codec (its ``unpack``): a quantizer's, or a reader's for a layer
+loaded from a community file (a GGUF's blocks, :meth:`~memmode_core.contracts.reader.Reader.codecs`), which is
+why a checkpoint in a format nothing installed reads is refused by name rather than guessed at.
+
+Version ``"1"`` holds one format for the whole component (``memmode.format``). A component whose layers rest
+in several formats — a GGUF file mixes block types — is written as version ``"2"``: each layer's entry names
+its own format, and ``memmode.format`` lists them all (comma-separated). A component in one format is still
+written as version ``"1"``, which every memmode reads; this one reads both.
 
 Quantizing while streaming packs one layer at a time straight into a file (:mod:`memmode_core.files.streamed`):
 peak memory is one layer in full precision plus its packed form, where
@@ -21,7 +27,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +48,10 @@ from memmode_core.quantization.sizes import PackedSizes, component_bytes, pack_c
 FORMAT_KEY = "memmode.format"
 LAYERS_KEY = "memmode.layers"
 VERSION_KEY = "memmode.version"
+#: the version written for a component in one format (what every memmode reads), and the one for several formats
 VERSION = "1"
+MIXED_VERSION = "2"
+VERSIONS = (VERSION, MIXED_VERSION)
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str | None:
@@ -67,16 +76,19 @@ class SavedLayer:
     dtype: torch.dtype
     compute_dtype: torch.dtype | None
     names: tuple[str, ...]
+    #: the format its packed tensors are in (version 1: the component's one format)
+    format: str = ""
 
 
 def packed_metadata(module: nn.Module) -> dict[str, str]:
-    """The ``__metadata__`` describing every packed layer of ``module`` (empty if none is packed)."""
-    layers, formats = {}, set()
+    """The ``__metadata__`` describing every packed layer of ``module`` (empty if none is packed): version 1 for
+    one format, version 2 (each layer's format in its entry) for several."""
+    layers, formats = {}, {}
     for path, sub in module.named_modules():
         record = packed_record(sub)
         if record is None:
             continue
-        formats.add(record.format)
+        formats[path] = record.format
         layers[path] = {
             "shape": list(record.shape),
             "dtype": _dtype_name(record.dtype),
@@ -85,20 +97,32 @@ def packed_metadata(module: nn.Module) -> dict[str, str]:
         }
     if not layers:
         return {}
-    if len(formats) > 1:
-        raise CheckpointError(f"{type(module).__name__} holds layers in several formats ({', '.join(sorted(formats))})")
-    return {FORMAT_KEY: formats.pop(), LAYERS_KEY: json.dumps(layers, separators=(",", ":")), VERSION_KEY: VERSION}
+    distinct = sorted(set(formats.values()))
+    if len(distinct) == 1:
+        version = VERSION
+    else:
+        version = MIXED_VERSION
+        for path, entry in layers.items():
+            entry["format"] = formats[path]
+    return {
+        FORMAT_KEY: ",".join(distinct),
+        LAYERS_KEY: json.dumps(layers, separators=(",", ":")),
+        VERSION_KEY: version,
+    }
 
 
 def saved_format(metadata: Mapping[str, str]) -> str | None:
+    """The format a checkpoint was saved quantized in (version 2: its formats, comma-separated), or None for a
+    checkpoint memmode did not save quantized."""
     return metadata.get(FORMAT_KEY)
 
 
 def saved_layers(metadata: Mapping[str, str], where: str) -> list[SavedLayer]:
-    if metadata.get(VERSION_KEY) != VERSION:
+    version = metadata.get(VERSION_KEY)
+    if version not in VERSIONS:
         raise CheckpointError(
-            f"{where}: quantized by memmode format version {metadata.get(VERSION_KEY)!r}; this "
-            f"memmode reads version {VERSION}"
+            f"{where}: quantized by memmode format version {version!r}; this "
+            f"memmode reads versions {', '.join(VERSIONS)}"
         )
     try:
         layers = json.loads(metadata[LAYERS_KEY])
@@ -109,18 +133,36 @@ def saved_layers(metadata: Mapping[str, str], where: str) -> list[SavedLayer]:
                 _dtype(entry["dtype"]),
                 _dtype(entry.get("compute_dtype")),
                 tuple(entry["names"]),
+                metadata[FORMAT_KEY] if version == VERSION else str(entry["format"]),
             )
             for path, entry in layers.items()
         ]
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointError(f"{where}: the quantized layers' metadata cannot be read ({exc})") from None
 
 
-def prepare_packed(module: nn.Module, quantizer: Quantizer, layers: list[SavedLayer], where: str) -> None:
+def prepare_packed(
+    module: nn.Module,
+    codecs: Quantizer | Mapping[str, Quantizer],
+    layers: list[SavedLayer],
+    where: str,
+    stored: Callable[[str], tuple[tuple[int, ...], torch.dtype] | None] | None = None,
+) -> None:
     """Turn the skeleton's layers into packed layers holding meta tensors of the packed shapes, so that
-    binding the checkpoint fills them like any other tensor."""
-    sizes = PackedSizes(quantizer)
+    binding the checkpoint fills them like any other tensor.
+
+    ``codecs``: the codec of each saved format (or the one codec of them all). The packed shapes are the
+    quantizer's (its ``pack`` run on meta tensors, checked against the file when binding); a reader's codec,
+    which packs nothing (``packs = False``: a GGUF block type), gives none, and they are the checkpoint's own:
+    ``stored(key)`` says the shape and dtype of the checkpoint's tensor ``key`` (None where it has none). Such a
+    layer holds the encoding of a file it was loaded from, and rests as it did then (``encoded_by``: the
+    checkpoint)."""
+    one = codecs if isinstance(codecs, Quantizer) else None
+    sizes: dict[int, PackedSizes] = {}
     for layer in layers:
+        codec = one if one is not None else codecs.get(layer.format)
+        if codec is None:
+            raise CheckpointError(f"{where}: no codec for {layer.path}'s format {layer.format!r}")
         try:
             sub = module.get_submodule(layer.path)
         except AttributeError:
@@ -130,16 +172,38 @@ def prepare_packed(module: nn.Module, quantizer: Quantizer, layers: list[SavedLa
                 f"{where}: packed layer {layer.path!r} is a {list(layer.shape)} weight, the model "
                 f"has {type(sub).__name__} {list(getattr(sub, 'weight', torch.empty(0)).shape)}"
             )
-        specs = sizes.specs(torch.Size(layer.shape), layer.dtype)
-        if (PAYLOAD, *(n for n in specs if n != PAYLOAD)) != layer.names:
-            raise CheckpointError(
-                f"{where}: {layer.path} holds {list(layer.names)} and {quantizer.name} packs "
-                f"{list(specs)}: another version of the format"
-            )
+        encoded = not getattr(codec, "packs", True)
+        if encoded:
+            specs = _stored_specs(layer, stored, where)
+        else:
+            specs = sizes.setdefault(id(codec), PackedSizes(codec)).specs(torch.Size(layer.shape), layer.dtype)
+            if (PAYLOAD, *(n for n in specs if n != PAYLOAD)) != layer.names:
+                raise CheckpointError(
+                    f"{where}: {layer.path} holds {list(layer.names)} and {codec.name} packs "
+                    f"{list(specs)}: another version of the format"
+                )
         payload_shape, payload_dtype = specs[PAYLOAD]
         payload = nn.Parameter(torch.empty(payload_shape, dtype=payload_dtype, device="meta"), requires_grad=False)
         buffers = {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in specs.items() if n != PAYLOAD}
-        attach_packed(sub, quantizer.format_name, torch.Size(layer.shape), layer.dtype, payload, buffers, layer.path)
+        attach_packed(sub, codec.format_name, torch.Size(layer.shape), layer.dtype, payload, buffers, layer.path)
+        if encoded:
+            packed_record(sub).encoded_by = where
+
+
+def _stored_specs(
+    layer: SavedLayer, stored: Callable[[str], tuple[tuple[int, ...], torch.dtype] | None] | None, where: str
+) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """The packed tensors of a layer a reader's codec decodes, as the checkpoint stores them."""
+    if not layer.names or layer.names[0] != PAYLOAD:
+        raise CheckpointError(f"{where}: {layer.path} holds {list(layer.names)}, not {PAYLOAD!r} first")
+    specs = {}
+    for name in layer.names:
+        found = None if stored is None else stored(f"{layer.path}.{name}")
+        if found is None:
+            raise CheckpointError(f"{where}: {layer.path}.{name} ({layer.format}) is not in the checkpoint")
+        shape, dtype = found
+        specs[name] = (torch.Size(shape), dtype)
+    return specs
 
 
 def _pack_specs(selection: LayerSelection) -> tuple[dict[int, str], dict[str, torch.Tensor]]:

@@ -16,6 +16,7 @@ torch order, under ``comfy.gguf.orig_shape.<key>``: the tensor is given back in 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 
 import gguf
@@ -24,7 +25,7 @@ import torch
 
 from memmode_core.plugin import PAYLOAD, CheckpointError, EncodedTensor, FileContents, Reader, StoredTensor
 
-from .codec import CODECS
+from .codec import CODECS, GgufCodec
 
 #: GGUF's magic, the file's first four bytes
 MAGIC = b"GGUF"
@@ -69,6 +70,11 @@ class GgufReader(Reader):
 
     def reads(self, path: Path, head: bytes) -> bool:
         return head.startswith(MAGIC)
+
+    def codecs(self) -> Mapping[str, GgufCodec]:
+        """Every block type's codec by its format name (``gguf_q4_k``): what reads back a model saved with
+        ``memmode.save_quantized`` after it was loaded from a GGUF file."""
+        return {codec.format_name: codec for codec in CODECS.values()}
 
     def read(self, path: Path) -> FileContents:
         path = Path(path)
