@@ -12,6 +12,10 @@ every parameter and buffer is bit-equal, in its dtype and on the CPU, to a fresh
 behind. Under the ``poison`` storage the calls run inside the placeholder trap: any offloaded placeholder that
 reaches any torch function fails the case, naming the tensor, even where NaN would not reach the output.
 
+A pipeline loaded from community files (``COMMUNITY``: the GGUF Wan 2.2 of ``community_pipelines``) takes the same
+lossless checks over the same placements x storages and slices, in a test of its own: what it must equal is its
+own files' ``model_full_load`` (outputs, and the tensors ``remove()`` restores, packed layers included).
+
 Quantized cases (``model_group_offload_and_qfloat8``, ``model_cpu_offload_and_qfloat4``) quantize the
 pipeline's denoisers by default, whatever they are called, must stay finite, and must be close to full
 precision; and every quantizer stays finite over several build seeds of every family.
@@ -29,6 +33,7 @@ import inspect
 import pytest
 import torch
 
+import community_pipelines
 import helpers
 import memmode_core as memmode
 from helpers import (
@@ -78,6 +83,22 @@ def _lossless_cases() -> list:
                     )
                 )
     return cases
+
+
+#: pipelines loaded with components given as community files (``community_pipelines``), by family name: the
+#: family's pipeline (its ``folder`` and ``files_kwargs()``) and the tiny family it runs as
+COMMUNITY = {"wan22-gguf": (community_pipelines.gguf_pipeline, community_pipelines.FAMILY)}
+
+
+def _community_cases() -> list:
+    """The lossless cases of the community families: sliced as if they followed ``NAMES`` in the sweep."""
+    combinations = [(mode, options, storage) for mode, options in OFFLOADING_PLACEMENTS for storage in STORAGES]
+    return [
+        pytest.param(family, mode, options, storage, id=f"{family}-{placement_id((mode, options))}-{storage}")
+        for index, family in enumerate(sorted(COMMUNITY), start=len(NAMES))
+        for position, (mode, options, storage) in enumerate(combinations)
+        if in_slice(index, position)
+    ]
 
 
 def _quantized_cases() -> list:
@@ -154,6 +175,15 @@ def test_the_sweep_covers_every_kind_and_every_family_runs_in_every_slice(monkey
     combinations = len(OFFLOADING_PLACEMENTS) * len(STORAGES)
     assert len(taken) == len(NAMES) * combinations, "every case runs in some slice"
     assert all(len(slices) == 1 for slices in taken.values()), "each case in one slice only"
+    # the community-file families (their own test, below) too
+    community: dict[str, set[int]] = {}
+    for slice_ in range(SLICES):
+        monkeypatch.setattr(helpers, "rotation", lambda slice_=slice_: slice_)
+        assert {param.values[0] for param in _community_cases()} == set(COMMUNITY), f"slice {slice_}"
+        for param in _community_cases():
+            community.setdefault(param.id, set()).add(slice_)
+    assert len(community) == len(COMMUNITY) * combinations and not set(community) & set(taken)
+    assert all(len(slices) == 1 for slices in community.values()), "each case in one slice only"
 
 
 # -- the sweep ------------------------------------------------------------------------------------------
@@ -183,6 +213,55 @@ def test_lossless_mode_is_bit_exact_frees_the_device_and_restores_the_weights(
         assert report.resident_device_bytes == kept, "the pipeline call left streamed weights on the device"
     handle.remove()
     assert_weights_restored(pipe, family)
+    assert files_under(private_tmp) == [], "remove() leaves no file behind"
+
+
+@pytest.fixture(scope="module")
+def file_loaded() -> dict[str, tuple]:
+    """Each community family's pipeline loaded under ``model_full_load``: its two calls (what every lossless mode
+    on the same files must give), its tensors right after the load (what ``remove()`` must restore: the files'
+    packed layers' parts, the rest as loaded) and its packed layers by component. A module fixture, so made
+    before any test's ``private_tmp``: the folders and files the pipelines are made of lie outside it."""
+    loaded = {}
+    for family, (made, tiny) in COMMUNITY.items():
+        pipe = community_pipelines.load(made(), "model_full_load").target
+        pipe.set_progress_bar_config(disable=True)
+        packed = {name: community_pipelines.packed_layers(module) for name, module in module_components(pipe).items()}
+        loaded[family] = (two_calls(pipe, tiny), tensors_of(pipe), packed)
+    return loaded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, mode, options, storage", _community_cases())
+def test_a_pipeline_loaded_from_community_files_is_bit_exact_frees_the_device_and_restores_the_weights(
+    family, mode, options, storage, file_loaded, private_tmp
+):
+    """The lossless checks of the sweep on a pipeline whose denoisers are given as community files (a GGUF
+    Wan 2.2), over the same placements x storages and slices.
+
+    A test of its own rather than a family of the sweep's: such a pipeline is not built by ``make(seed)`` and
+    placed by ``apply``, it is loaded from its files by ``load`` (``load(..., mode)`` is the only road that keeps
+    the files' layers packed), so what its calls and its restored weights must equal is the files' own: the two
+    calls of the same files under ``model_full_load``, and the tensors right after that load (the packed layers'
+    parts, bit for bit, still packed) rather than a fresh build's."""
+    expected, loaded, packed = file_loaded[family]
+    made, tiny = COMMUNITY[family]
+    handle = community_pipelines.load(made(), mode, storage=storage, **options)
+    pipe = handle.target
+    pipe.set_progress_bar_config(disable=True)
+    for index, (got, want) in enumerate(zip(_two_calls(pipe, tiny, trap=storage == "poison"), expected, strict=True)):
+        assert_bit_equal(got, want, f"call {index + 1}")
+    report = handle.report()
+    notes = _expected_notes(pipe, mode, options, handle)
+    assert set(report.placement_notes) == set(notes), report.placement_notes
+    for name, words in notes.items():
+        assert words in report.placement_notes[name]
+    if _frees_at_the_end(pipe):
+        kept = sum(g.nbytes for g in handle.runtime.groups if g.policy is Policy.RESIDENT)
+        assert report.resident_device_bytes == kept, "the pipeline call left streamed weights on the device"
+    handle.remove()
+    assert_same_tensors(tensors_of(pipe), loaded)
+    assert {n: community_pipelines.packed_layers(m) for n, m in module_components(pipe).items()} == packed
     assert files_under(private_tmp) == [], "remove() leaves no file behind"
 
 
