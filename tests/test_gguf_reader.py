@@ -187,6 +187,24 @@ def test_codecs_decode_to_the_compute_dtype(qtype):
         codec.pack(torch.zeros(4, 512))
 
 
+@pytest.mark.parametrize("qtype", BLOCK_QTYPES, ids=lambda t: t.name)
+def test_a_large_weight_decodes_in_chunks_to_the_same_bits(qtype, monkeypatch):
+    """A weight of more than ``CHUNK_BLOCKS`` blocks is decoded a chunk at a time into the result (the float32
+    values of a whole layer are never alive beside it): the same bits as decoding it whole, in every dtype."""
+    import memmode_gguf.codec
+
+    x = normal(6, 1024, seed=7)
+    blocks = torch.from_numpy(quantize_blocks(x, qtype))
+    codec = codec_for(qtype.name)
+    whole = {
+        dtype: codec.unpack({PAYLOAD: blocks}, torch.Size((6, 1024)), dtype)
+        for dtype in (torch.float32, torch.bfloat16)
+    }
+    monkeypatch.setattr(memmode_gguf.codec, "CHUNK_BLOCKS", 5)  # chunks that end mid-row, and a short last one
+    for dtype, expected in whole.items():
+        assert torch.equal(codec.unpack({PAYLOAD: blocks}, torch.Size((6, 1024)), dtype), expected)
+
+
 @requires_cuda("the decoding on the compute device")
 @pytest.mark.parametrize("qtype", BLOCK_QTYPES, ids=lambda t: t.name)
 def test_dequantize_on_cuda_is_bit_equal(qtype):

@@ -15,6 +15,10 @@ from memmode_core.plugin import PAYLOAD, Quantizer
 
 from .blocks import BLOCK_TYPES, dequantize
 
+#: blocks decoded at a time (4 Mi values of a K type, 512 Ki of a 32-value type): large enough that the decoder's
+#: vectorised steps amortise their launches, small enough that its temporaries stay a few tens of MiB
+CHUNK_BLOCKS = 1 << 14
+
 
 class GgufCodec(Quantizer):
     """GGML block type ``type_name``'s bytes decoded to float32 (bit-equal to gguf-py), then cast to the compute
@@ -38,8 +42,22 @@ class GgufCodec(Quantizer):
         )
 
     def unpack(self, packed: Mapping[str, torch.Tensor], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        values = dequantize(packed[PAYLOAD], self.type_name).reshape(shape)
-        return values if dtype == torch.float32 else values.to(dtype)
+        """The weight, decoded in float32 and rounded once to ``dtype``, :data:`CHUNK_BLOCKS` blocks at a time into
+        the result: the float32 values and the decoder's temporaries of a whole 5120 x 13824 layer (270 MiB and
+        several times that) are never alive at once, only the result and one chunk's."""
+        data = packed[PAYLOAD]
+        kind = BLOCK_TYPES[self.type_name]
+        if data.numel() <= CHUNK_BLOCKS * kind.size:
+            values = dequantize(data, self.type_name).reshape(shape)
+            return values if dtype == torch.float32 else values.to(dtype)
+        if data.dtype != torch.uint8 or data.numel() % kind.size:
+            dequantize(data, self.type_name)  # raises, saying what is wrong with the bytes
+        blocks = data.reshape(-1, kind.size)
+        out = torch.empty(blocks.shape[0] * kind.block, dtype=dtype, device=data.device)
+        for start in range(0, blocks.shape[0], CHUNK_BLOCKS):
+            stop = min(start + CHUNK_BLOCKS, blocks.shape[0])
+            out[start * kind.block : stop * kind.block] = kind.decode(blocks[start:stop]).view(-1)
+        return out.view(shape)
 
 
 #: one codec per block type, by GGML type name (``CODECS["Q4_K"]``)
