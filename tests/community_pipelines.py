@@ -38,28 +38,36 @@ WIDE_WAN = {**WAN_TRANSFORMER, "attention_head_dim": 128, "ffn_dim": 256, "freq_
 TYPES = (Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q4_0, Q.Q5_K, Q.Q2_K, Q.Q3_K, Q.Q4_1, Q.Q5_1, Q.F16, Q.BF16)
 
 
+def wide_wan_pipeline():
+    """The tiny Wan 2.2 pipeline with both transformers :data:`WIDE_WAN`, every weight drawn from N(0, 0.05) (no
+    zero-initialised output layer: every layer shows in the output); the same weights on every call."""
+    pipe = make_pipeline(FAMILY)
+    for index, name in enumerate(("transformer", "transformer_2")):
+        torch.manual_seed(100 + index)
+        model = WanTransformer3DModel(**WIDE_WAN).eval()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.normal_(0, 0.05)
+        setattr(pipe, name, model)
+        pipe.register_modules(**{name: model})
+    return pipe
+
+
 class GgufPipeline:
     """The folder (configs, the other components' weights), the two GGUF files, and the reference output."""
 
     def __init__(self) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="memmode-gguf-pipeline-"))
         atexit.register(shutil.rmtree, self.folder, True)
-        pipe = make_pipeline(FAMILY)
-        for index, name in enumerate(("transformer", "transformer_2")):
-            torch.manual_seed(100 + index)
-            model = WanTransformer3DModel(**WIDE_WAN).eval()
-            with torch.no_grad():
-                for parameter in model.parameters():
-                    parameter.normal_(0, 0.05)  # no zero-initialised output layer: every layer shows in the output
-            setattr(pipe, name, model)
-            pipe.register_modules(**{name: model})
+        pipe = wide_wan_pipeline()
         pipe.save_pretrained(self.folder)
         self.files: dict[str, Path] = {}
         self.types: dict[str, dict[str, Q]] = {}
-        for name in ("transformer", "transformer_2"):
+        for index, name in enumerate(("transformer", "transformer_2")):
             state = getattr(pipe, name).state_dict()
             original = to_original(wan_plan(list(state)), state)
-            # the types in turn over the matrices whose rows fit a K type's super-block, Q8_0 for the others
+            # the types in turn (each expert from another one) over the matrices whose rows fit a K type's
+            # super-block, Q8_0 for the others
             wide = [key for key, value in original.items() if value.dim() == 2 and value.shape[1] % 256 == 0]
             asked = {key: TYPES[(i + len(TYPES) // 2 * index) % len(TYPES)] for i, key in enumerate(wide)}
             tensors = {key: (value.float().numpy(), asked.get(key, Q.Q8_0)) for key, value in original.items()}
@@ -159,15 +167,7 @@ class ComfyFp8Pipeline:
     def __init__(self) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="memmode-comfy-fp8-pipeline-"))
         atexit.register(shutil.rmtree, self.folder, True)
-        pipe = make_pipeline(FAMILY)
-        for index, name in enumerate(("transformer", "transformer_2")):
-            torch.manual_seed(100 + index)
-            model = WanTransformer3DModel(**WIDE_WAN).eval()
-            with torch.no_grad():
-                for parameter in model.parameters():
-                    parameter.normal_(0, 0.05)  # no zero-initialised output layer: every layer shows in the output
-            setattr(pipe, name, model)
-            pipe.register_modules(**{name: model})
+        pipe = wide_wan_pipeline()
         pipe.save_pretrained(self.folder)
         #: transformer -> its state dict under the original names (float32)
         self.originals: dict[str, dict[str, torch.Tensor]] = {}
