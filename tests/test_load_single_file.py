@@ -112,3 +112,61 @@ def test_a_bare_model_file_takes_its_config(gguf_pipeline):
     )
     assert isinstance(handle.target, WanTransformer3DModel)
     assert packed_layers(handle.target)
+
+
+def test_tensors_a_conversion_splits_or_swaps_stay_packed_and_exact(gguf_pipeline, tmp_path, monkeypatch):
+    """What diffusers' Flux conversion does to a file's weights — a fused ``qkv`` split into three runs of rows
+    (``torch.chunk``), a weight's halves swapped (``swap_scale_shift``: chunk, then cat) — on a Wan file, through a
+    converter of that kind: every piece rests packed (the payload's rows, a view of the file for a single run,
+    copied once for the swap) and the output is the reference's, computed by the same converter on gguf-py's
+    dequantized values."""
+    from diffusers.loaders import single_file_model
+
+    from gguf_files import reference_dequantize
+
+    model = WanTransformer3DModel.from_pretrained(gguf_pipeline.folder / "transformer").eval()
+    state = model.state_dict()
+    attn = "blocks.0.attn1"
+    fused = {
+        f"{attn}.qkv.weight": torch.cat([state[f"{attn}.to_{p}.weight"] for p in "qkv"]),
+        f"{attn}.qkv.bias": torch.cat([state[f"{attn}.to_{p}.bias"] for p in "qkv"]),
+    }
+    swapped = torch.cat(state["proj_out.weight"].chunk(2)[::-1])
+    original = {k: v for k, v in state.items() if not k.startswith(f"{attn}.to_") or "to_out" in k}
+    original.update(fused, **{"proj_out.weight": swapped})
+    path = tmp_path / "fused.gguf"
+    types = {f"{attn}.qkv.weight": Q.Q4_K, "proj_out.weight": Q.Q8_0}
+    write_gguf(path, {k: (v.float().numpy(), types.get(k, Q.Q6_K)) for k, v in original.items()}, arch="wan")
+
+    def convert(checkpoint, **_):
+        out = dict(checkpoint)
+        for name in ("weight", "bias"):
+            q, k, v = torch.chunk(out.pop(f"{attn}.qkv.{name}"), 3, dim=0)
+            out.update({f"{attn}.to_q.{name}": q, f"{attn}.to_k.{name}": k, f"{attn}.to_v.{name}": v})
+        shift, scale = out.pop("proj_out.weight").chunk(2, dim=0)
+        out["proj_out.weight"] = torch.cat([scale, shift], dim=0)
+        return out
+
+    table = dict(single_file_model.SINGLE_FILE_LOADABLE_CLASSES)
+    table["WanTransformer3DModel"] = {**table["WanTransformer3DModel"], "checkpoint_mapping_fn": convert}
+    monkeypatch.setattr(single_file_model, "SINGLE_FILE_LOADABLE_CLASSES", table)
+
+    handle = memmode.load(
+        path, "model_full_load", device="cpu", torch_dtype=torch.float32, config=gguf_pipeline.folder / "transformer"
+    )
+    loaded = handle.target
+    formats = packed_layers(loaded)
+    assert {formats[f"{attn}.to_{p}"] for p in "qkv"} == {"gguf_q4_k"} and formats["proj_out"] == "gguf_q8_0"
+    # decoded at load: only what is encoded and no linear layer's weight (the blocks' 3-D modulation tables)
+    tables = [k for k, v in original.items() if k.endswith("scale_shift_table") and v.numel() > 1024]
+    assert handle.report().loading["files"]["module"]["decoded_tensors"] == len(tables) > 0
+
+    model.load_state_dict(convert(reference_dequantize(path)))
+    inputs = {
+        "hidden_states": torch.randn(1, 16, 1, 8, 8, generator=torch.Generator().manual_seed(0)),
+        "timestep": torch.tensor([500]),
+        "encoder_hidden_states": torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(1)),
+        "return_dict": False,
+    }
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs)[0], model(**inputs)[0], rtol=1e-4, atol=1e-5)
