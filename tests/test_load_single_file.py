@@ -170,3 +170,35 @@ def test_tensors_a_conversion_splits_or_swaps_stay_packed_and_exact(gguf_pipelin
     }
     with torch.no_grad():
         torch.testing.assert_close(loaded(**inputs)[0], model(**inputs)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_a_weight_stored_reshaped_rests_packed_in_its_real_shape(gguf_pipeline, tmp_path):
+    """city96's converter stores a tensor whose row does not fit the blocks as rows of 256, its real shape in
+    ``comfy.gguf.orig_shape.<name>`` (here the text embedder's first layer, 256 x 32): it rests packed as the file
+    stores it, decodes to its real shape, and the model gives gguf-py's reference output."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    from gguf_files import reference_dequantize
+    from original_checkpoints import PREFIX, to_original, wan_plan
+
+    model = WanTransformer3DModel.from_pretrained(gguf_pipeline.folder / "transformer").eval()
+    state = model.state_dict()
+    original = to_original(wan_plan(list(state)), state)
+    path = tmp_path / "reshaped.gguf"
+    write_gguf(path, {k: (v.float().numpy(), Q.Q8_0) for k, v in original.items()}, arch="wan", reshape_rows_to=256)
+    handle = memmode.load(
+        path, "model_full_load", device="cpu", torch_dtype=torch.float32, config=gguf_pipeline.folder / "transformer"
+    )
+    layer = handle.target.condition_embedder.text_embedder.linear_1
+    assert packed_layers(layer) == {"": "gguf_q8_0"} and layer.weight_packed.shape == (32, 256 // 32 * 34)
+    model.load_state_dict(
+        convert_wan_transformer_to_diffusers({k.removeprefix(PREFIX): v for k, v in reference_dequantize(path).items()})
+    )
+    inputs = {
+        "hidden_states": torch.randn(1, 16, 1, 8, 8, generator=torch.Generator().manual_seed(0)),
+        "timestep": torch.tensor([500]),
+        "encoder_hidden_states": torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(1)),
+        "return_dict": False,
+    }
+    with torch.no_grad():
+        torch.testing.assert_close(handle.target(**inputs)[0], model(**inputs)[0], rtol=1e-4, atol=1e-5)
