@@ -75,6 +75,7 @@ from pathlib import Path
 
 from _community_files import original_wan_shapes, wan_gguf_specs, write_gguf_file
 from _models import released_wan_config
+from load_into_mode import read_status
 
 SAMPLE_S = 0.020
 GIB = 2**30
@@ -102,18 +103,6 @@ def say(*parts) -> None:
 
 
 # -- memory of a process, from /proc ------------------------------------------------------------------------------
-
-
-def read_status(pid: int | str = "self") -> tuple[int, int]:
-    """(RssAnon, RssFile) of process ``pid``, in bytes."""
-    anon = file = 0
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("RssAnon:"):
-                anon = int(line.split()[1]) * 1024
-            elif line.startswith("RssFile:"):
-                file = int(line.split()[1]) * 1024
-    return anon, file
 
 
 class Sampler(threading.Thread):

@@ -159,9 +159,10 @@ def checkpoint_sizes(folder: Path) -> tuple[int, int, int]:
 # -- worker: one variant, in a fresh process --------------------------------------------------------------
 
 
-def read_status() -> tuple[int, int]:
+def read_status(pid: int | str = "self") -> tuple[int, int]:
+    """(RssAnon, RssFile) of process ``pid``, in bytes."""
     anon = file = 0
-    with open("/proc/self/status") as status:
+    with open(f"/proc/{pid}/status") as status:
         for line in status:
             if line.startswith("RssAnon:"):
                 anon = int(line.split()[1]) * 1024

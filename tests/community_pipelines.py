@@ -53,6 +53,26 @@ def wide_wan_pipeline():
     return pipe
 
 
+#: the offloading placements a community file runs under in the tests, with their options, and the storages
+PLACEMENTS = [
+    ("model_cpu_offload", {}),
+    ("model_group_offload", {"offload_type": "block_level"}),
+    ("model_group_offload", {"offload_type": "leaf_level"}),
+    ("sequential_cpu_offload", {}),
+]
+STORAGES = ["ram", "disk", "mmap"]
+
+
+def wan_inputs() -> dict:
+    """One call of a wide Wan transformer alone: a 1 x 8 x 8 latent, 16 text tokens, step 500 (seeded)."""
+    return {
+        "hidden_states": torch.randn(1, 16, 1, 8, 8, generator=torch.Generator().manual_seed(0)),
+        "timestep": torch.tensor([500]),
+        "encoder_hidden_states": torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(1)),
+        "return_dict": False,
+    }
+
+
 class GgufPipeline:
     """The folder (configs, the other components' weights), the two GGUF files, and the reference output."""
 

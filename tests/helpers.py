@@ -260,3 +260,14 @@ def _head_commit() -> str:
         return head
     except OSError:
         return ""
+
+
+def mapped_from(tensor: torch.Tensor) -> str | None:
+    """The file whose mapping holds ``tensor``'s bytes in this process (``/proc/self/maps``), if any."""
+    address = tensor.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        low, high = (int(bound, 16) for bound in fields[0].split("-"))
+        if low <= address < high:
+            return fields[5] if len(fields) == 6 else None
+    return None

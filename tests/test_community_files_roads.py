@@ -37,7 +37,7 @@ import community_pipelines
 import memmode_core as memmode
 from community_pipelines import FAMILY, WIDE_WAN, GgufPipeline, full_load_output, load, packed_layers
 from gguf_files import reference_dequantize
-from helpers import assert_bit_equal
+from helpers import assert_bit_equal, mapped_from
 from memmode_core import CheckpointError, IncompatibleModeError, PluginNotInstalledError
 from memmode_core.discovery import plugins
 from memmode_core.quantization import packed_record, saved
@@ -394,17 +394,6 @@ def test_torch_compile_under_group_offload_gives_the_uncompiled_output(gguf_pipe
 
 
 # -- ranks --------------------------------------------------------------------------------------------------------
-
-
-def mapped_from(tensor: torch.Tensor) -> str | None:
-    """The file whose mapping holds ``tensor``'s bytes in this process (``/proc/self/maps``), if any."""
-    address = tensor.data_ptr()
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        fields = line.split(maxsplit=5)
-        low, high = (int(bound, 16) for bound in fields[0].split("-"))
-        if low <= address < high:
-            return fields[5] if len(fields) == 6 else None
-    return None
 
 
 def gguf_on_a_rank(rank: int, world: int, folder: str, files: dict[str, str]) -> dict:

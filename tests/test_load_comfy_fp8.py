@@ -26,7 +26,15 @@ from safetensors import safe_open
 
 import memmode_core as memmode
 from comfy_files import write_legacy_scaled
-from community_pipelines import COMFY_FORMS, FAMILY, ComfyFp8Pipeline, comfy_fp8_pipeline, packed_layers
+from community_pipelines import (
+    COMFY_FORMS,
+    FAMILY,
+    PLACEMENTS,
+    STORAGES,
+    ComfyFp8Pipeline,
+    comfy_fp8_pipeline,
+    packed_layers,
+)
 from helpers import placement_id
 from memmode_core import CheckpointError, IncompatibleModeError
 from memmode_core.loading import load as load_module
@@ -35,13 +43,6 @@ from tiny_pipelines import run
 
 FORMS = list(COMFY_FORMS)
 TRANSFORMERS = ("transformer", "transformer_2")
-PLACEMENTS = [
-    ("model_cpu_offload", {}),
-    ("model_group_offload", {"offload_type": "block_level"}),
-    ("model_group_offload", {"offload_type": "leaf_level"}),
-    ("sequential_cpu_offload", {}),
-]
-STORAGES = ["ram", "disk", "mmap"]
 #: the form whose files run under every placement x storage
 GRID_FORM = "legacy_scaled"
 #: one placement and storage for each other form, a different one each

@@ -21,19 +21,20 @@ from gguf import GGMLQuantizationType as Q
 
 import community_pipelines
 import memmode_core as memmode
-from community_pipelines import FAMILY, GgufPipeline, full_load_output, load, packed_layers
+from community_pipelines import (
+    FAMILY,
+    PLACEMENTS,
+    STORAGES,
+    GgufPipeline,
+    full_load_output,
+    load,
+    packed_layers,
+    wan_inputs,
+)
 from gguf_files import write_gguf
 from memmode_core import CheckpointError, IncompatibleModeError, PluginNotInstalledError
 from memmode_core.discovery import plugins
 from tiny_pipelines import run
-
-PLACEMENTS = [
-    ("model_cpu_offload", {}),
-    ("model_group_offload", {"offload_type": "block_level"}),
-    ("model_group_offload", {"offload_type": "leaf_level"}),
-    ("sequential_cpu_offload", {}),
-]
-STORAGES = ["ram", "disk", "mmap"]
 
 
 @pytest.fixture
@@ -162,12 +163,7 @@ def test_tensors_a_conversion_splits_or_swaps_stay_packed_and_exact(gguf_pipelin
     assert handle.report().loading["files"]["module"]["decoded_tensors"] == len(tables) > 0
 
     model.load_state_dict(convert(reference_dequantize(path)))
-    inputs = {
-        "hidden_states": torch.randn(1, 16, 1, 8, 8, generator=torch.Generator().manual_seed(0)),
-        "timestep": torch.tensor([500]),
-        "encoder_hidden_states": torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(1)),
-        "return_dict": False,
-    }
+    inputs = wan_inputs()
     with torch.no_grad():
         torch.testing.assert_close(loaded(**inputs)[0], model(**inputs)[0], rtol=1e-4, atol=1e-5)
 
@@ -194,11 +190,6 @@ def test_a_weight_stored_reshaped_rests_packed_in_its_real_shape(gguf_pipeline, 
     model.load_state_dict(
         convert_wan_transformer_to_diffusers({k.removeprefix(PREFIX): v for k, v in reference_dequantize(path).items()})
     )
-    inputs = {
-        "hidden_states": torch.randn(1, 16, 1, 8, 8, generator=torch.Generator().manual_seed(0)),
-        "timestep": torch.tensor([500]),
-        "encoder_hidden_states": torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(1)),
-        "return_dict": False,
-    }
+    inputs = wan_inputs()
     with torch.no_grad():
         torch.testing.assert_close(handle.target(**inputs)[0], model(**inputs)[0], rtol=1e-4, atol=1e-5)

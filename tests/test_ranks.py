@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_bit_equal
+from helpers import assert_bit_equal, mapped_from
 from rank_models import forward, shard, wan_transformer
 from ranks import distributed_available, run_ranks
 
@@ -535,17 +535,6 @@ def test_ranks_loading_into_a_quantized_mode_pack_each_component_once_per_machin
         # the first load packs it once; the second finds that file while a rank still maps it, or packs it once again
         assert sum(made) == 1 if storage == LOADED_INTO[0] else sum(made) <= 1, [r["made once"] for r in results]
         assert not Path(results[0]["made once"]["folder"]).exists(), "the last rank to leave removed the folder"
-
-
-def mapped_from(tensor: torch.Tensor) -> str | None:
-    """The file whose mapping holds ``tensor``'s bytes in this process (``/proc/self/maps``), if any."""
-    address = tensor.data_ptr()
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        fields = line.split(maxsplit=5)
-        low, high = (int(bound, 16) for bound in fields[0].split("-"))
-        if low <= address < high:
-            return fields[5] if len(fields) == 6 else None
-    return None
 
 
 def packed_in_memory(rank: int, world: int) -> dict:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -268,14 +268,19 @@ class Checkpoint:
     def nbytes(self) -> int:
         return sum(r.nbytes for r in self.records())
 
-    def floating_dtype(self, skip_modules: tuple[str, ...] = ()) -> torch.dtype | None:
+    def floating_dtype(
+        self, skip_modules: tuple[str, ...] = (), *, leaving_out: Collection[str] = ()
+    ) -> torch.dtype | None:
         """The dtype most of the checkpoint's floating bytes are in (what ``torch_dtype="auto"`` loads it
         in), or None when it holds no tensor in a dtype a model is built in. Packed tensors (float8, bytes)
         do not count: a quantized checkpoint's norms and biases are in the dtype it was saved from. Nor do
         tensors of the modules named in ``skip_modules`` (a model's ``_keep_in_fp32_modules``: float32 in
-        any checkpoint, they say nothing of the dtype it was saved in)."""
+        any checkpoint, they say nothing of the dtype it was saved in), nor the tensors named in ``leaving_out``
+        (the parts of a single file's encoded tensors: a float32 scale is no norm)."""
         totals: dict[torch.dtype, int] = {}
         for record in self.records():
+            if record.key in leaving_out:
+                continue
             if skip_modules and any(name in record.key.split(".") for name in skip_modules):
                 continue
             if record.dtype in BUILD_DTYPES:

@@ -232,7 +232,7 @@ def _reader_for(fmt: str, plugins, quantizer, where: Path):
     ]
     if not codecs:
         for reg in plugins.registrations["reader"].values():
-            codec = (getattr(reg.obj, "codecs", None) or dict)().get(fmt)
+            codec = reg.obj.codecs().get(fmt)
             if codec is not None:
                 codecs.append(codec)
     if quantizer is not None:

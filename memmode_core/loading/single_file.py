@@ -22,7 +22,7 @@ Community files differ from a diffusers folder in three ways, and each is answer
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,10 +54,14 @@ class OpenedFile:
     #: the reader plugin's name, or "safetensors" for core's own reading
     reader: str
 
+    def part_keys(self) -> set[str]:
+        """The stored tensors that are parts of an encoded one (not tensors of the model themselves)."""
+        return {key for tensor in self.encoded.values() for key in tensor.parts.values()}
+
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor of the model the file holds, by the file's name: the encoded ones, and the stored ones
         that are not a part of one."""
-        parts = {key for tensor in self.encoded.values() for key in tensor.parts.values()}
+        parts = self.part_keys()
         shapes = {key: tuple(t.shape) for key, t in self.encoded.items()}
         for record in self.checkpoint.records():
             if record.key not in parts and record.key not in shapes:
@@ -65,18 +69,10 @@ class OpenedFile:
         return shapes
 
     def floating_dtype(self, skip_modules: tuple[str, ...] = ()) -> torch.dtype | None:
-        """The dtype most of the file's plain floating bytes are in (what ``torch_dtype="auto"`` loads the model
-        in); encoded tensors and their parts do not count, as packed tensors do not in a safetensors
-        checkpoint (a GGUF's norms and biases are float32: its model computes in float32 unless told)."""
-        parts = {key for tensor in self.encoded.values() for key in tensor.parts.values()}
-        totals: dict[torch.dtype, int] = {}
-        for record in self.checkpoint.records():
-            if record.key in parts or not record.dtype.is_floating_point or record.dtype.itemsize < 2:
-                continue
-            if skip_modules and any(name in record.key.split(".") for name in skip_modules):
-                continue
-            totals[record.dtype] = totals.get(record.dtype, 0) + record.nbytes
-        return max(totals, key=lambda d: totals[d], default=None)
+        """What ``torch_dtype="auto"`` loads the model in: the checkpoint's rule, on the file's plain tensors (an
+        encoded tensor's parts do not count: a GGUF's norms and biases are float32, so its model computes in
+        float32 unless told)."""
+        return self.checkpoint.floating_dtype(skip_modules, leaving_out=self.part_keys())
 
 
 def open_weights(path: Path, plugins) -> OpenedFile:
@@ -151,10 +147,6 @@ class FileTensor:
     decoded: bool = False
 
     @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    @property
     def is_view(self) -> bool:
         """Bound as a view of the file's pages (one run of rows, nothing decoded), else copied at load."""
         return len(self.pieces) == 1 and not self.decoded
@@ -200,9 +192,6 @@ class WeightsFile:
 
     def record(self, key: str) -> FileTensor:
         return self.tensors[key]
-
-    def records(self) -> Iterator[FileTensor]:
-        return iter(self.tensors.values())
 
     def view(self, key: str) -> torch.Tensor:
         """The tensor: a view of the file's pages where it is one run of stored rows, else assembled (decoded
@@ -254,10 +243,6 @@ class WeightsFile:
     def metadata(self) -> Mapping[str, str]:
         return self.opened.checkpoint.metadata
 
-    @property
-    def nbytes(self) -> int:
-        return self.opened.checkpoint.nbytes
-
     def identity(self) -> tuple:
         return self.opened.checkpoint.identity()
 
@@ -277,23 +262,20 @@ def weights_for_model(opened: OpenedFile, skeleton: Skeleton, config: Mapping, w
     linear = {f"{path}.weight": path for path, sub in module.named_modules() if isinstance(sub, nn.Linear) and path}
     tensors: dict[str, FileTensor] = {}
     packed: list[PackedFromFile] = []
-    used: set[str] = set()
     for key, target in renamed.items():
-        used.update(piece.key for piece in target.pieces)
         sources = [opened.encoded.get(piece.key) for piece in target.pieces]
         if not any(sources):
             dtype = _one_dtype(opened, target.pieces)
             tensors[key] = FileTensor(key, tuple(target.shape), dtype, tuple(target.pieces))
             continue
-        layer = _packed_layer(opened, key, target.shape, target.pieces, linear.get(key)) if all(sources) else None
+        layer = _packed_layer(opened, target.shape, target.pieces, linear.get(key)) if all(sources) else None
         if layer is not None:
             packed.append(layer)
             tensors.update((part.key, part) for part in layer.parts.values())
         else:
             dtype = next(s.dtype for s in sources if s is not None)
             tensors[key] = FileTensor(key, tuple(target.shape), dtype, tuple(target.pieces), decoded=True)
-    unused = tuple(sorted(set(opened.tensor_shapes()) - used))
-    return WeightsFile(opened, tensors, tuple(packed), unused)
+    return WeightsFile(opened, tensors, tuple(packed), tuple(sorted(renamed.unused)))
 
 
 def _one_dtype(opened: OpenedFile, pieces) -> torch.dtype:
@@ -304,8 +286,8 @@ def _one_dtype(opened: OpenedFile, pieces) -> torch.dtype:
     return dtype
 
 
-def _packed_layer(opened: OpenedFile, key: str, shape, pieces, path: str | None) -> PackedFromFile | None:
-    """The packed layer ``path`` whose weight ``key`` is ``pieces`` of encoded tensors, or None where it
+def _packed_layer(opened: OpenedFile, shape, pieces, path: str | None) -> PackedFromFile | None:
+    """The packed layer ``path`` whose weight is ``pieces`` of encoded tensors, or None where it
     cannot rest packed: not a linear layer's weight, pieces in several codecs, or rows a part cannot follow (a
     part of one element — a scale of the whole tensor — is shared only by pieces of one tensor)."""
     if path is None or len(shape) != 2:
