@@ -525,6 +525,40 @@ def test_a_lease_left_by_a_dead_process_is_ignored_and_removed(tmp_path):
     assert not path.exists() and not dead.exists()
 
 
+_CLOSED_INSIDE_ANOTHER_SESSIONS_LOCK = textwrap.dedent("""
+    import gc, sys
+    from memmode_core.files.folder import OffloadFolder
+    folder = sys.argv[1]
+    first = OffloadFolder(folder, keep_files=False)
+    first.open()
+    second = OffloadFolder(folder, keep_files=False)
+    second.open()
+    with second.locked():
+        # what the garbage collector did to two ranks: the last mapping of one session's file dies while
+        # another session of this process holds the folder's lock, and its finalizer closes its session
+        del first
+        gc.collect()
+        print("inside", flush=True)
+    print(sorted(p.name for p in __import__("pathlib").Path(folder).iterdir()), flush=True)
+    second.close()
+""")
+
+
+def test_a_session_closed_by_the_garbage_collector_inside_another_sessions_lock_closes_after_it(tmp_path):
+    folder = tmp_path / "shared"
+    done = subprocess.run(
+        [sys.executable, "-c", _CLOSED_INSIDE_ANOTHER_SESSIONS_LOCK, str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    inside, leases = done.stdout.splitlines()
+    assert inside == "inside"
+    assert len(eval(leases)) == 1, "the first session's lease outlived it"  # only the second one's
+    assert list(folder.iterdir()) == []
+
+
 _AT_EXIT = textwrap.dedent("""
     import sys, torch
     from memmode_core.files.store import GroupFileStore
