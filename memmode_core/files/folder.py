@@ -14,12 +14,9 @@ processes, not bytes:
 - what a process killed mid-run left (its files, its lease: its lock is gone) is collected by the
   next session that reserves room in the folder, unless that process asked to keep its files;
 - cleanup runs from a ``weakref.finalize``, so it also happens at interpreter exit, and never in a
-  process forked from the one that made the folder. A finalizer runs wherever the garbage collector
-  happens to run, which may be inside another session's critical section on the same folder, in the
-  same thread: ``flock`` locks of two descriptors conflict even within one process, so taking the lock
-  there would wait forever on ourselves (two ranks of one machine hung so). The lock's holders are
-  therefore known per thread (:class:`_Holders`), and a cleanup that finds its own thread holding the
-  folder's lock runs when that thread lets go of it.
+  process forked from the one that made the folder; a cleanup the garbage collector starts while its
+  own thread holds the folder's lock through another session runs when that thread lets go of it
+  (:mod:`~memmode_core.files.folder_holders`: otherwise it waits forever on its own thread).
 
 POSIX only (``fcntl.flock``).
 """
@@ -32,11 +29,12 @@ import re
 import secrets
 import shutil
 import tempfile
-import threading
 import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
+
+from memmode_core.files import folder_holders
 
 try:
     import fcntl
@@ -106,12 +104,14 @@ class OffloadFolder:
         """Hold the folder's lock: one session at a time checks, writes or deletes files in it."""
         fd = self._cleanup.folder_fd
         fcntl.flock(fd, fcntl.LOCK_EX)
+        folder_holders.enter(fd)
         try:
-            with _HOLDERS.holding(fd):
-                yield
+            yield
         finally:
+            waited = folder_holders.leave(fd)
             fcntl.flock(fd, fcntl.LOCK_UN)
-            _HOLDERS.run_deferred(fd)
+            for cleanup in waited:
+                cleanup()
 
     def temporary_file(self) -> tuple[int, str]:
         """A new temporary file in the folder (same filesystem, so it can be renamed into place), locked
@@ -182,7 +182,7 @@ class _Cleanup:
     def __call__(self) -> None:
         if os.getpid() != self.pid:
             return
-        if self.lease is not None and self.folder_fd is not None and _HOLDERS.defer(self.folder_fd, self):
+        if self.lease is not None and self.folder_fd is not None and folder_holders.defer(self.folder_fd, self):
             return  # this thread holds the folder's lock through another session: run when it lets go
         try:
             if self.private_folder is not None:
@@ -200,60 +200,6 @@ class _Cleanup:
             if self.folder_fd is not None:
                 os.close(self.folder_fd)
                 self.folder_fd = None
-
-
-class _Holders:
-    """Which thread of this process holds which folder's lock, and the cleanups waiting for it to let go.
-
-    A folder is known by its device and inode (two sessions of one folder hold two descriptors of it). Only
-    the holding thread defers: another thread's cleanup waits for the lock as any other process would.
-    """
-
-    def __init__(self) -> None:
-        self._guard = threading.Lock()
-        #: (device, inode) -> [thread id, depth, cleanups deferred until the lock is let go]
-        self._held: dict[tuple[int, int], list] = {}
-
-    @staticmethod
-    def _key(fd: int) -> tuple[int, int]:
-        stat = os.fstat(fd)
-        return stat.st_dev, stat.st_ino
-
-    @contextlib.contextmanager
-    def holding(self, fd: int) -> Iterator[None]:
-        key = self._key(fd)
-        with self._guard:
-            entry = self._held.setdefault(key, [threading.get_ident(), 0, []])
-            entry[1] += 1
-        try:
-            yield
-        finally:
-            with self._guard:
-                entry[1] -= 1
-
-    def defer(self, fd: int, cleanup: _Cleanup) -> bool:
-        """Keep ``cleanup`` for later if this thread holds the lock of ``fd``'s folder; whether it did."""
-        key = self._key(fd)
-        with self._guard:
-            entry = self._held.get(key)
-            if entry is None or entry[1] == 0 or entry[0] != threading.get_ident():
-                return False
-            entry[2].append(cleanup)
-            return True
-
-    def run_deferred(self, fd: int) -> None:
-        """After the outermost hold of ``fd``'s folder ends: run the cleanups that waited for it."""
-        key = self._key(fd)
-        with self._guard:
-            entry = self._held.get(key)
-            if entry is None or entry[1] > 0:
-                return
-            del self._held[key]
-        for cleanup in entry[2]:
-            cleanup()
-
-
-_HOLDERS = _Holders()
 
 
 class _Lease:
