@@ -303,13 +303,17 @@ def files_of_one_storage(storage: str) -> dict:
     dist.barrier()
     handle.remove()
     dist.barrier()  # every rank has removed its mode
+    left = folder.exists() and sorted(p.name for p in folder.iterdir())
+    # every rank has looked: the next storage's round makes the same folder again, and a rank that started it
+    # early wrote its lease and files into what a slower rank was still looking at
+    dist.barrier()
     return {
         "folder": str(folder),
         "files": files,
         "groups": len(handle.prepared.stored_sizes),
         "written": stats["written_groups"],
         "output": output,
-        "folder left": folder.exists() and any(folder.iterdir()),
+        "folder left": left,
     }
 
 
@@ -332,7 +336,7 @@ def _check_shared_files(results: list[dict], expected: torch.Tensor) -> None:
     assert len({r["folder"] for r in results}) == 1, [r["folder"] for r in results]
     assert all(r["files"] == results[0]["files"] for r in results), "the ranks map the same files"
     assert len(results[0]["files"]) == results[0]["groups"], "one file per group, not one per rank"
-    assert not any(r["folder left"] for r in results)
+    assert not any(r["folder left"] for r in results), [r["folder left"] for r in results]
     assert not Path(results[0]["folder"]).exists()
 
 
@@ -417,7 +421,7 @@ def _check_one_shared_copy(results: list[dict], expected: torch.Tensor) -> None:
     assert len({r["folder"] for r in results}) == 1
     assert all(r["files"] == results[0]["files"] for r in results), "the ranks map the same files"
     assert len(results[0]["files"]) == results[0]["groups"], "one file per group, not one per rank"
-    assert not any(r["folder left"] for r in results)
+    assert not any(r["folder left"] for r in results), [r["folder left"] for r in results]
 
 
 def _check_own_and_limited(own: list[dict], limited: list[dict], expected: torch.Tensor) -> None:
