@@ -297,9 +297,12 @@ def test_an_option_no_plugin_declares_is_the_invalid_option_message(command, cap
 
 def files_on_disk_now(streamed_sizes: dict[int, int]) -> int:
     """Bytes of the streamed files among ``streamed_sizes`` (inode -> size) that this process still maps: unlinked
-    when written, each is on disk until its last mapping goes (read from ``/proc/self/maps``)."""
+    when written, each is on disk until its last mapping goes (read from ``/proc/self/maps``, where the kernel says
+    ``(deleted)`` of such a file). Only unlinked files count: the file system gives a freed inode to the next file
+    made, and a group file written after a streamed file was dropped may carry its number."""
     with open("/proc/self/maps") as maps:
-        inodes = {int(fields[4]) for fields in (line.split(maxsplit=5) for line in maps) if len(fields) == 6}
+        lines = [line.split(maxsplit=5) for line in maps]
+    inodes = {int(fields[4]) for fields in lines if len(fields) == 6 and fields[5].rstrip().endswith("(deleted)")}
     return sum(size for inode, size in streamed_sizes.items() if inode in inodes)
 
 
