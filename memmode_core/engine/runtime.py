@@ -42,7 +42,7 @@ from memmode_core.engine.ledger import Ledger
 from memmode_core.engine.moving import Moving
 from memmode_core.engine.placement_layout import Relayout
 from memmode_core.engine.serving import Serving
-from memmode_core.engine.standins.classes import Reader, Source, raw_access
+from memmode_core.engine.standins.classes import StandInReader, StandInSource, raw_access
 from memmode_core.engine.state import EngineState
 
 
@@ -131,7 +131,7 @@ class Runtime:
         :meth:`Changes.real_values`)."""
         return self.changes.real_values(component)
 
-    def count_read(self, source: Source, nbytes: int, reader: Reader) -> None:
+    def count_read(self, source: StandInSource, nbytes: int, reader: StandInReader) -> None:
         """A read served by a stand-in of another kind (a quantized weight): counted, or refused under strict."""
         self.serving.count_read(source, nbytes, reader)
 

@@ -40,8 +40,8 @@ from memmode_core.engine.moving import Moving
 from memmode_core.engine.standins.classes import (
     PLAIN_CLASS,
     SERVED_CLASS,
-    Reader,
-    Source,
+    StandInReader,
+    StandInSource,
     can_serve,
     forget,
     rest_lost,
@@ -125,7 +125,7 @@ class Serving:
 
     # -- reads ----------------------------------------------------------------------------------------------
 
-    def _count(self, source: SlotSource | Source, nbytes: int, reader: Reader) -> None:
+    def _count(self, source: SlotSource | StandInSource, nbytes: int, reader: StandInReader) -> None:
         if not reader.counted:
             return
         if self.strict_reads:
@@ -146,12 +146,12 @@ class Serving:
                 reader.code(),
             )
 
-    def count_read(self, source: Source, nbytes: int, reader: Reader) -> None:
+    def count_read(self, source: StandInSource, nbytes: int, reader: StandInReader) -> None:
         """A read served by a stand-in of another kind (a quantized weight, dequantized): counted, or refused."""
         with self.state.lock:
             self._count(source, nbytes, reader)
 
-    def serve(self, source: SlotSource, reader: Reader) -> torch.Tensor:
+    def serve(self, source: SlotSource, reader: StandInReader) -> torch.Tensor:
         """The value of a resting slot, read from the storage (on the CPU)."""
         slot, group = source.slot, source.group
         self._count(source, slot_bytes(slot), reader)
@@ -169,7 +169,7 @@ class Serving:
                     return self.state.session.read(part.key, stored)
         raise KeyError(name)
 
-    def onload_for_read(self, source: SlotSource, reader: Reader) -> None:
+    def onload_for_read(self, source: SlotSource, reader: StandInReader) -> None:
         """A call reads a resting group's tensor: onload the group into the call, and learn the module that read it."""
         group = source.group
         self._count(source, group.nbytes, reader)

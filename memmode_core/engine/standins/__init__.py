@@ -14,7 +14,7 @@ A stand-in meets four kinds of call, each handled by one module:
 * **metadata** (shape, dtype, device, strides, ``data_ptr``, ``detach()``, ``*_like``): answered from the
   stand-in itself, free — :mod:`~.dispatch` (its tables say which calls these are);
 * **a value read** (any other torch function): the stand-in is replaced by its value, asked of its
-  :class:`~.classes.Source` — :mod:`~.dispatch`, then the source: a runtime's resting slot (:mod:`~.slots`:
+  :class:`~.classes.StandInSource` — :mod:`~.dispatch`, then the source: a runtime's resting slot (:mod:`~.slots`:
   onloaded into the running call, or read from the storage) or a quantized layer (:mod:`~.quantized`:
   dequantized). Every such read outside the forward that owns the weight is counted in the handle's report
   (``reads_served``), and refused under ``apply(..., strict=True)``
@@ -27,7 +27,7 @@ A stand-in meets four kinds of call, each handled by one module:
   :mod:`~.values`, which also gives a stand-in's value to code outside a torch function and the typed errors.
 
 The rest of the package: :mod:`~.classes` is what a stand-in is (the classes, which tensors rest as one, the
-:class:`~.classes.Source` and :class:`~.classes.Reader` every served read passes around);
+:class:`~.classes.StandInSource` and :class:`~.classes.StandInReader` every served read passes around);
 :mod:`~.placeholders` catches a raw placeholder that reaches a computation all the same (the trap). The
 engine's side — which tensors rest as stand-ins, counting and serving reads, learning who read them — is the
 runtime's :class:`~memmode_core.engine.serving.Serving` part.

@@ -12,10 +12,12 @@ Two things in memmode hold a tensor whose values are not where torch would read 
   (:class:`~memmode_core.engine.standins.quantized.WeightStandIn`).
 
 This module is the classes, which tensors rest as them (the engine swaps a resting tensor's class and
-registers what serves it), and the two objects every served read passes around: a :class:`Source` (where a
-stand-in's value comes from: a runtime's resting slot, :mod:`~memmode_core.engine.standins.slots`, or a
-quantized layer, :mod:`~memmode_core.engine.standins.quantized`) and a :class:`Reader` (one read, and the code
-that made it). What a torch function given a stand-in does is :mod:`~memmode_core.engine.standins.dispatch`.
+registers what serves it), and the two objects every served read passes around: a :class:`StandInSource` (where
+a stand-in's value comes from: a runtime's resting slot, :mod:`~memmode_core.engine.standins.slots`, or a
+quantized layer, :mod:`~memmode_core.engine.standins.quantized`) and a :class:`StandInReader` (the code reading a
+stand-in's value: one read, and where it was made). Neither is a file format's
+:class:`~memmode_core.contracts.reader.Reader` nor a mapped file's source (``memmode_core.files``). What a torch
+function given a stand-in does is :mod:`~memmode_core.engine.standins.dispatch`.
 
 The dispatch makes stand-ins, so it imports this module, and this one cannot import it back: the classes
 hand each torch function, pickle and deep copy to three hooks, set once by :func:`serve_with` when the
@@ -39,7 +41,7 @@ _DISABLE = torch._C.DisableTorchFunctionSubclass
 # -- what serves a stand-in, and who reads it ------------------------------------------------------------
 
 
-class Source:
+class StandInSource:
     """Where a stand-in's value comes from: one offloaded slot, or one quantized layer's weight.
 
     ``name`` is what messages call it (``transformer.blocks.0.attn.out_proj.weight``), ``what`` how it
@@ -51,11 +53,11 @@ class Source:
     name: str = "a tensor"
     what: str = "held elsewhere"
 
-    def value(self, reader: Reader) -> torch.Tensor:
+    def value(self, reader: StandInReader) -> torch.Tensor:
         """The real value, for the read ``reader`` describes (counted, or refused under ``strict``)."""
         raise NotImplementedError
 
-    def usable(self, reader: Reader) -> torch.Tensor | None:
+    def usable(self, reader: StandInReader) -> torch.Tensor | None:
         """A tensor to compute with as it is, or None when the value must be served: a resting tensor whose
         data holds the real values where the reader computes (a host copy read outside any call: nothing
         is counted), or one onloaded into the call that is running (counted)."""
@@ -75,14 +77,14 @@ class Source:
         to what the source stands in for; return what the write returns on a plain tensor."""
         raise NotImplementedError
 
-    def same(self, other: Source) -> bool:
+    def same(self, other: StandInSource) -> bool:
         return other is self
 
 
-class Reader:
-    """Who is reading: the torch function, and — found only when needed, by walking the stack — the code
-    that called it (for ``strict`` errors) and the module whose forward is running (the reader a group is
-    learned for)."""
+class StandInReader:
+    """The code reading a stand-in's value: the torch function, and — found only when needed, by walking the
+    stack — the code that called it (for ``strict`` errors) and the module whose forward is running (the reader
+    a group is learned for)."""
 
     __slots__ = ("operation", "frame", "counted")
 
@@ -173,7 +175,7 @@ class StandIn(_Serves, torch.Tensor):
     metadata is the value's, and ``_memmode_source`` serves it. A view of part of it is a read (a part of
     a broadcast cannot be located), which gives a :class:`ServedView`."""
 
-    _memmode_source: Source | None = None
+    _memmode_source: StandInSource | None = None
 
 
 class ServedView(_Serves, torch.Tensor):
@@ -181,7 +183,7 @@ class ServedView(_Serves, torch.Tensor):
     are real and read as any tensor's, but a write into it would change a temporary copy and be lost, so
     writes are refused (:class:`~memmode_core.contracts.errors.OffloadedWeightWriteError`)."""
 
-    _memmode_source: Source | None = None
+    _memmode_source: StandInSource | None = None
 
 
 class ServedParameter(_Serves, nn.Parameter):
@@ -202,11 +204,11 @@ SERVED_CLASS: dict[type, type] = {nn.Parameter: ServedParameter, torch.Tensor: S
 #: the class a served tensor goes back to
 PLAIN_CLASS: dict[type, type] = {served: plain for plain, served in SERVED_CLASS.items()}
 
-#: id(resting tensor) -> a callable giving its Source from the tensor (None if it is not that tensor's, or gone).
+#: id(resting tensor) -> a callable giving its StandInSource from the tensor (None if it is not that tensor's, or gone).
 #: Nothing here holds a tensor or its model (no weak reference either: ``torch.utils.swap_tensors``, PyTorch's
 #: swap conversion, refuses tensors that have one): a model dropped without ``remove()`` is freed.
-_RESTING: dict[int, Callable[[torch.Tensor], Source | None]] = {}
-#: the attribute of a tensor whose stored copy was lost, holding its Source (it outlives the placement)
+_RESTING: dict[int, Callable[[torch.Tensor], StandInSource | None]] = {}
+#: the attribute of a tensor whose stored copy was lost, holding its StandInSource (it outlives the placement)
 _LOST = "_memmode_lost"
 
 
@@ -215,7 +217,7 @@ def can_serve(tensor: torch.Tensor) -> bool:
     return type(tensor) in SERVED_CLASS or type(tensor) in PLAIN_CLASS
 
 
-def rest_served(tensor: torch.Tensor, source: Callable[[torch.Tensor], Source | None]) -> None:
+def rest_served(tensor: torch.Tensor, source: Callable[[torch.Tensor], StandInSource | None]) -> None:
     """``tensor`` rests from now on, served by ``source(tensor)`` (which must not hold ``tensor``): its class
     becomes the served one."""
     _RESTING[id(tensor)] = source
@@ -225,7 +227,7 @@ def rest_served(tensor: torch.Tensor, source: Callable[[torch.Tensor], Source | 
         tensor.__class__ = SERVED_CLASS[cls]
 
 
-def rest_lost(tensor: torch.Tensor, source: Source) -> None:
+def rest_lost(tensor: torch.Tensor, source: StandInSource) -> None:
     """``tensor`` has no value any more (its stored copy was lost): every read of it asks ``source``, which
     refuses it, for as long as the tensor lives."""
     _RESTING.pop(id(tensor), None)
@@ -250,7 +252,7 @@ def forget(tensor: torch.Tensor) -> None:
     tensor.__dict__.pop(_LOST, None)
 
 
-def source_of(tensor: torch.Tensor) -> Source | None:
+def source_of(tensor: torch.Tensor) -> StandInSource | None:
     """The source a stand-in serves from (None for a tensor that is not one, or whose source is gone)."""
     if isinstance(tensor, (StandIn, ServedView)):
         return tensor._memmode_source
@@ -267,7 +269,7 @@ def is_stand_in(value: object) -> bool:
     return isinstance(value, (StandIn, ServedView)) or type(value) in PLAIN_CLASS
 
 
-def lazy(raw: torch.Tensor, source: Source, cls: type[StandIn] = StandIn) -> StandIn:
+def lazy(raw: torch.Tensor, source: StandInSource, cls: type[StandIn] = StandIn) -> StandIn:
     """A lazy stand-in of ``source`` over ``raw`` (a tensor with the value's metadata and no real values)."""
     with _DISABLE():
         stand_in = raw.as_subclass(cls)
@@ -275,7 +277,7 @@ def lazy(raw: torch.Tensor, source: Source, cls: type[StandIn] = StandIn) -> Sta
     return stand_in
 
 
-def served_view(value: torch.Tensor, source: Source | None) -> ServedView:
+def served_view(value: torch.Tensor, source: StandInSource | None) -> ServedView:
     """``value`` (real values, served for one read) as a :class:`ServedView` of ``source``: reads are plain, writes
     are refused."""
     view = value.as_subclass(ServedView)
@@ -283,7 +285,7 @@ def served_view(value: torch.Tensor, source: Source | None) -> ServedView:
     return view
 
 
-def serve_by_default(cls: type[StandIn], source: Source) -> None:
+def serve_by_default(cls: type[StandIn], source: StandInSource) -> None:
     """What a stand-in of ``cls`` made by hand (``t.as_subclass(cls)``, not through :func:`lazy`) serves."""
     cls._memmode_source = source
 

@@ -9,12 +9,12 @@ a method's name, ``__get__:shape`` for a property's getter) into one of three ki
   (``state_dict()`` holds them without reading anything). A function not listed as metadata reads values, so a
   new torch function is served, never handed a placeholder;
 * **a read** of values (any other function): each stand-in among the arguments is replaced by its value
-  (:meth:`Source.value <memmode_core.engine.standins.classes.Source.value>`: onloaded into the running call,
-  read from the storage, or dequantized), the function runs on plain tensors, and a result that is a view of a
-  value read for it is a :class:`~memmode_core.engine.standins.classes.ServedView`, whose reads are plain and
-  whose writes are refused (a write into a temporary copy would be lost without a word);
+  (:meth:`StandInSource.value <memmode_core.engine.standins.classes.StandInSource.value>`: onloaded into the
+  running call, read from the storage, or dequantized), the function runs on plain tensors, and a result that
+  is a view of a value read for it is a :class:`~memmode_core.engine.standins.classes.ServedView`, whose reads
+  are plain and whose writes are refused (a write into a temporary copy would be lost without a word);
 * **a write** into a stand-in (``p.copy_(x)``, ``p.data += d``, ``p[...] = x``, ``out=p``): written
-  through to what it stands in for (:meth:`Source.write`: an offloaded weight gets its own memory and
+  through to what it stands in for (:meth:`StandInSource.write`: an offloaded weight gets its own memory and
   is stored again at the component's next call; a quantized weight is dequantized, written and
   quantized again), or refused with a typed error before anything changes (a write into part of a
   lazy stand-in, which cannot be located).
@@ -34,9 +34,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from memmode_core.engine.standins.classes import (
-    Reader,
     ServedView,
     StandIn,
+    StandInReader,
     forget,
     is_stand_in,
     lazy,
@@ -180,8 +180,8 @@ def dispatch(func, args=(), kwargs=None):
     return _read(func, name, args, kwargs)
 
 
-def _reader(name: str) -> Reader:
-    return Reader(name, sys._getframe(1))
+def _reader(name: str) -> StandInReader:
+    return StandInReader(name, sys._getframe(1))
 
 
 def _data(tensor: torch.Tensor) -> torch.Tensor:

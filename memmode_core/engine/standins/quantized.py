@@ -30,9 +30,9 @@ from memmode_core.contracts.quantizer import Quantizer
 from memmode_core.engine import watch
 from memmode_core.engine.groups import module_path
 from memmode_core.engine.standins.classes import (
-    Reader,
-    Source,
     StandIn,
+    StandInReader,
+    StandInSource,
     is_stand_in,
     lazy,
     serve_by_default,
@@ -92,7 +92,7 @@ class WeightStandInMixin:
         if tuple(incoming.shape) != tuple(record.shape):
             return False
         try:
-            current = PackedWeight(self).dequantized(Reader("load_state_dict", None), count=False)
+            current = PackedWeight(self).dequantized(StandInReader("load_state_dict", None), count=False)
         except Exception:  # noqa: BLE001 - nothing to compare with: not the layer's own weight
             return False
         with torch._C.DisableTorchFunctionSubclass():
@@ -132,7 +132,7 @@ class WeightStandIn(StandIn):
     """
 
 
-class PackedWeight(Source):
+class PackedWeight(StandInSource):
     """The source of a quantized layer's ``weight`` stand-in: the layer (held weakly) and its packed tensors."""
 
     def __init__(self, layer: nn.Module | None) -> None:
@@ -146,7 +146,7 @@ class PackedWeight(Source):
         layer = self._layer()
         return (_path_of(layer) if layer is not None else None) or f"the weight of a {self._format} layer"
 
-    def same(self, other: Source | None) -> bool:
+    def same(self, other: StandInSource | None) -> bool:
         return isinstance(other, PackedWeight) and other._layer() is self._layer() and self._layer() is not None
 
     def refusal(self, name: str, why: str) -> QuantizedWeightWriteError:
@@ -156,13 +156,13 @@ class PackedWeight(Source):
             f"(pipe.load_lora_weights(...), which runs it at weight_dtype on the dequantized weight)."
         )
 
-    def usable(self, reader: Reader) -> torch.Tensor | None:
+    def usable(self, reader: StandInReader) -> torch.Tensor | None:
         return None
 
-    def value(self, reader: Reader) -> torch.Tensor:
+    def value(self, reader: StandInReader) -> torch.Tensor:
         return self.dequantized(reader, count=True)
 
-    def dequantized(self, reader: Reader, *, count: bool) -> torch.Tensor:
+    def dequantized(self, reader: StandInReader, *, count: bool) -> torch.Tensor:
         """The weight unpacked from the packed tensors as they are now, in the compute dtype."""
         layer, record = self._linked(reader.operation)
         tensors = {key: _readable(self, reader.operation, key, getattr(layer, key, None)) for key in record.names}

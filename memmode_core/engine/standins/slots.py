@@ -1,4 +1,4 @@
-"""What serves a runtime's resting tensors: the :class:`~.classes.Source` of each resting slot, and of a slot
+"""What serves a runtime's resting tensors: the :class:`~.classes.StandInSource` of each resting slot, and of a slot
 whose stored copy was lost.
 
 When a group goes to rest, each of its tensors that rests as a stand-in is served by a :class:`SlotSource`,
@@ -27,7 +27,7 @@ import torch
 from memmode_core.contracts.errors import OffloadedWeightReadError
 from memmode_core.contracts.storage import is_placeholder
 from memmode_core.engine.groups import Group, Slot
-from memmode_core.engine.standins.classes import PLAIN_CLASS, Reader, Source, forget, is_stand_in
+from memmode_core.engine.standins.classes import PLAIN_CLASS, StandInReader, StandInSource, forget, is_stand_in
 from memmode_core.engine.standins.values import value_of
 from memmode_core.engine.state import EngineState
 
@@ -39,14 +39,14 @@ class Serves(Protocol):
 
     state: EngineState
 
-    def onload_for_read(self, source: SlotSource, reader: Reader) -> None: ...
+    def onload_for_read(self, source: SlotSource, reader: StandInReader) -> None: ...
 
-    def serve(self, source: SlotSource, reader: Reader) -> torch.Tensor: ...
+    def serve(self, source: SlotSource, reader: StandInReader) -> torch.Tensor: ...
 
     def give_own_memory(self, source: SlotSource) -> None: ...
 
 
-class SlotSource(Source):
+class SlotSource(StandInSource):
     """What serves one resting slot of a runtime (its serving part held weakly: a model dropped without
     ``remove()`` is freed)."""
 
@@ -68,7 +68,7 @@ class SlotSource(Source):
             )
         return serving
 
-    def usable(self, reader: Reader) -> torch.Tensor | None:
+    def usable(self, reader: StandInReader) -> torch.Tensor | None:
         tensor = self.slot.tensor
         if type(tensor) not in PLAIN_CLASS:  # awake: onloaded, or given a value of its own
             return tensor
@@ -87,7 +87,7 @@ class SlotSource(Source):
                 return tensor  # its data holds the values (a host copy, a mapping): read where it is
         return None
 
-    def value(self, reader: Reader) -> torch.Tensor:
+    def value(self, reader: StandInReader) -> torch.Tensor:
         serving = self._live()
         with serving.state.lock:
             return serving.serve(self, reader)
@@ -119,12 +119,12 @@ class SlotSource(Source):
             if type(tensor) in PLAIN_CLASS:
                 at_rest = self.group.at_rest.get(self.slot.name)
                 if state.in_call():
-                    serving.onload_for_read(self, Reader("write", None, counted=False))
+                    serving.onload_for_read(self, StandInReader("write", None, counted=False))
                 elif at_rest is None or is_placeholder(at_rest):
                     serving.give_own_memory(self)
         return tensor
 
-    def same(self, other: Source | None) -> bool:
+    def same(self, other: StandInSource | None) -> bool:
         return isinstance(other, SlotSource) and other.slot is self.slot
 
 
@@ -141,7 +141,7 @@ def pytree_swap(target: torch.Tensor, replacement: torch.Tensor, tree):
     return tree_map(swap, tree)
 
 
-class LostSource(Source):
+class LostSource(StandInSource):
     """A tensor whose stored copy was lost (``remove()`` raised :class:`RestoreError` for its group): every read
     is refused, naming it; a whole new value (``p.copy_(x)``, ``p.data = x``, ``load_state_dict``) brings it
     back."""
@@ -156,10 +156,10 @@ class LostSource(Source):
             f"{self.name} has no value: remove() could not restore it ({self._why}); load the weights again"
         )
 
-    def usable(self, reader: Reader) -> torch.Tensor | None:
+    def usable(self, reader: StandInReader) -> torch.Tensor | None:
         raise self._refuse()
 
-    def value(self, reader: Reader) -> torch.Tensor:
+    def value(self, reader: StandInReader) -> torch.Tensor:
         raise self._refuse()
 
     def write(self, func, name: str, args: tuple, kwargs: dict, target: torch.Tensor) -> Any:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from memmode_core.contracts.errors import OffloadedWeightReadError, OffloadedWeightWriteError
-from memmode_core.engine.standins.classes import PLAIN_CLASS, Reader, ServedView, StandIn, is_stand_in, source_of
+from memmode_core.engine.standins.classes import PLAIN_CLASS, ServedView, StandIn, StandInReader, is_stand_in, source_of
 
 _DISABLE = torch._C.DisableTorchFunctionSubclass
 
@@ -35,7 +35,7 @@ def value_of(tensor: torch.Tensor, operation: str = "value", *, counted: bool = 
     source = source_of(tensor)
     if source is None:
         raise gone(tensor)
-    reader = Reader(operation, sys._getframe(1), counted=counted)
+    reader = StandInReader(operation, sys._getframe(1), counted=counted)
     usable = source.usable(reader)
     if usable is not None:
         with _DISABLE():
@@ -45,7 +45,7 @@ def value_of(tensor: torch.Tensor, operation: str = "value", *, counted: bool = 
 
 def writable(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``, or — a resting stand-in — the tensor made to hold memory a write may change (see
-    :meth:`Source.make_writable`)."""
+    :meth:`StandInSource.make_writable`)."""
     if type(tensor) not in PLAIN_CLASS:
         return tensor
     source = source_of(tensor)
