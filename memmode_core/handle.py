@@ -10,9 +10,9 @@ import logging
 from typing import Any
 
 from memmode_core.contracts.targets import HANDLE_ATTRIBUTE
-from memmode_core.engine import pipeline_hooks
 from memmode_core.engine.ledger import Ledger, Report, clock
 from memmode_core.engine.runtime import Runtime
+from memmode_core.layer_packing import NOTHING, Packed
 from memmode_core.planning.prepared import Prepared
 from memmode_core.quantization import is_quantized
 
@@ -25,7 +25,15 @@ class Handle:
     #: a copy of a placed object has no placement (``engine.copying``)
     __memmode_uncopied__ = True
 
-    def __init__(self, prepared: Prepared, runtime: Runtime, ledger: Ledger, quantized: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        prepared: Prepared,
+        runtime: Runtime,
+        ledger: Ledger,
+        quantized: dict[str, Any],
+        *,
+        streamed: Packed = NOTHING,
+    ) -> None:
         #: the plan this handle executed: what a refused re-apply puts back, and rebuilds lay out again
         self.prepared = prepared
         self.mode = prepared.mode
@@ -39,6 +47,8 @@ class Handle:
         self.device = prepared.device
         #: component name -> the quantizer's summary of what it did there
         self.quantized = quantized
+        #: the layers packed into streamed files, and those files (what ``load`` reports of its packing)
+        self.streamed = streamed
         #: component name -> what core placed differently from the placement's layout, and why
         #: (``_supports_group_offloading = False``, ``_exclude_from_cpu_offload``; see ``lay_out``)
         self.notes = prepared.notes
@@ -48,7 +58,6 @@ class Handle:
         self.runtime = runtime
         self.ledger = ledger
         self._removed = False
-        self._guards: list = []
 
     @property
     def target(self) -> Any:
@@ -130,17 +139,10 @@ class Handle:
         self.attach()
 
     def attach(self) -> None:
-        """Mark the target and its placed components as placed by this handle."""
-        is_pipeline = self.prepared.internal.target.is_pipeline
-        if is_pipeline:
-            pipeline_hooks.install(self.components, self.device, self.remove)
-        self._guards = pipeline_hooks.install_guards(
-            self.target if is_pipeline else None,
-            self.components,
-            self.mode,
-            self.runtime.end_call,
-            quantized=is_quantized,
-        )
+        """Have the runtime install the hooks that need this handle (:meth:`Runtime.attach`: the ``_hf_hook`` shim,
+        whose detach removes this handle, and the guards), and mark the target and its placed components as placed
+        by this handle (what :func:`handle_of` reads; a mark is the handle's, not a hook)."""
+        self.runtime.attach(self.remove, mode=self.mode, quantized=is_quantized)
         for obj in [self.target, *self.components.values()]:
             setattr(obj, HANDLE_ATTRIBUTE, self)
 
@@ -155,10 +157,8 @@ class Handle:
             return
         self._removed = True
         try:
-            self.runtime.remove()
+            self.runtime.remove()  # every hook the runtime installed, the shim and the guards included
         finally:
-            pipeline_hooks.remove_guards(self._guards)
-            pipeline_hooks.uninstall(self.components)
             target = self.target
             for obj in [target, *self.components.values()]:
                 if obj is not None and getattr(obj, HANDLE_ATTRIBUTE, None) is self:

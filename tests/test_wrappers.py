@@ -109,7 +109,9 @@ def test_every_wrapper_a_placement_installs_keeps_the_signature(placement):
     pipe = make_pipeline("flux")
     handle = memmode.apply(pipe, mode, device="cpu", **options)
     wrappers = [w for ws in handle.runtime.forwards.wrappers.values() for w in ws]
-    wrappers += handle.runtime.forwards.edit_wrappers + [g for g in handle._guards if isinstance(g, MethodWrapper)]
+    wrappers += handle.runtime.forwards.edit_wrappers + [
+        g for g in handle.runtime.pipeline_hooks.guards if isinstance(g, MethodWrapper)
+    ]
     assert {w.method for w in wrappers} >= {
         "forward",
         "encode",

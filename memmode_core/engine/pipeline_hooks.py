@@ -23,7 +23,9 @@ More guards, on the pipeline and its components (:func:`install_guards`):
 * ``save_pretrained`` of quantized layers is refused before anything is written (:class:`SaveGuard`):
   ``memmode.save_quantized`` writes them.
 
-Both are named hooks (:mod:`~memmode_core.engine.hooks`): ``hooks_of(pipe)`` lists them.
+The guards are named hooks (:mod:`~memmode_core.engine.hooks`): ``hooks_of(pipe)`` lists them. One runtime's shim
+and guards are one :class:`PipelineHooks`, which the runtime installs (:meth:`Runtime.attach
+<memmode_core.engine.runtime.Runtime.attach>`) and removes with every other hook of its own.
 """
 
 from __future__ import annotations
@@ -247,54 +249,83 @@ def watches_call_end(cls: type) -> bool:
     return getattr(vars(cls).get("__call__"), "__memmode_call_end__", False)
 
 
+class PipelineHooks:
+    """The hooks one runtime puts on its target besides the forward wrappers: the ``_hf_hook`` shim on a pipeline's
+    components (:class:`ExecutionDeviceHook`) and the guards (:func:`install_guards`). The runtime owns them:
+    :meth:`Runtime.attach <memmode_core.engine.runtime.Runtime.attach>` installs them once a handle exists (the
+    shim's detach removes that handle), :meth:`Runtime.remove <memmode_core.engine.runtime.Runtime.remove>` takes
+    them off with the rest.
+
+    ``pipeline``: the placed pipeline (None for a bare module: no shim, no end-of-call guard)."""
+
+    def __init__(self, pipeline: Any, components: dict[str, nn.Module], device: torch.device) -> None:
+        self._pipeline = pipeline
+        self._components = components
+        self._device = device
+        #: the guards installed now, in the order they were installed
+        self.guards: list[Hook] = []
+
+    def install(
+        self,
+        *,
+        mode: str,
+        on_detach: Callable[[], None],
+        on_call_end: Callable[[], None],
+        quantized: Callable[[nn.Module], bool] | None = None,
+    ) -> None:
+        """Put the shim on the pipeline's components and install the guards; on a failure, take off what was put
+        on."""
+        try:
+            if self._pipeline is not None:
+                for component in self._components.values():
+                    setattr(component, ATTRIBUTE, ExecutionDeviceHook(self._device, on_detach))
+            install_guards(self._pipeline, self._components, mode, on_call_end, quantized=quantized, into=self.guards)
+        except BaseException:
+            self.remove()
+            raise
+
+    def remove(self) -> None:
+        """Take the guards and the shim off (a second call finds nothing to take off)."""
+        for guard in self.guards:
+            guard.remove()
+        self.guards.clear()
+        for component in self._components.values():
+            if isinstance(getattr(component, ATTRIBUTE, None), ExecutionDeviceHook):
+                delattr(component, ATTRIBUTE)
+
+
 def install_guards(
     pipeline: Any,
     components: dict[str, nn.Module],
     mode: str,
     on_call_end: Callable[[], None],
     quantized: Callable[[nn.Module], bool] | None = None,
-) -> list[Hook]:
+    *,
+    into: list[Hook],
+) -> None:
     """Watch the end of a pipeline's calls, refuse diffusers' offloading, and refuse ``save_pretrained`` of
-    quantized layers (``quantized(module)`` says whether a module holds any; see the module docstring)."""
-    guards: list[Hook] = []
+    quantized layers (``quantized(module)`` says whether a module holds any; see the module docstring). Each guard
+    is appended to ``into`` as soon as it is installed, so that what a failure leaves installed can be removed."""
     if quantized is not None:
         for name, module in components.items():
             if callable(getattr(type(module), "save_pretrained", None)):
                 held = functools.partial(_quantized_names, {name: module}, quantized)
-                guards.append(SaveGuard(module, name, held).install())
+                into.append(SaveGuard(module, name, held).install())
         if pipeline is not None and callable(getattr(type(pipeline), "save_pretrained", None)):
             held = functools.partial(_quantized_names, components, quantized)
-            guards.append(SaveGuard(pipeline, type(pipeline).__name__, held).install())
+            into.append(SaveGuard(pipeline, type(pipeline).__name__, held).install())
     owners: list[tuple[Any, str, tuple[str, ...]]] = [
         (module, name, FOREIGN_MODEL_OFFLOADING) for name, module in components.items()
     ]
     if pipeline is not None:
         owners.insert(0, (pipeline, type(pipeline).__name__, FOREIGN_PIPELINE_OFFLOADING))
         if callable(type(pipeline)) and not isinstance(pipeline, nn.Module):
-            guards.append(CallEndGuard(pipeline, on_call_end).install())
+            into.append(CallEndGuard(pipeline, on_call_end).install())
     for owner, label, methods in owners:
         for method in methods:
             if callable(getattr(type(owner), method, None)):
-                guards.append(OffloadingGuard(owner, method, label, mode).install())
-    return guards
+                into.append(OffloadingGuard(owner, method, label, mode).install())
 
 
 def _quantized_names(components: dict[str, nn.Module], quantized: Callable[[nn.Module], bool]) -> list[str]:
     return [name for name, module in components.items() if quantized(module)]
-
-
-def remove_guards(guards: list[Hook]) -> None:
-    for guard in guards:
-        guard.remove()
-    guards.clear()
-
-
-def install(components: dict[str, nn.Module], device: torch.device, on_detach: Callable[[], None]) -> None:
-    for component in components.values():
-        setattr(component, ATTRIBUTE, ExecutionDeviceHook(device, on_detach))
-
-
-def uninstall(components: dict[str, nn.Module]) -> None:
-    for component in components.values():
-        if isinstance(getattr(component, ATTRIBUTE, None), ExecutionDeviceHook):
-            delattr(component, ATTRIBUTE)

@@ -3,9 +3,12 @@
 One :class:`Runtime` serves one ``apply``. It takes the groups ``prepare`` claimed (a placement's
 :class:`GroupSpec` list made into :class:`~memmode_core.engine.groups.Group` objects) and binds them to
 the tensors the model holds now (:func:`~memmode_core.engine.groups.bind_groups`), stores the offloaded
-copies through the storage session, hooks the forwards of entry and exit modules, and undoes all of it
-on ``remove``. It is made of one part per job, each a plain class in its own module that gets what it uses
-through its constructor — the shared :class:`~memmode_core.engine.state.EngineState`, and the parts it calls:
+copies through the storage session, hooks the forwards of entry and exit modules and the weight-editing
+methods (:meth:`Runtime.install`), puts the ``_hf_hook`` shim and the guards on the pipeline and its components
+once a handle exists (:meth:`Runtime.attach`), and undoes all of it on :meth:`Runtime.remove`: every hook the
+engine installs, the runtime installs and removes (a handle asks it). It is made of one part per job, each a
+plain class in its own module that gets what it uses through its constructor — the shared
+:class:`~memmode_core.engine.state.EngineState`, and the parts it calls:
 
 * ``moving`` — :class:`Moving(state) <memmode_core.engine.moving.Moving>`: onloading, offloading,
   prefetching, the end of a call;
@@ -17,7 +20,8 @@ through its constructor — the shared :class:`~memmode_core.engine.state.Engine
   hooks around forwards, entry methods and edit methods, and what a hooked call does.
 
 This object builds them in that order and runs the runtime's life: :meth:`Runtime.install`,
-:meth:`Runtime.refresh`, :meth:`Runtime.remove`; what the rest of memmode asks of the engine it asks here.
+:meth:`Runtime.attach`, :meth:`Runtime.refresh`, :meth:`Runtime.remove`; what the rest of memmode asks of the
+engine it asks here.
 
 Threads: calls of one runtime's components, the edit methods it wraps, ``refresh`` and ``remove``
 hold one re-entrant lock (``lock``; see :mod:`~memmode_core.engine.forwards`).
@@ -40,6 +44,7 @@ from memmode_core.engine.forwards import Forwards
 from memmode_core.engine.groups import Group, Part, bind_groups
 from memmode_core.engine.ledger import Ledger
 from memmode_core.engine.moving import Moving
+from memmode_core.engine.pipeline_hooks import PipelineHooks
 from memmode_core.engine.placement_layout import Relayout
 from memmode_core.engine.serving import Serving
 from memmode_core.engine.standins.classes import StandInReader, StandInSource, raw_access
@@ -80,6 +85,8 @@ class Runtime:
         self.serving = Serving(self.state, self.moving, strict=strict)
         self.changes = Changes(self.state, self.moving, self.serving, relayout=relayout, refuse_edit=refuse_edit)
         self.forwards = Forwards(self.state, self.moving, self.serving, self.changes, pipeline=pipeline)
+        #: the ``_hf_hook`` shim and the guards on the pipeline and its components (installed by :meth:`attach`)
+        self.pipeline_hooks = PipelineHooks(pipeline, components, device)
 
     # -- what the rest of memmode reads -----------------------------------------------------------------
 
@@ -212,6 +219,16 @@ class Runtime:
                         f"CPUOffloadPolicy)"
                     )
 
+    def attach(
+        self, on_detach: Callable[[], None], *, mode: str, quantized: Callable[[nn.Module], bool] | None = None
+    ) -> None:
+        """Install the hooks whose work outlives :meth:`install`'s: the ``_hf_hook`` shim on a pipeline's
+        components (``on_detach``: what diffusers' ``remove_all_hooks`` runs, the handle's ``remove``), and the
+        guards — the end of a pipeline's call, refusing diffusers' own offloading while ``mode`` is applied, and
+        refusing ``save_pretrained`` of what ``quantized(module)`` says holds quantized layers
+        (:class:`~memmode_core.engine.pipeline_hooks.PipelineHooks`). :meth:`remove` takes them off."""
+        self.pipeline_hooks.install(mode=mode, on_detach=on_detach, on_call_end=self.end_call, quantized=quantized)
+
     def refresh(self) -> None:
         """Take every weight from the model as it is now (for edits memmode cannot notice).
 
@@ -229,15 +246,19 @@ class Runtime:
             self.forwards.rebuild(name, keep_parts=False)
 
     def remove(self) -> None:
-        """Unhook, and leave every weight in ordinary CPU memory.
+        """Take off every hook this runtime installed, and leave every weight in ordinary CPU memory.
 
         Every group that can be restored is, whatever happens to the others; a group whose stored
         copy is lost (a deleted or damaged file) is left holding placeholders — never a mapping of
         a broken file — and one :class:`RestoreError` names all of them once everything else is
-        undone (hooks off, storage closed).
+        undone (hooks off, storage closed). The shim and the guards (:meth:`attach`) come off last,
+        whatever happened before.
         """
-        with self.state.lock:
-            self._remove()
+        try:
+            with self.state.lock:
+                self._remove()
+        finally:
+            self.pipeline_hooks.remove()
 
     @raw_access
     def _remove(self) -> None:
