@@ -98,7 +98,7 @@ class Handle:
     def reset_stats(self) -> None:
         """Start counting afresh (the peak restarts from what is resident now)."""
         self.ledger.reset_peak()
-        self.runtime.calls.clear()
+        self.runtime.reset_calls()
 
     def refresh(self) -> None:
         """Take every weight from the model as it is now.

@@ -5,17 +5,22 @@ through its constructor, so one can be built and driven without the others.
 moving)`` serves a read of a resting weight (from the storage outside a call, onloaded into a running one)
 with no hooks or change detection. And no part is a mixin: none has a base class of memmode's, and none
 calls a method of another part through ``self``.
+
+Each thing has one owner: a rebuild and an edit are ``Changes``'s from start to end (the hooks only ask it), the
+nesting of calls is ``Moving``'s (the others read it), and the shared state holds only what several parts use.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 
 import pytest
 import torch
 from torch import nn
 
+import memmode_core as memmode
 from fake_plugins import PoisonSession
 from memmode_core import StandInReadError, block_groups, is_placeholder
 from memmode_core.contracts.group_specs import Policy
@@ -86,7 +91,8 @@ def test_serving_serves_a_read_of_a_resting_weight_without_hooks(strict):
     expected = weight.detach().clone()
     state = _resting_state(model)
     group = _block(state, 1)
-    part = Serving(state, Moving(state), strict=strict)
+    moving = Moving(state)
+    part = Serving(state, moving, strict=strict)
     part.rest_as_stand_ins(group)
     try:
         assert type(weight) is ServedParameter and is_stand_in(weight)
@@ -96,11 +102,12 @@ def test_serving_serves_a_read_of_a_resting_weight_without_hooks(strict):
             return
         assert torch.equal(weight * 1, expected), "outside a call: the value, read from the storage"
         assert state.ledger.reads_served == 1 and not group.resident
-        state.depth["model"] = 1  # inside a call of the component: the group is onloaded into it
+        assert moving.enter("model")  # inside a call of the component: the group is onloaded into it
         assert torch.equal(weight * 1, expected) and group.resident
         assert type(weight) is nn.Parameter, "onloaded, it is a plain parameter again"
     finally:
-        state.depth["model"] = 0
+        while moving.depth["model"]:
+            moving.leave("model")
         part.wake_all(group)
 
 
@@ -135,3 +142,57 @@ def test_no_part_calls_another_parts_method_through_self():
         }
         others = set().union(*(methods[other] for other in PARTS if other is not part)) - methods[part]
         assert not used & others, f"{part.__name__} calls other parts' methods through self: {used & others}"
+
+
+class Fusable(Tiny):
+    """A model with a weight-editing method (one of ``watch.EDIT_METHODS``, which writes into the weights)."""
+
+    def fuse_qkv_projections(self):
+        with torch.no_grad():
+            self.blocks[0].weight.mul_(2)
+
+
+def test_a_rebuild_and_an_edit_have_one_owner(monkeypatch):
+    """A changed component is rebuilt, and an edit method runs, through ``Changes`` alone: the hooks ask it
+    (handing it the ``Forwards`` whose hooks it takes off and puts back), and ``Forwards`` has no half of either."""
+    for half in ("rebuild", "changed", "editing", "rebuild_if_changed"):
+        assert not hasattr(Forwards, half), f"Forwards.{half}: a rebuild or an edit has one owner, Changes"
+    for half in ("begin_edit", "end_edit", "release", "regroup"):
+        assert not hasattr(Changes, half), f"Changes.{half}: a half of a rebuild or an edit, called from outside"
+    rebuilds: list[tuple[str, object]] = []
+    rebuild = Changes.rebuild
+
+    def counted(self, component, hooks, **kwargs):
+        rebuilds.append((component, hooks))
+        return rebuild(self, component, hooks, **kwargs)
+
+    monkeypatch.setattr(Changes, "rebuild", counted)
+    model, reference = Fusable(), Fusable()
+    x = torch.randn(3, 4)
+    handle = memmode.apply(model, "model_group_offload", device="cpu", storage="disk")
+    runtime, (name,) = handle.runtime, handle.components  # a bare module is one component
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+        assert rebuilds == []
+        model.blocks[1].bias = nn.Parameter(torch.zeros(4))  # a change, noticed at the next call
+        reference.blocks[1].bias = nn.Parameter(torch.zeros(4))
+        assert runtime.state.marked_changed(name)
+        torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+        assert rebuilds == [(name, runtime.forwards)] and not runtime.state.marked_changed(name)
+        model.fuse_qkv_projections()  # an edit: offloaded and given real values before, rebuilt after
+        reference.fuse_qkv_projections()
+        assert rebuilds[1:] == [(name, runtime.forwards)] and runtime.changes.edit_depth == 0
+        torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    assert len(rebuilds) == 2, "the edit's rebuild left nothing to rebuild at the next call"
+    handle.remove()
+
+
+def test_the_nesting_of_calls_is_movings_and_the_state_holds_only_what_is_shared():
+    fields = {f.name for f in dataclasses.fields(EngineState)}
+    assert not fields & {"depth", "calls", "dirty", "edit_depth"}, "one part's own state, kept in the shared one"
+    state = _resting_state(Tiny())
+    moving = Moving(state)
+    assert moving.enter("model") and not moving.enter("model") and moving.depth["model"] == 2
+    with pytest.raises(TypeError):
+        moving.depth["model"] = 0  # the others read it; only Moving writes it
+    assert not moving.leave("model") and moving.leave("model") and not moving.in_call()

@@ -1,26 +1,31 @@
-"""Noticing that a component's weights changed, and laying it out again.
+"""Noticing that a component's weights changed, laying it out again, and edits: the one owner of rebuilds and edits.
 
 The :class:`Changes` part of the :class:`~memmode_core.engine.runtime.Runtime` (it needs the runtime's
 :class:`~memmode_core.engine.state.EngineState`, its :class:`~memmode_core.engine.moving.Moving` and
 :class:`~memmode_core.engine.serving.Serving` parts). When a component's tensors changed — an adapter was
-injected, a parameter replaced (see :mod:`memmode_core.engine.watch` for how that is noticed) — its groups are
-rebuilt before its next call (:meth:`Changes.changed`, then :meth:`Changes.regroup`, which the forward hooks
-wrap in taking their hooks off and putting them back: :meth:`Forwards.rebuild
-<memmode_core.engine.forwards.Forwards.rebuild>`). A rebuild lays the component out again and keeps every
-stored part whose tensors did not change, so loading a LoRA stores the adapter's weights and nothing else.
-The weight-editing methods of diffusers and transformers run between :meth:`Changes.begin_edit` (offloaded,
-and given real values for those that write into the weights) and :meth:`Changes.end_edit`, then rebuilt.
+injected, a parameter replaced (see :mod:`memmode_core.engine.watch` for how that is noticed; any part marks a
+change with ``state.mark_changed``, this one alone reads and clears the marks) — its groups are rebuilt before
+its next call: the component's entry hook asks :meth:`Changes.rebuild_if_changed`, which decides
+(:meth:`Changes.changed`) and rebuilds (:meth:`Changes.rebuild`): refuses what cannot be rebuilt, offloads the
+component, takes its hooks off, lays it out again and stores what changed, and puts its hooks back. The hooks are
+the :class:`~memmode_core.engine.forwards.Forwards` part's, which is built on this one and so is handed over as
+an argument (:class:`Rehooking`) by whoever asks. A rebuild keeps every stored part whose tensors did not change,
+so loading a LoRA stores the adapter's weights and nothing else. The weight-editing methods of diffusers and
+transformers run inside :meth:`Changes.editing`: refused if the mode cannot take them, offloaded (and given real
+values for those that write into the weights) before, rebuilt after.
 
 A storage that keeps nothing of an offloaded tensor in memory leaves a placeholder in it (see
 :mod:`memmode_core.engine.standins.placeholders`). Nothing computed from a placeholder may become a weight: a
-registration of one is refused (:meth:`Changes.note_registration`), a rebuild and ``remove()`` store
-the real value instead (:meth:`Changes._real_value`), and a non-finite result of a component resting
-on placeholders is explained (:meth:`Changes.explain_non_finite`).
+registration of one is refused (:meth:`Changes.note_registration`), a rebuild stores the real value instead
+(:meth:`Changes._real_value`; ``remove()`` too: :mod:`~memmode_core.engine.replacements`), and a non-finite
+result of a component resting on placeholders is explained (:meth:`Changes.explain_non_finite`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -34,10 +39,24 @@ from memmode_core.engine.hooks import not_traced
 from memmode_core.engine.moving import Moving
 from memmode_core.engine.pipeline_hooks import refuse_foreign_offloading
 from memmode_core.engine.placement_layout import Relayout
+from memmode_core.engine.replacements import computed_from_placeholder, derived_from_placeholder
 from memmode_core.engine.serving import Serving
 from memmode_core.engine.standins.classes import forget, raw_access, raw_reads
 from memmode_core.engine.standins.placeholders import PlaceholderTrap, non_finite
 from memmode_core.engine.state import EngineState
+
+
+class Rehooking(Protocol):
+    """What a rebuild asks of the hooks on a component's modules: the runtime's
+    :class:`~memmode_core.engine.forwards.Forwards` part. It is built on this part (its hooks call
+    :meth:`Changes.rebuild_if_changed` and :meth:`Changes.editing`), so whoever asks for a rebuild or an edit hands
+    it over as an argument: the hooks themselves, or the runtime's ``refresh``."""
+
+    def remove_hooks(self, component: str) -> list: ...
+
+    def install_hooks(self, component: str, retired: Iterable = ()) -> None: ...
+
+    def wrapped_over(self, component: str) -> bool: ...
 
 
 class Changes:
@@ -62,8 +81,8 @@ class Changes:
         self.serving = serving
         self._relayout = relayout
         self._refuse_edit = refuse_edit
-        #: > 0 while a weight-editing method runs (:meth:`begin_edit`): registrations are its own, and a call
-        #: of the component inside it is not rebuilt first
+        #: > 0 while a weight-editing method runs (:meth:`editing`, which alone writes it): registrations are its
+        #: own, and a call of the component inside it is not rebuilt first
         self.edit_depth = 0
         #: makes the storage keys of rebuilt parts unique
         self._generation = 0
@@ -146,17 +165,31 @@ class Changes:
         finally:
             self._diagnosing -= 1
 
+    # -- a rebuild ----------------------------------------------------------------------------------------
+
+    @not_traced
+    def rebuild_if_changed(self, component: str, hooks: Rehooking) -> bool:
+        """A call of ``component`` begins (not nested in another of its calls): rebuild it first if it changed
+        (:meth:`changed`), unless an edit is running (whose end rebuilds it). Returns whether it was rebuilt (the
+        caller then calls through the new hooks)."""
+        if self.edit_depth or not self.changed(component, hooks):
+            return False
+        self.rebuild(component, hooks)
+        return True
+
     @not_traced
     @raw_access
-    def changed(self, component: str) -> bool:
-        """Whether ``component``'s tensors are no longer the ones its groups were built from.
+    def changed(self, component: str, hooks: Rehooking) -> bool:
+        """Whether ``component`` must be rebuilt before its call.
 
-        Runs at each call of the component: a registration was reported, or a tracked tensor is no
-        longer registered where it was, or an offloaded one no longer holds its at-rest data. (A hook wrapped
-        around one of the engine's is the forward hooks' to notice: :meth:`Forwards.changed
-        <memmode_core.engine.forwards.Forwards.changed>`.)
+        Runs at each call of the component: a change was marked (a registration was reported, a resting tensor
+        was given new data or memory of its own: ``state.mark_changed``), or a tracked tensor is no longer
+        registered where it was, or an offloaded one no longer holds its at-rest data, or a hook was wrapped
+        around one of ``hooks`` since (diffusers' ``enable_layerwise_casting`` after ``apply``): the rebuild then
+        installs ours outside it, so weights are onloaded before that hook sees them and offloaded after it is
+        done with them.
         """
-        if component in self.state.dirty:
+        if self.state.marked_changed(component) or hooks.wrapped_over(component):
             return True
         zero_copy = self.moving.zero_copy
         for group in self.state.groups_of[component]:
@@ -166,10 +199,32 @@ class Changes:
                     return True
         return False
 
-    def begin_edit(self, components: list[str], method: str) -> bool:
-        """Before a method that edits weights: offload first (and give writing methods real values). Returns
-        whether this is the outermost edit, whose end rebuilds ``components`` (see :meth:`Forwards.editing
-        <memmode_core.engine.forwards.Forwards.editing>`)."""
+    @not_traced
+    @raw_access
+    def rebuild(self, component: str, hooks: Rehooking, *, keep_parts: bool = True) -> None:
+        """Lay ``component`` out again and store what changed, keeping the stored parts that did not change
+        (``keep_parts=False``: store everything anew, for ``refresh()``); its hooks (``hooks``) are taken off
+        before and installed again after. A rebuild that cannot be done is refused before anything moves."""
+        if self._relayout is None:
+            raise RuntimeError("this runtime cannot rebuild: it was built without a layout function")
+        # another offloading scheme installed since apply would fight memmode over the weights; refuse
+        # before anything moves (remove() still gives every weight back from the storage)
+        refuse_foreign_offloading({component: self.state.components[component]})
+        self.moving.offload_component(component)
+        retired = hooks.remove_hooks(component)
+        self._regroup(component, keep_parts)
+        hooks.install_hooks(component, retired)
+
+    # -- an edit --------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def editing(self, components: list[str], method: str, hooks: Rehooking) -> Iterator[None]:
+        """Around a method that edits the weights of ``components`` (``method``, one of ``watch.EDIT_METHODS``):
+        refused first if the mode cannot take it (``refuse_edit``), offloaded (and, for a method that writes into
+        the weights, given real values), and rebuilt after, whatever it did. Nested edits (a pipeline's
+        ``load_lora_weights`` calling a component's ``load_lora_adapter``) act once, at the outermost; while an
+        edit runs, what it registers is its own (:meth:`note_registration`) and calls of the components are not
+        rebuilt first."""
         outermost = self.edit_depth == 0
         if outermost:
             if self._refuse_edit is not None:
@@ -179,14 +234,14 @@ class Changes:
                 if method in watch.WRITES_WEIGHTS:
                     self._materialize(name)
         self.edit_depth += 1
-        return outermost
-
-    def end_edit(self, components: list[str], outermost: bool) -> None:
-        """After the edit :meth:`begin_edit` began (whatever it did): what it registered is not a change to
-        notice at the next call, since the caller rebuilds ``components`` now."""
-        self.edit_depth -= 1
-        if outermost:
-            self.state.dirty.difference_update(components)
+        try:
+            yield
+        finally:
+            self.edit_depth -= 1
+            if outermost:
+                self.state.clear_changed(components)  # rebuilt now: nothing the edit did is left to notice
+                for name in components:
+                    self.rebuild(name, hooks)
 
     def _materialize(self, component: str) -> None:
         """Give every offloaded tensor of ``component`` whose at-rest value is a placeholder its real
@@ -197,22 +252,9 @@ class Changes:
             if any(is_placeholder(t) for t in group.at_rest.values()):
                 group.assign(self.restore(group))
 
-    @raw_access
-    def release(self, component: str) -> None:
-        """Before a rebuild of ``component``: refuse one that cannot be done, before anything moves, and offload
-        what it has on the device."""
-        if self._relayout is None:
-            raise RuntimeError("this runtime cannot rebuild: it was built without a layout function")
-        # another offloading scheme installed since apply would fight memmode over the weights; refuse
-        # before anything moves (remove() still gives every weight back from the storage)
-        refuse_foreign_offloading({component: self.state.components[component]})
-        self.moving.offload_component(component)
-
-    @not_traced
-    @raw_access
-    def regroup(self, component: str, *, keep_parts: bool = True) -> None:
-        """Lay ``component`` (released: :meth:`release`) out again and store what changed; keep the parts that did
-        not change. Its hooks are the caller's to take off before and put back after."""
+    def _regroup(self, component: str, keep_parts: bool) -> None:
+        """Lay ``component`` (offloaded, its hooks off: :meth:`rebuild`) out again and store what changed; keep the
+        parts that did not change."""
         state = self.state
         components = state.components
         old = state.groups_of[component]
@@ -236,13 +278,12 @@ class Changes:
             for slot in group.slots:
                 if id(slot.tensor) not in held:  # no longer the component's: plain again
                     forget(slot.tensor)
-        state.groups = [g for g in state.groups if g.component != component] + new
-        state.index_groups()
+        state.replace_groups(component, new)
         self.moving.forget_resident(component)  # offloaded by release(); RESIDENT groups are not tracked
         self.moving.restart_recording(component)
         self.note_placeholders(component)
         state.index_members()
-        state.dirty.discard(component)
+        state.clear_changed([component])
 
     def _store_rebuilt(self, group: Group, previous, keep_parts: bool) -> set[str]:
         """Store a rebuilt group: reuse an old group's parts when all of its tensors are here
@@ -342,63 +383,3 @@ class Changes:
             session.check(part.key)
             tensors.update(part.translate(session.restore(part.key)))
         return tensors
-
-    # -- what remove() gives back ----------------------------------------------------------------------
-
-    def replaced_since(self, group: Group, restored: Tensors) -> Tensors:
-        """Slots whose data was replaced since it was stored (``param.data = x``, a cast by ``module.to(dtype)``):
-        the newest value is what ``remove()`` gives back. One computed from the at-rest placeholder (all NaN:
-        the cast of a placeholder) is the stored value put through the same cast."""
-        streams = self.state.streams
-        newest: Tensors = {}
-        for slot in group.slots:
-            expected = slot.live_ptr if (group.resident and not self.moving.zero_copy) else slot.rest_ptr
-            current = slot.tensor.data
-            if current.data_ptr() == expected or slot.name not in restored:
-                continue
-            if computed_from_placeholder(current, group.at_rest.get(slot.name)):
-                newest[slot.name] = restored[slot.name].to(dtype=current.dtype)
-            else:
-                newest[slot.name] = current if streams.is_host(current.device) else streams.to_host(current)
-        return newest
-
-    def restore_replacements(self, group: Group, restored: Tensors) -> None:
-        """Tensors registered since the last rebuild in place of this group's ones (a component's ``to()``
-        or ``_apply`` making new parameters) go back to ordinary CPU memory too, and one computed from
-        the at-rest placeholder (all NaN) gets the stored value, in its own dtype: nothing computed from
-        a placeholder outlives ``remove()``."""
-        streams = self.state.streams
-        for slot in group.slots:
-            if slot.registered():
-                continue
-            registry = slot.owner._buffers if slot.is_buffer else slot.owner._parameters
-            now = registry.get(slot.attr)
-            if now is None or slot.name not in restored:
-                continue
-            if computed_from_placeholder(now, group.at_rest.get(slot.name)):
-                now.data = restored[slot.name].to(dtype=now.dtype)
-            elif not now.is_meta and not streams.is_host(now.device):  # meta: accelerate's to give back
-                now.data = streams.to_host(now.data)
-
-
-def computed_from_placeholder(current: torch.Tensor, at_rest: torch.Tensor | None) -> bool:
-    """Whether ``current`` holds nothing but what the at-rest placeholder ``at_rest`` gives: that placeholder
-    (or a view of it), or a tensor computed from it (a cast). What stands in for it is the stored value."""
-    return (
-        at_rest is not None
-        and is_placeholder(at_rest)
-        and current.shape == at_rest.shape
-        and (is_placeholder(current) or derived_from_placeholder(current, at_rest))
-    )
-
-
-def derived_from_placeholder(current: torch.Tensor, at_rest: torch.Tensor) -> bool:
-    """Whether ``current`` holds nothing but the placeholder's fill (NaN for floats): a value
-    computed from the placeholder. Real weights are never entirely NaN."""
-    if (
-        not (current.dtype.is_floating_point and at_rest.dtype.is_floating_point)
-        or current.numel() == 0
-        or current.is_meta
-    ):
-        return False
-    return bool(torch.isnan(current).all())

@@ -1,26 +1,30 @@
 """The hooks the engine installs on a component's modules and on the weight-editing methods: what runs when a
 placed module's forward, a component's entry method or an editing method is called.
 
-The :class:`~memmode_core.engine.forwards.Forwards` part installs them (see there for which module gets which)
-and is what they call back (:class:`Calls`). Each is a named hook (:mod:`~memmode_core.engine.hooks`):
+The :class:`~memmode_core.engine.forwards.Forwards` part installs and removes them (see there for which module
+gets which) and is what they call back (:class:`Calls`), with the parts it holds: ``moving`` (onloads, offloads,
+the nesting of calls) and ``changes`` (the one owner of rebuilds and edits, handed the ``Forwards`` whose hooks it
+takes off and puts back). Each is a named hook (:mod:`~memmode_core.engine.hooks`):
 
 * ``memmode.groups`` (:class:`GroupHook`, :class:`GroupsHook`) on a module inside a component:
   onload the groups it enters before its forward, offload the streamed groups it exits after;
 * ``memmode.component_entry`` (:class:`ComponentEntryHook`) on a component's root: one call of the
-  component at a time (the runtime's lock), its groups rebuilt first if its weights changed, the call
-  counted, and on return whatever it left on the device offloaded (its own exit is that leave step);
+  component at a time (the runtime's lock), its groups rebuilt first if its weights changed
+  (:meth:`Changes.rebuild_if_changed <memmode_core.engine.changes.Changes.rebuild_if_changed>`), the call
+  entered (:meth:`Moving.enter <memmode_core.engine.moving.Moving.enter>`) and counted, and on return whatever
+  it left on the device offloaded (its own exit is that leave step);
 * ``memmode.entry_method:<name>`` (:class:`EntryMethodHook`) on the component's other entry points
   (:func:`~memmode_core.engine.forwards.entry_methods`): called from outside the component it enters it as
   the forward does, called from inside it is the method itself;
 * ``memmode.weight_edit:<name>`` (:class:`WeightEditHook`) on the weight-editing methods of the
-  pipeline and the components: offload before, rebuild after (:meth:`Calls.editing`).
+  pipeline and the components: offload before, rebuild after (:meth:`Changes.editing
+  <memmode_core.engine.changes.Changes.editing>`).
 
 A leaf's hook is the hot path of a placed model: one frame, a few attribute reads (its own slots) per call.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -40,21 +44,23 @@ MAX_RECORDED_CALLS = 100_000
 
 
 class Calls(Protocol):
-    """What the hooks call back: the runtime's :class:`~memmode_core.engine.forwards.Forwards` part."""
+    """What the hooks call back: the runtime's :class:`~memmode_core.engine.forwards.Forwards` part (which is also
+    the :class:`~memmode_core.engine.changes.Rehooking` a rebuild or an edit is handed)."""
 
     state: EngineState
     moving: Moving
     changes: Changes
-
-    def changed(self, component: str) -> bool: ...
-
-    def rebuild(self, component: str) -> None: ...
+    calls: list[str]
 
     def leave(self, component: str) -> None: ...
 
-    def editing(self, components: list[str], method: str) -> contextlib.AbstractContextManager: ...
-
     def offloaded_read(self, module: nn.Module, error: RuntimeError) -> OffloadedWeightReadError: ...
+
+    def remove_hooks(self, component: str) -> list: ...
+
+    def install_hooks(self, component: str, retired: Iterable = ()) -> None: ...
+
+    def wrapped_over(self, component: str) -> bool: ...
 
 
 def _keys(groups: Iterable[Group], shown: int = 4) -> str:
@@ -147,7 +153,7 @@ class ComponentEntryHook(GroupsHook):
     """``memmode.component_entry``, on a component's root: a call of the component (see the module docstring)."""
 
     kind = "memmode.component_entry"
-    __slots__ = ("component", "changes", "depth", "calls", "lock", "leave")
+    __slots__ = ("component", "changes", "depth", "begin", "calls", "lock", "leave")
 
     def __init__(
         self, forwards: Calls, module: nn.Module, enters: list[Group], component: str, method: str = "forward"
@@ -155,22 +161,20 @@ class ComponentEntryHook(GroupsHook):
         super().__init__(forwards, module, enters, [], method)  # its exit is the leave step
         self.component = component
         self.changes = forwards.changes
-        state = forwards.state
-        self.depth = state.depth
-        self.calls = state.calls
-        self.lock = state.lock
+        self.depth = forwards.moving.depth  # read-only: the nesting of calls is Moving's
+        self.begin = forwards.moving.enter
+        self.calls = forwards.calls
+        self.lock = forwards.state.lock
         self.leave = forwards.leave
 
     def enter(self, *args, **kwargs):
         if not self.active:
             return self.passthrough()(*args, **kwargs)
-        forwards, changes, component, depth = self.forwards, self.changes, self.component, self.depth
+        changes, component, depth = self.changes, self.component, self.depth
         with self.lock:  # one call of this handle's components at a time (see the module docstring)
-            if depth[component] == 0 and not changes.edit_depth and forwards.changed(component):
-                forwards.rebuild(component)
+            if not depth[component] and changes.rebuild_if_changed(component, self.forwards):
                 return getattr(self.owner, self.method)(*args, **kwargs)  # through the rebuilt wrappers
-            depth[component] += 1
-            if depth[component] == 1 and len(self.calls) < MAX_RECORDED_CALLS:
+            if self.begin(component) and len(self.calls) < MAX_RECORDED_CALLS:
                 self.calls.append(component)
             try:
                 result = self._step(args, kwargs)
@@ -222,7 +226,7 @@ class EntryMethodHook(ComponentEntryHook):
 
 class WeightEditHook(MethodWrapper):
     """``memmode.weight_edit:<name>``, on a method that adds, removes or rewrites weights (``watch.EDIT_METHODS``):
-    runs it inside :meth:`Forwards.editing` of ``components``."""
+    runs it inside :meth:`Changes.editing <memmode_core.engine.changes.Changes.editing>` of ``components``."""
 
     kind = "memmode.weight_edit"
     __slots__ = ("forwards", "components")
@@ -236,7 +240,7 @@ class WeightEditHook(MethodWrapper):
         if not self.active:
             return self.passthrough()(*args, **kwargs)
         forwards = self.forwards
-        with forwards.state.lock, forwards.editing(self.components, self.method):
+        with forwards.state.lock, forwards.changes.editing(self.components, self.method, forwards):
             return self.original(*args, **kwargs)
 
     def describe(self) -> str:

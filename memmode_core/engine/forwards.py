@@ -1,16 +1,19 @@
-"""The forward wrappers: where the engine hooks a placed component, and what a hooked call does.
+"""The forward wrappers: where the engine hooks a placed component, and what a hooked call does besides a rebuild.
 
 The :class:`Forwards` part of the :class:`~memmode_core.engine.runtime.Runtime` (it needs the runtime's
 :class:`~memmode_core.engine.state.EngineState` and its three other parts: it calls
-:class:`~memmode_core.engine.moving.Moving` around forwards, :class:`~memmode_core.engine.changes.Changes` when
-weights changed, and :class:`~memmode_core.engine.serving.Serving` when a call ends) installs, for each
-component, one hook (:mod:`~memmode_core.engine.component_hooks`) per module that enters or exits one of its
-groups, one on its root and on each of its other entry points (:func:`entry_methods`), and one on each
-weight-editing method of the pipeline and the components (see :mod:`~memmode_core.engine.hooks` for what
-every hook guarantees). The hooks call it back: a changed component is rebuilt before its call
-(:meth:`Forwards.changed`, :meth:`Forwards.rebuild`), a call's end offloads what is left and applies what was
-learned of its readers (:meth:`Forwards.leave`), an edit is offloaded before and rebuilt after
-(:meth:`Forwards.editing`).
+:class:`~memmode_core.engine.moving.Moving` around forwards and :class:`~memmode_core.engine.serving.Serving` when a
+call ends, and hands :class:`~memmode_core.engine.changes.Changes` to the hooks) installs, for each component, one
+hook (:mod:`~memmode_core.engine.component_hooks`) per module that enters or exits one of its groups, one on its
+root and on each of its other entry points (:func:`entry_methods`), and one on each weight-editing method of the
+pipeline and the components (see :mod:`~memmode_core.engine.hooks` for what every hook guarantees). It owns those
+hooks: it puts them on and takes them off (:meth:`Forwards.install_hooks`, :meth:`Forwards.remove_hooks`), and
+records the components' calls (``calls``). The hooks call back: a call's end offloads what is left and applies
+what was learned of its readers (:meth:`Forwards.leave`); whether a component is rebuilt before its call, and
+what an edit does, is the one owner's of rebuilds and edits, :class:`~memmode_core.engine.changes.Changes`
+(:meth:`~memmode_core.engine.changes.Changes.rebuild_if_changed`,
+:meth:`~memmode_core.engine.changes.Changes.editing`), which takes these hooks off and puts them back through
+this part.
 
 Threads: calls of one runtime's components, the edit methods it wraps, ``refresh`` and ``remove``
 hold one re-entrant lock, so two threads calling one placed pipeline run one call at a time and
@@ -23,7 +26,6 @@ module that owns it) fails on CUDA with a device mismatch, which the hooks turn 
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from collections.abc import Iterable
 
@@ -44,7 +46,6 @@ from memmode_core.engine.groups import Group, module_path
 from memmode_core.engine.hooks import MethodWrapper, not_traced
 from memmode_core.engine.moving import Moving
 from memmode_core.engine.serving import Serving
-from memmode_core.engine.standins.classes import raw_access
 from memmode_core.engine.state import EngineState
 
 #: methods besides ``forward`` through which a pipeline calls a component, wherever they are defined
@@ -55,8 +56,8 @@ COMPONENT_METHODS = ("encode", "decode")
 class Forwards:
     """Installing and removing the hooks of each component of ``state``, and of the weight-editing methods (of
     the components, and of ``pipeline`` if there is one); and what those hooks do beyond moving groups (through
-    ``moving``): rebuilding a changed component (``changes``), learning the readers of resting groups at the end
-    of a call (``serving``), editing."""
+    ``moving``) and beyond rebuilds and edits (``changes``, handed to them): counting calls, learning the readers
+    of resting groups at the end of a call (``serving``)."""
 
     def __init__(
         self,
@@ -74,44 +75,13 @@ class Forwards:
         self._pipeline = pipeline
         #: component -> the hooks on its modules (forwards and other entry methods)
         self.wrappers: dict[str, list[GroupsHook]] = {name: [] for name in state.components}
+        #: calls of each component since apply or ``Runtime.reset_calls`` (a nested call counts once), in order;
+        #: appended by the component entry hooks
+        self.calls: list[str] = []
         #: the hooks on the weight-editing methods of the pipeline and the components
         self.edit_wrappers: list[WeightEditHook] = []
 
-    # -- a component's call, and an edit ----------------------------------------------------------------
-
-    def changed(self, component: str) -> bool:
-        """Whether ``component`` must be rebuilt before its call: its tensors changed (:meth:`Changes.changed`),
-        or a hook was wrapped around one of ours (diffusers' ``enable_layerwise_casting`` after ``apply``): the
-        rebuild then installs ours outside it, so weights are onloaded before that hook sees them and offloaded
-        after it is done with them."""
-        if component in self.state.dirty:
-            return True
-        if self.wrapped_over(component):  # a hook installed after apply wraps ours: rebuild puts ours outside it
-            return True
-        return self.changes.changed(component)
-
-    @not_traced
-    @raw_access
-    def rebuild(self, component: str, *, keep_parts: bool = True) -> None:
-        """Lay ``component`` out again and store what changed (:meth:`Changes.regroup`), its hooks taken off
-        before and installed again after."""
-        self.changes.release(component)
-        retired = self.remove_hooks(component)
-        self.changes.regroup(component, keep_parts=keep_parts)
-        self.install_hooks(component, retired)
-
-    @contextlib.contextmanager
-    def editing(self, components: list[str], method: str):
-        """Around a method that edits weights: offload first (and give writing methods real values),
-        rebuild the groups after."""
-        outermost = self.changes.begin_edit(components, method)
-        try:
-            yield
-        finally:
-            self.changes.end_edit(components, outermost)
-            if outermost:
-                for name in components:
-                    self.rebuild(name)
+    # -- a component's call ------------------------------------------------------------------------------
 
     @not_traced
     def leave(self, component: str) -> None:
@@ -119,7 +89,7 @@ class Forwards:
         groups during it enter them from now on (:meth:`relearn`)."""
         learned = self.serving.learned
         if self.moving.leave(component) and learned:
-            depth = self.state.depth
+            depth = self.moving.depth
             for name in [n for n in learned if not depth[n]]:
                 self.relearn(name)
 

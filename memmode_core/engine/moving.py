@@ -2,9 +2,10 @@
 
 The :class:`Moving` part of the :class:`~memmode_core.engine.runtime.Runtime` (it needs nothing but the
 runtime's :class:`~memmode_core.engine.state.EngineState`) owns what is where: the groups each component
-has resident on the device, the component the device serves now (``active``), and the books it keeps in the
-state's ledger. The forward hooks (:mod:`~memmode_core.engine.forwards`) call :meth:`Moving.ensure` and
-:meth:`Moving.offload` around the modules a group enters and exits; a component's return
+has resident on the device, the component the device serves now (``active``), the calls running now (how deeply
+each component's calls are nested: :meth:`Moving.enter`, :meth:`Moving.leave`; the others read ``depth``), and
+the books it keeps in the state's ledger. The forward hooks (:mod:`~memmode_core.engine.forwards`) call
+:meth:`Moving.ensure` and :meth:`Moving.offload` around the modules a group enters and exits; a component's return
 (:meth:`Moving.leave`) and a pipeline's (:meth:`Moving.end_call`) offload what is left, and a component that
 needs the device takes it from idle ones (:meth:`Moving._switch_to`).
 
@@ -24,6 +25,7 @@ the compute stream when it is entered.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 
@@ -38,9 +40,9 @@ from memmode_core.engine.state import EngineState
 class Moving:
     """Onloading, offloading, prefetching and their books, for the groups of ``state``.
 
-    It owns what is resident now, which component the device serves (``active``) and the prefetch order; the
-    nesting of calls is the state's (``state.depth``, kept by the forward hooks). A replaced tensor found at
-    offload marks its component changed (``state.mark_changed``).
+    It owns what is resident now, which component the device serves (``active``), the nesting of calls (written
+    by :meth:`enter` and :meth:`leave` only; ``depth`` is its read-only view) and the prefetch order. A replaced
+    tensor found at offload marks its component changed (``state.mark_changed``).
     """
 
     def __init__(
@@ -57,6 +59,10 @@ class Moving:
         self.streams = state.streams
         #: the component the device serves now
         self.active: str | None = None
+        #: component -> how deeply its calls are nested now (0: not in a call)
+        self._depth: dict[str, int] = {name: 0 for name in components}
+        #: the same, read-only, for the hooks and parts that ask (only :meth:`enter` and :meth:`leave` write it)
+        self.depth: Mapping[str, int] = MappingProxyType(self._depth)
         #: component -> its groups resident now (a dict: ordered, O(1) removal)
         self._resident: dict[str, dict[Group, None]] = {name: {} for name in components}
         #: copies can run on a side stream: prefetch, and synchronise before weights leave the device
@@ -166,7 +172,7 @@ class Moving:
     def _switch_to(self, component: str) -> None:
         """Another component needs the device: offload what idle components left resident."""
         for name, resident in self._resident.items():
-            if name != component and resident and self.state.depth[name] == 0:
+            if name != component and resident and self._depth[name] == 0:
                 for group in list(resident):
                     self.offload(group)
         self.active = component
@@ -177,7 +183,7 @@ class Moving:
         if not self._offload_after_call:
             return
         with self.state.lock:
-            if self.state.in_call():
+            if self.in_call():
                 return  # called from inside a component's call: not the end of the pipeline's
             for name in self.state.components:
                 self.offload_component(name)
@@ -223,11 +229,21 @@ class Moving:
                 pending.append((start, end))
         self._timings = pending
 
+    def enter(self, component: str) -> bool:
+        """A call of ``component`` begins (its entry hook, holding the lock). Returns whether it is the outermost
+        one (not nested in another call of the component)."""
+        self._depth[component] += 1
+        return self._depth[component] == 1
+
+    def in_call(self) -> bool:
+        """Whether a call of one of the components is running now."""
+        return any(self._depth.values())
+
     @not_traced
     def leave(self, component: str) -> bool:
         """A component's forward returned: offload what it left resident, once it is no longer nested. Returns
         whether its call ended (it is no longer nested)."""
-        depth = self.state.depth
+        depth = self._depth
         depth[component] -= 1
         if depth[component]:
             return False

@@ -11,13 +11,18 @@ plain class in its own module that gets what it uses through its constructor —
 :class:`~memmode_core.engine.state.EngineState`, and the parts it calls:
 
 * ``moving`` — :class:`Moving(state) <memmode_core.engine.moving.Moving>`: onloading, offloading,
-  prefetching, the end of a call;
+  prefetching, the calls running now (their nesting), the end of a call;
 * ``serving`` — :class:`Serving(state, moving) <memmode_core.engine.serving.Serving>`: resting tensors as
   stand-ins that serve every read of their value (see :mod:`memmode_core.engine.standins`);
-* ``changes`` — :class:`Changes(state, moving, serving) <memmode_core.engine.changes.Changes>`: noticing
-  changed weights and laying a component out again, edits, placeholders;
+* ``changes`` — :class:`Changes(state, moving, serving) <memmode_core.engine.changes.Changes>`: the one owner
+  of rebuilds and edits — noticing changed weights, laying a component out again (its hooks taken off and put
+  back through ``forwards``, handed to it), what an edit method does; placeholders;
 * ``forwards`` — :class:`Forwards(state, moving, serving, changes) <memmode_core.engine.forwards.Forwards>`: the
-  hooks around forwards, entry methods and edit methods, and what a hooked call does.
+  hooks around forwards, entry methods and edit methods (it installs and removes them), and what a hooked call
+  does besides a rebuild or an edit.
+
+Besides the parts, it keeps the hooks on the pipeline itself (``pipeline_hooks``:
+:class:`~memmode_core.engine.pipeline_hooks.PipelineHooks`).
 
 This object builds them in that order and runs the runtime's life: :meth:`Runtime.install`,
 :meth:`Runtime.attach`, :meth:`Runtime.refresh`, :meth:`Runtime.remove`; what the rest of memmode asks of the
@@ -46,6 +51,7 @@ from memmode_core.engine.ledger import Ledger
 from memmode_core.engine.moving import Moving
 from memmode_core.engine.pipeline_hooks import PipelineHooks
 from memmode_core.engine.placement_layout import Relayout
+from memmode_core.engine.replacements import replaced_since, restore_replacements
 from memmode_core.engine.serving import Serving
 from memmode_core.engine.standins.classes import StandInReader, StandInSource, raw_access
 from memmode_core.engine.state import EngineState
@@ -113,8 +119,12 @@ class Runtime:
 
     @property
     def calls(self) -> list[str]:
-        """Calls of each component since apply or ``reset_calls``, in order."""
-        return self.state.calls
+        """Calls of each component since apply or :meth:`reset_calls`, in order (the component hooks count them)."""
+        return self.forwards.calls
+
+    def reset_calls(self) -> None:
+        """Count calls afresh (``handle.reset_stats()``)."""
+        self.forwards.calls.clear()
 
     @property
     def lock(self) -> threading.RLock:
@@ -222,7 +232,7 @@ class Runtime:
     def attach(
         self, on_detach: Callable[[], None], *, mode: str, quantized: Callable[[nn.Module], bool] | None = None
     ) -> None:
-        """Install the hooks whose work outlives :meth:`install`'s: the ``_hf_hook`` shim on a pipeline's
+        """Install the hooks that need a handle, once :meth:`install` is done: the ``_hf_hook`` shim on a pipeline's
         components (``on_detach``: what diffusers' ``remove_all_hooks`` runs, the handle's ``remove``), and the
         guards — the end of a pipeline's call, refusing diffusers' own offloading while ``mode`` is applied, and
         refusing ``save_pretrained`` of what ``quantized(module)`` says holds quantized layers
@@ -243,7 +253,7 @@ class Runtime:
         self.moving.synchronize()
         for name in self.state.components:
             self.moving.bring_back(name)
-            self.forwards.rebuild(name, keep_parts=False)
+            self.changes.rebuild(name, self.forwards, keep_parts=False)
 
     def remove(self) -> None:
         """Take off every hook this runtime installed, and leave every weight in ordinary CPU memory.
@@ -273,9 +283,9 @@ class Runtime:
                     group.assign({n: streams.to_host(t) for n, t in group.tensors().items()})
                 else:
                     restored = self.changes.restore(group)
-                    restored.update(self.changes.replaced_since(group, restored))
+                    restored.update(replaced_since(group, restored, streams, zero_copy=self.moving.zero_copy))
                     group.assign(restored)
-                    self.changes.restore_replacements(group, restored)
+                    restore_replacements(group, restored, streams)
             except Exception as exc:  # noqa: BLE001 - every failure is reported, after the other groups
                 failed[group.key] = str(exc) or type(exc).__name__
                 group.assign({s.name: placeholder(s.tensor.data) for s in group.slots})

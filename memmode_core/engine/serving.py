@@ -125,6 +125,10 @@ class Serving:
 
     # -- reads ----------------------------------------------------------------------------------------------
 
+    def in_call(self) -> bool:
+        """Whether a call of one of the components is running now (a read then onloads into it)."""
+        return self.moving.in_call()
+
     def _count(self, source: SlotSource | StandInSource, nbytes: int, reader: StandInReader) -> None:
         if not reader.counted:
             return

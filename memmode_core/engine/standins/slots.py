@@ -39,6 +39,8 @@ class Serves(Protocol):
 
     state: EngineState
 
+    def in_call(self) -> bool: ...
+
     def onload_for_read(self, source: SlotSource, reader: StandInReader) -> None: ...
 
     def serve(self, source: SlotSource, reader: StandInReader) -> torch.Tensor: ...
@@ -77,7 +79,7 @@ class SlotSource(StandInSource):
         with state.lock:
             if type(tensor) not in PLAIN_CLASS:
                 return tensor
-            if state.in_call():
+            if serving.in_call():
                 serving.onload_for_read(self, reader)
                 return tensor
             at_rest = self.group.at_rest.get(self.slot.name)
@@ -118,7 +120,7 @@ class SlotSource(StandInSource):
         with state.lock:
             if type(tensor) in PLAIN_CLASS:
                 at_rest = self.group.at_rest.get(self.slot.name)
-                if state.in_call():
+                if serving.in_call():
                     serving.onload_for_read(self, StandInReader("write", None, counted=False))
                 elif at_rest is None or is_placeholder(at_rest):
                     serving.give_own_memory(self)
