@@ -25,12 +25,15 @@ the table of ``tests/layers.py``):
    targets, the group vocabulary (``group_specs``: ``GroupSpec``, ``Policy``), ``packing`` (a group's tensors
    in one flat buffer), the one table of deprecated names (``deprecation``);
 1. mechanics: ``engine/`` (``groups``: the group model and claiming; ``placement_layout``: a placement's
-   layout as core adjusts it, and the engine's rebuilds; ``runtime``: the engine of one ``apply``, made of
-   parts that each get their collaborators through their constructor — ``state`` (what they share),
-   ``moving``, ``serving``, ``changes``, ``forwards`` (with ``component_hooks``); ``standins/``: every read
-   of a resting or quantized weight gets its value, the rule and the four kinds of call stated in its
-   ``__init__``; ``copying``: copies of placed objects; ``hooks``: named hooks and their registry;
-   ``pipeline_hooks``, ``watch``, ``inputs``, ``ledger``, ``staging``, ``streams``: the one door to the
+   layout as core adjusts it, and the engine's rebuilds; ``runtime``: the engine of one ``apply``, which
+   installs and removes every hook the engine puts on a model or pipeline, made of parts that each get their
+   collaborators through their constructor — ``state`` (only what several parts share), ``moving`` (with the
+   nesting of calls), ``serving``, ``changes`` (the one owner of rebuilds and edits; ``replacements``: what a
+   rebuild and ``remove`` store in place of a replaced tensor), ``forwards`` (the hooks, with
+   ``component_hooks``); ``standins/``: every read of a resting or quantized weight gets its value, the rule
+   and the four kinds of call stated in its ``__init__``; ``copying``: copies of placed objects; ``hooks``:
+   named hooks and their registry; ``pipeline_hooks`` (the ``_hf_hook`` shim and the guards on a pipeline),
+   ``watch``, ``inputs``, ``ledger``, ``staging``, ``streams``: the one door to the
    accelerator), ``files/`` (group files, checkpoints; what the layers above use is what
    ``memmode_core.files`` exports) and ``quantization/`` (``packed``, ``sizes``, ``forward``, ``selection``,
    ``quantizing``, ``saved``: everything a quantizer does besides packing one weight);

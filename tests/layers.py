@@ -4,9 +4,14 @@
 counts the calls that go up them at run time.
 
 0. ``contracts/`` — interfaces and vocabulary: errors, typed options, hookspecs, devices, costs, the
-   placement, quantizer, resolver and storage contracts, targets, the group vocabulary (``layout``), packing;
-1. mechanics — ``engine/`` (groups, runtime = moving + changes + forwards, hooks, inputs, watch, ledger,
-   staging, streams, pipeline hooks), ``files/`` (group files) and ``quantization/`` (the packed-layer mechanics);
+   placement, quantizer, reader, resolver and storage contracts, targets, the group vocabulary
+   (``group_specs``), packing, the one table of deprecated names;
+1. mechanics — ``engine/`` (groups and placement layouts; the runtime, which installs and removes every hook
+   of the engine and is made of parts built on one shared state: moving (with the nesting of calls), serving
+   (the stand-ins of ``standins/``), changes (the one owner of rebuilds and edits) and forwards (the hooks
+   around forwards and edit methods); pipeline hooks (the ``_hf_hook`` shim and the guards), named hooks,
+   watch, inputs, ledger, staging, streams), ``files/`` (group files, checkpoints) and ``quantization/`` (the
+   packed-layer mechanics);
 2. ``discovery/`` — plugins, grammar, the first-party table (it checks registrations against the contracts);
 3. ``planning/`` — the request, the prepared plan, the planner, storage costs;
 4. ``builtin/`` — the built-in plugins (``auto`` uses the planner);

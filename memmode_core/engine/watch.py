@@ -5,7 +5,7 @@ Two mechanisms, both cheap enough for the hot path:
 - PyTorch's global registration hooks (``register_module_parameter_registration_hook`` and its
   buffer and submodule siblings) report every ``module.x = Parameter(...)``, ``register_buffer``
   and ``setattr(parent, name, module)`` in the process. Those on a module that belongs to a placed
-  component mark that component dirty — this is how an adapter injected by peft (a new
+  component mark that component changed — this is how an adapter injected by peft (a new
   ``lora.Linear`` set on its parent) is noticed. One set of hooks is installed for the process and
   dispatches to the live runtimes through weak references, so a model that is dropped without
   ``remove()`` is still freed.
