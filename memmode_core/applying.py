@@ -10,8 +10,9 @@ and :func:`execute` reads, in the order of the contract:
 1. find the modes placing the target now (:func:`memmode_core.handover.placing`);
 2. make room in the storage, while nothing has been touched;
 3. take the old modes off;
-4. pack what the plan selects (:func:`memmode_core.layer_packing.pack`; ``load`` packed it ahead, and says so with
-   the :class:`~memmode_core.layer_packing.Packed` it hands over);
+4. pack what the plan selects (:func:`memmode_core.layer_packing.pack`: from the weights in memory, or, for
+   ``load``, from the checkpoint they are views of, which it names with a
+   :class:`~memmode_core.layer_packing.FromCheckpoint`);
 5. install the engine, and return the handle.
 
 Applying a mode to a target that already has one replaces the placement cleanly: the old one is removed
@@ -38,7 +39,7 @@ from memmode_core.engine.runtime import Runtime
 from memmode_core.files import give_back_freed_memory
 from memmode_core.handle import Handle, handle_of
 from memmode_core.handover import placing, put_back, say_moves
-from memmode_core.layer_packing import NOTHING, Packed, lent_while_storing, pack, refuse_stale_selection
+from memmode_core.layer_packing import FromCheckpoint, lent_while_storing, pack, refuse_stale_selection
 from memmode_core.planning.prepared import Prepared, prepare_target
 from memmode_core.planning.request import Request
 
@@ -131,12 +132,12 @@ def apply(
     return execute(prepared)
 
 
-def execute(prepared: Prepared, ahead: Packed = NOTHING) -> Handle:
-    """Act on a prepared plan (see the module docstring); ``ahead``: the layers ``load`` packed while it streamed
-    the checkpoint, which are not packed again."""
+def execute(prepared: Prepared, checkpoint: FromCheckpoint | None = None) -> Handle:
+    """Act on a prepared plan (see the module docstring); ``checkpoint``: the target's weights are views of a
+    checkpoint ``load`` bound, and its layers are packed while they are read."""
     internal = prepared.internal
     taken_off = placing(internal.whole)
-    refuse_stale_selection(internal, ahead)
+    refuse_stale_selection(internal)
     session = open_session(prepared)
     try:  # room for what will be stored, before packing: a refusal leaves the target untouched
         if session is not None:
@@ -149,9 +150,9 @@ def execute(prepared: Prepared, ahead: Packed = NOTHING) -> Handle:
     try:
         for previous in taken_off:
             previous.remove()
-        packing = pack(internal, ahead)
+        packing = pack(internal, checkpoint)
         summaries = packing.summaries
-        with lent_while_storing(internal, packing.streamed_now.mappings):
+        with lent_while_storing(internal, packing.streamed, checkpoint):
             runtime, ledger = install(prepared, session, internal.stored_sizes)
     except BaseException as exc:
         if session is not None:
@@ -163,7 +164,7 @@ def execute(prepared: Prepared, ahead: Packed = NOTHING) -> Handle:
         give_back_freed_memory()  # what packing and storing freed: the heap kept GiBs past apply
     if summaries:
         logger.info("memmode: %s quantized %s with %s", internal.target.label, ", ".join(summaries), prepared.quantizer)
-    handle = Handle(prepared, runtime, ledger, summaries)
+    handle = Handle(prepared, runtime, ledger, summaries, streamed=packing.streamed)
     handle.attach()
     say_moves(prepared, taken_off)
     return handle

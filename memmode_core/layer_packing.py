@@ -1,29 +1,28 @@
-"""The layer-packing stage: the layers a plan selects, packed in its quantizer's format — written once, for
-``apply`` and ``load``. (Packing a *group*'s tensors into one flat buffer is another thing:
+"""The layer-packing stage: the layers a plan selects, packed in its quantizer's format — once, for ``apply``
+and ``load``, as step 4 of ``execute``. (Packing a *group*'s tensors into one flat buffer is another thing:
 :mod:`memmode_core.contracts.packing`.)
 
-A plan says which layers of each component its quantizer packs (``prepared.internal.selections``); this module
-packs them, fed by one of two sources:
+A plan says which layers of each component its quantizer packs (``prepared.internal.selections``); :func:`pack`
+packs them in one of two ways:
 
-* **weights in memory** (``apply``): :func:`pack` packs each selected component in memory, or — where the
-  storage keeps offloaded bytes elsewhere than in memory (a file, page-locked slabs), or the ranks of one machine
-  pack once between them — one layer at a time into a streamed file that is mapped back;
-* **a checkpoint streamed layer by layer** (``load``): :func:`pack_while_streaming` packs every selected
-  component into streamed files as the checkpoint's pages are read, before the plan is executed, and returns
-  what it did as a :class:`Packed` value. ``execute`` hands that to :func:`pack`, which then only installs the
-  dequantizing forwards of those components.
+* **in memory**: each selected component packed at once, where its packed layers are the stored copy
+  (``ram``, a full load);
+* **one layer at a time into a streamed file** that is mapped back
+  (:mod:`memmode_core.quantization.streaming`): where the storage keeps offloaded bytes elsewhere than in memory
+  (a file, page-locked slabs), where the ranks of one machine pack once between them, and always for ``load``,
+  whose weights are views of a checkpoint's pages (:class:`FromCheckpoint`: its staging folder and what names
+  each component's weights, for the ranks to agree on one file).
 
-Both go through one streaming routine (:func:`_stream`); the plan is never written into: what was packed ahead
-travels as a :class:`Packed` value beside it.
-
-Streamed files' mappings are lent to file storages (:func:`lent_while_storing`), which keep the groups lying in
-them by reference instead of writing them again.
+Each layer is made packed, and running, by the one stage that makes packed layers
+(:mod:`memmode_core.quantization.making`); what was streamed comes back as a :class:`Packed` value. Streamed
+files' mappings are lent to file storages (:func:`lent_while_storing`), which keep the groups lying in them by
+reference instead of writing them again.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,14 +33,28 @@ from memmode_core import quantization
 from memmode_core.contracts.errors import IncompatibleModeError
 from memmode_core.files import MadeOnce, lending, ranks_share_a_machine, source_of_mapping
 from memmode_core.planning.internal_plan import InternalPlan
-from memmode_core.quantization import saved
+from memmode_core.quantization.streaming import stream_quantize, weights_source
 
 logger = logging.getLogger("memmode")
 
 
 @dataclass(frozen=True)
+class FromCheckpoint:
+    """``load``'s weights: views of a checkpoint's pages, packed while they are read into ``staging_dir``.
+
+    ``sources``: component -> what names the weights it was bound from (the checkpoint's files, the dtype and
+    variant they are read in), for the ranks of one machine to pack each component once. ``in_place``: ``load``'s
+    argument, which says whether file storages may keep groups in the streamed files' pages (None: where no bit
+    can change; True: wherever they lie; False: never)."""
+
+    staging_dir: Any
+    sources: Mapping[str, object]
+    in_place: bool | None = None
+
+
+@dataclass(frozen=True)
 class Packed:
-    """Layers packed into streamed files ahead of installing a mode: what was done, as a value."""
+    """Layers packed into streamed files: what was done, as a value."""
 
     #: component -> (layers packed, bytes of the component before packing)
     layers: Mapping[str, tuple[int, int]] = field(default_factory=dict)
@@ -55,61 +68,22 @@ class Packed:
     made_once: MadeOnce | None = None
 
 
-#: nothing packed ahead
+#: nothing streamed
 NOTHING = Packed()
-
-
-def _stream(
-    selections: Mapping[str, quantization.LayerSelection],
-    *,
-    staging_dir: Any,
-    device: torch.device,
-    made_once: MadeOnce | None,
-    sources: Mapping[str, object] | None,
-) -> Packed:
-    """Pack ``selections`` one layer at a time into streamed files (``sources``: component -> what names its
-    weights, for the ranks to agree on one file; see :func:`memmode_core.quantization.saved.stream_quantize`)."""
-    streamed = saved.stream_quantize(
-        selections, staging_dir=staging_dir, device=device, made_once=made_once, sources=sources
-    )
-    return Packed(streamed.packed, streamed.shared, tuple(streamed.mappings), streamed.nbytes, streamed.made_once)
-
-
-def pack_while_streaming(internal: InternalPlan, *, staging_dir: Any, sources: Mapping[str, object]) -> Packed:
-    """``load``'s feed: pack every component ``internal`` selects into streamed files while its checkpoint is
-    read, before executing the plan (``sources``: component -> what names the checkpoint it was bound from;
-    ranks of one machine pack each component once)."""
-    quantizer = internal.request.quantizer.obj if internal.request.quantizer is not None else None
-    if quantizer is None or not internal.selections:
-        return NOTHING
-    if not internal.request.core_packs:
-        if quantization.overrides(quantizer, "quantize"):
-            logger.info(
-                "memmode: quantizer %s has its own quantize(); it quantizes the loaded model in memory",
-                quantizer.name,
-            )
-        return NOTHING  # a forward-only quantizer has nothing to pack
-    return _stream(
-        internal.selections,
-        staging_dir=staging_dir,
-        device=internal.request.device,
-        made_once=MadeOnce.for_ranks(under=staging_dir),
-        sources=sources,
-    )
 
 
 @dataclass(frozen=True)
 class Packing:
-    """What :func:`pack` did: each component's quantizer summary, and what it streamed itself (whose mappings a
-    file storage may keep groups in; what was packed ahead, its caller lends already)."""
+    """What :func:`pack` did: each component's quantizer summary, and what it streamed (whose mappings a file
+    storage may keep groups in)."""
 
     summaries: dict[str, Any]
-    streamed_now: Packed = NOTHING
+    streamed: Packed = NOTHING
 
 
-def pack(internal: InternalPlan, ahead: Packed = NOTHING) -> Packing:
-    """``apply``'s feed: pack what ``internal`` selects from the weights in memory, but for the components
-    packed ``ahead`` (by ``load``), which only get their dequantizing forward.
+def pack(internal: InternalPlan, checkpoint: FromCheckpoint | None = None) -> Packing:
+    """Pack what ``internal`` selects (see the module docstring); ``checkpoint``: the weights are ``load``'s,
+    views of a checkpoint.
 
     Where the storage keeps the offloaded bytes elsewhere than in memory (a file, page-locked slabs), the layers
     are packed one at a time into a streamed file that the storage then keeps or copies, instead of all at once
@@ -120,28 +94,39 @@ def pack(internal: InternalPlan, ahead: Packed = NOTHING) -> Packing:
     if request.quantizer is None:
         return Packing({})
     quantizer = request.quantizer.obj
-    pending = [name for name in internal.selections if name not in ahead.layers]
-    made_once = MadeOnce.for_ranks(request.offload_dir) if pending and request.packs_once_per_machine else None
-    now = NOTHING
-    if pending and (_streams_packing(internal) or made_once is not None):
-        checked = {name: _checked(internal, name) for name in pending}
-        # what names the weights, for the ranks to agree on one file: a digest of them, taken only when shared
-        sources = None if made_once is None else {name: saved.weights_source(s) for name, s in checked.items()}
-        now = _stream(
-            checked, staging_dir=request.offload_dir, device=request.device, made_once=made_once, sources=sources
+    streamed = NOTHING
+    if internal.selections and _streams(internal, checkpoint):
+        checked = {name: _checked(internal, name) for name in internal.selections}
+        if checkpoint is not None:
+            staging_dir, sources = checkpoint.staging_dir, checkpoint.sources
+            made_once = MadeOnce.for_ranks(staging_dir)
+        else:
+            staging_dir = request.offload_dir
+            made_once = MadeOnce.for_ranks(staging_dir) if request.packs_once_per_machine else None
+            # what names the weights, for the ranks to agree on one file: a digest of them, taken only when shared
+            sources = None if made_once is None else {name: weights_source(s) for name, s in checked.items()}
+        done = stream_quantize(
+            checked,
+            staging_dir=staging_dir,
+            device=request.device,
+            made_once=made_once,
+            sources=sources,
+            weight_dtype=request.weight_dtype,
         )
-    packed_layers = {**ahead.layers, **now.layers}
+        streamed = Packed(done.packed, done.shared, tuple(done.mappings), done.nbytes, done.made_once)
+    elif checkpoint is not None and internal.selections and quantization.overrides(quantizer, "quantize"):
+        logger.info(
+            "memmode: quantizer %s has its own quantize(); it quantizes the loaded model in memory", quantizer.name
+        )
     summaries: dict[str, Any] = {}
     for name, selection in internal.selections.items():
-        module = internal.whole.components[name]
-        if name in packed_layers:
-            layers, bytes_before = packed_layers[name]
-            quantization.install_forwards(module, quantizer, request.weight_dtype)
+        if name in streamed.layers:
+            layers, bytes_before = streamed.layers[name]
             summaries[name] = quantization.summarize(quantizer, selection, layers, bytes_before)
         else:
             summaries[name] = quantization.quantize(
                 quantizer,
-                module,
+                internal.whole.components[name],
                 weight_dtype=request.weight_dtype,
                 exclude=request.exclude,
                 options=request.quantizer_options,
@@ -149,15 +134,28 @@ def pack(internal: InternalPlan, ahead: Packed = NOTHING) -> Packing:
                 selection=selection,
             )
     if summaries:
-        _say_each_rank_holds_its_own_copy(internal, summaries, ahead.shared | now.shared)
-    return Packing(summaries, now)
+        _say_each_rank_holds_its_own_copy(internal, summaries, streamed.shared)
+    return Packing(summaries, streamed)
 
 
-def refuse_stale_selection(internal: InternalPlan, ahead: Packed) -> None:
+def _streams(internal: InternalPlan, checkpoint: FromCheckpoint | None) -> bool:
+    """Whether to pack into streamed files: core packs, and the weights are a checkpoint's, or the storage is
+    other than ``ram`` (which keeps the offloaded bytes in memory: there the packed layers are the stored copy),
+    or the ranks of this machine pack once between them."""
+    request = internal.request
+    if not request.core_packs:
+        return False
+    if checkpoint is not None:
+        return True
+    elsewhere = request.storage is not None and request.storage.name != "ram"
+    return elsewhere or (request.packs_once_per_machine and ranks_share_a_machine())
+
+
+def refuse_stale_selection(internal: InternalPlan) -> None:
     """A plan says which layers to pack; one of them packed since (the plan executed already, or the model
     quantized another way) would be packed twice. Refused before anything changes: prepare again."""
     for name, selection in internal.selections.items():
-        if name in ahead.layers or not selection.packs_anything:
+        if not selection.packs_anything:
             continue
         done = [layer.path for layer in selection.to_pack if quantization.packed_record(layer.module) is not None]
         if done:
@@ -168,20 +166,18 @@ def refuse_stale_selection(internal: InternalPlan, ahead: Packed) -> None:
 
 
 @contextmanager
-def lent_while_storing(internal: InternalPlan, mappings: Iterable[torch.Tensor]) -> Iterator[None]:
-    """Inside, file storages may keep the groups lying in the streamed files' ``mappings`` by reference instead of
-    writing them again (:mod:`memmode_core.files.borrowed`); nothing is lent when the storage's files must
-    outlive the session (``keep_files``)."""
+def lent_while_storing(
+    internal: InternalPlan, streamed: Packed, checkpoint: FromCheckpoint | None = None
+) -> Iterator[None]:
+    """Inside, file storages may keep the groups lying in the streamed files by reference instead of writing them
+    again (:mod:`memmode_core.files.borrowed`); nothing is lent when the storage's files must outlive the session
+    (``keep_files``), nor when ``load`` was told ``in_place=False``, and with ``in_place=True`` a group is kept
+    in place at any alignment."""
     keep_files = getattr(internal.request.storage_options, "keep_files", False)
-    with lending([] if keep_files else [source_of_mapping(flat, None) for flat in mappings]):
+    in_place = checkpoint.in_place if checkpoint is not None else None
+    lent = [] if keep_files or in_place is False else streamed.mappings
+    with lending([source_of_mapping(flat, None, any_alignment=in_place is True) for flat in lent]):
         yield
-
-
-def _streams_packing(internal: InternalPlan) -> bool:
-    """Whether to pack into streamed files: core packs, and the storage is other than ``ram`` (which keeps the
-    offloaded bytes in memory: there the packed layers are the stored copy)."""
-    request = internal.request
-    return request.core_packs and request.storage is not None and request.storage.name != "ram"
 
 
 def _checked(internal: InternalPlan, name: str) -> quantization.LayerSelection:

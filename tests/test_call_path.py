@@ -125,3 +125,33 @@ def test_each_argument_of_load_is_followed_by_name_into_the_request(tmp_path):
     for name, trail in trails.items():
         assert trail[: len(LOAD_TRAIL)] == LOAD_TRAIL, (name, trail)
     handle.remove()
+
+
+def test_load_makes_every_packed_layer_running_before_it_hands_the_plan_to_applying(tmp_path):
+    """``load`` of a folder saved quantized, into a mode without a quantizer: the saved layers are made packed and
+    running where they are made (``quantization.making``), before the plan exists; once ``applying`` has the
+    request, nothing returns into ``load`` to install a forward (it did: a loop in ``load`` after ``prepare``)."""
+    import sys
+
+    import memmode_core as memmode
+
+    pipe = make_demo_pipeline("tiny", seed=0)
+    memmode.apply(pipe, "model_full_load_and_qfloat8", device="cpu").save(tmp_path / "saved")
+    events: list[tuple[str, str, str]] = []  # (event, callee module, callee function), for the two that matter
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name in ("install_forward", "prepare_request"):
+            caller = frame.f_back.f_globals.get("__name__", "")
+            events.append((frame.f_code.co_name, frame.f_globals.get("__name__", ""), caller))
+
+    sys.setprofile(profile)
+    try:
+        handle = memmode.load(tmp_path / "saved", "model_group_offload", device="cpu")
+    finally:
+        sys.setprofile(None)
+    names = [name for name, _, _ in events]
+    assert "install_forward" in names and names.count("prepare_request") == 1, events
+    assert "install_forward" not in names[names.index("prepare_request") :], events
+    assert {caller for name, _, caller in events if name == "install_forward"} == {"memmode_core.quantization.making"}
+    assert memmode.quantization.packed_record(handle.target.transformer.blocks[0].attn1.to_q) is not None
+    handle.remove()

@@ -384,3 +384,44 @@ if __name__ == "__main__":
         Path(sys.argv[1]).write_text(text)
     print(text, end="")
     print(f"{len(lines)} violations", file=sys.stderr)
+
+
+# -- one stage makes packed layers ------------------------------------------------------------------------------
+
+
+def callers_of(name: str) -> set[tuple[str, str]]:
+    """Every place in memmode_core and the plugins that calls a function called ``name`` (``f(...)`` or
+    ``x.f(...)``): ``(file, enclosing function)``."""
+    found = set()
+
+    def visit(node: ast.AST, where: str, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            if isinstance(child, ast.Call):
+                called = child.func
+                called_name = called.attr if isinstance(called, ast.Attribute) else getattr(called, "id", None)
+                if called_name == name:
+                    found.add((where, function))
+            visit(child, where, inner)
+
+    for path in sources():
+        visit(ast.parse(path.read_text()), path.relative_to(ROOT).as_posix(), "<module>")
+    return found
+
+
+MAKING = "memmode_core/quantization/making.py"
+
+
+def test_one_stage_makes_packed_layers_and_installs_their_forward():
+    """A packed layer is made, and made to run, in ``quantization/making.py`` alone: ``attach_packed`` and
+    ``install_forward`` are called nowhere else, and the stage is fed by three roads only — packing in memory,
+    packing while streaming, and the placeholders of the layers a source of weights keeps packed (one function
+    makes those, for every format)."""
+    assert callers_of("attach_packed") == {(MAKING, "make_packed")}
+    assert callers_of("install_forward") == {(MAKING, "make_packed"), (MAKING, "run_packed")}
+    assert callers_of("make_packed") == {
+        ("memmode_core/quantization/quantizing.py", "_pack_all"),
+        ("memmode_core/quantization/streaming.py", "stream_pack"),
+        (MAKING, "make_placeholders"),
+    }
+    assert {where for where, _ in callers_of("make_placeholders")} == {"memmode_core/loading/components.py"}

@@ -82,7 +82,8 @@ DEPRECATED: dict[str, dict[str, Moved]] = {
     "memmode_core.discovery.plugins": _to("memmode_core.discovery.registrations", "Registration", "PluginFailure")
     | _to("memmode_core.discovery.registering", "clash_error", "provided_by")
     | _to("memmode_core.discovery.sources", "temporary_plugin"),
-    # renamed when "plan" was kept for ``plan()``
+    # renamed when "plan" was kept for ``plan()``; and the forwards of a component's packed layers, installed by
+    # the stage that makes packed layers since one road leads to them
     "memmode_core.quantization": {
         old: Moved(f"memmode_core.quantization.selection:{new}")
         for old, new in {
@@ -91,7 +92,8 @@ DEPRECATED: dict[str, dict[str, Moved]] = {
             "plan_quantization": "select_layers",
             "plan_layers": "decide_layers",
         }.items()
-    },
+    }
+    | {"install_forwards": Moved("memmode_core.quantization.making:run_packed")},
 }
 
 

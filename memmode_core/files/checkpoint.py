@@ -60,6 +60,11 @@ class TensorRecord:
     def nbytes(self) -> int:
         return self.end - self.start
 
+    @property
+    def is_view(self) -> bool:
+        """Read as a view of the file's pages (always: a stored tensor is one byte range)."""
+        return True
+
 
 @dataclass
 class CheckpointFile:

@@ -1,15 +1,18 @@
 """Which models a folder holds, and what each one is read from: checked, built as a skeleton, ready to bind.
 
-``load`` and ``skeleton`` (what ``plan`` prices) both start here, so that what is refused — a truncated shard, a
-file of another architecture, a format no installed quantizer or reader reads — is refused for both before a
-weight is bound. A model is read from its subfolder's checkpoint, from a quantized checkpoint memmode saved
-(:mod:`memmode_core.quantization.saved`), by its own library where only the library can convert its names, or
-from one file given in its place (:mod:`memmode_core.loading.single_file`).
+``load`` and ``skeleton`` (what ``plan`` prices) share this front half — :func:`component_files` splits the files
+given for components from the placement's options, :func:`open_components` reads every model's
+:class:`~memmode_core.loading.sources.WeightSource` and builds its skeleton with the layers that rest packed made
+(:func:`~memmode_core.quantization.making.make_placeholders`, their forward installed there, once), and
+:meth:`Components.assemble` puts the pipeline together — so that what is refused (a truncated shard, a file of
+another architecture, a format no installed quantizer or reader reads) is refused for both before a weight is
+bound. A model is read from its subfolder's checkpoint (saved quantized by memmode or not), by its own library
+where only the library can convert its names, or from one file given in its place
+(:mod:`memmode_core.loading.single_file`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -19,20 +22,15 @@ from typing import Any
 
 import torch
 
-from memmode_core.contracts.errors import CheckpointError, IncompatibleModeError, InvalidOptionError
+from memmode_core.contracts.errors import CheckpointError, InvalidOptionError
 from memmode_core.contracts.targets import MODULE_COMPONENT, takes_timestep
 from memmode_core.files import Checkpoint
-from memmode_core.loading.binding import Binding, binding_for, slots_of
-from memmode_core.loading.dtypes import resolve_dtype
-from memmode_core.loading.single_file import (
-    PackedFromFile,
-    WeightsFile,
-    open_weights,
-    prepare_packed_layers,
-    weights_for_model,
-)
+from memmode_core.loading.binding import Binding, binding_for, model_tensors
+from memmode_core.loading.dtypes import pipeline_dtype_keyword, resolve_dtype
+from memmode_core.loading.single_file import open_weights, weights_for_model
 from memmode_core.loading.skeleton import Skeleton, build, is_weight_module_class, model_class, pipeline_index
-from memmode_core.quantization import install_forward, packed_record, saved
+from memmode_core.loading.sources import WeightSource, checkpoint_weights
+from memmode_core.quantization.making import make_placeholders
 from memmode_core.quantization.quantizing import encoded_by_a_file
 
 logger = logging.getLogger("memmode")
@@ -43,23 +41,22 @@ class ComponentLoad:
     """One model of the folder, checked and ready to bind."""
 
     name: str
+    #: the folder its config is read from
     folder: Path
+    cls: type
     skeleton: Skeleton
     #: its weights: a folder's checkpoint, or one file's tensors under the model's names
-    checkpoint: Checkpoint | WeightsFile
-    binding: Binding | None = None
-    #: the format it was saved in by ``save_quantized``, and the quantizer that reads it
-    saved_format: str | None = None
-    reader: Any = None
-    saved_layers: list = dataclasses.field(default_factory=list)
-    #: loaded by its library's own ``from_pretrained`` (see :func:`_needs_library_loader`)
-    library_loaded: bool = False
-    cls: type | None = None
+    weights: WeightSource
     #: the ``torch_dtype`` it is built with: ``"auto"`` resolved to its checkpoint's dtype (but for
     #: transformers, which applies its own ``"auto"``)
     torch_dtype: torch.dtype | str | None = None
-    #: given as one file: the layers it keeps encoded, which rest packed (see :mod:`~memmode_core.loading.single_file`)
-    file_layers: tuple[PackedFromFile, ...] = ()
+    #: what each of its tensors is read from (None: loaded by its library's own ``from_pretrained``, see
+    #: :func:`_needs_library_loader`)
+    binding: Binding | None = None
+
+    @property
+    def library_loaded(self) -> bool:
+        return self.binding is None
 
 
 @dataclass(frozen=True)
@@ -78,19 +75,56 @@ class QuantizerTargets:
         return name == MODULE_COMPONENT or takes_timestep(module)
 
 
-def component_loads(
+@dataclass(frozen=True)
+class Components:
+    """What a folder holds (and the files given in place of its models), every model opened and checked."""
+
+    folder: Path
+    #: its ``model_index.json`` (None: one model's folder, or one file)
+    index: dict | None
+    loads: list[ComponentLoad]
+    torch_dtype: torch.dtype | str | None
+    variant: str | None
+
+    def assemble(self) -> Any:
+        """The pipeline (or the one model) of the loads' models: what ``load`` places and ``plan`` prices."""
+        if self.index is None:
+            return self.loads[0].skeleton.module
+        import diffusers
+
+        pipeline_cls = getattr(diffusers, self.index.get("_class_name", ""), None)
+        if pipeline_cls is None:
+            raise CheckpointError(
+                f"{self.folder}/model_index.json names {self.index.get('_class_name')!r}, not a diffusers pipeline"
+            )
+        built = {item.name: item.skeleton.module for item in self.loads}
+        # every model is passed in; what is left (tokenizers, schedulers) takes no dtype, and "auto" is not one
+        # diffusers 0.42 knows
+        kwargs = {pipeline_dtype_keyword(): self.torch_dtype} if isinstance(self.torch_dtype, torch.dtype) else {}
+        return pipeline_cls.from_pretrained(self.folder, **built, **kwargs)
+
+    def release(self) -> None:
+        """Drop every checkpoint's mappings (what was bound keeps its own alive)."""
+        for item in self.loads:
+            item.weights.release()
+
+
+def open_components(
     folder: Path,
-    index: dict | None,
-    torch_dtype,
-    variant,
-    plugins,
-    quantizer,
     files: dict[str, Path],
+    *,
+    torch_dtype,
+    variant: str | None,
+    plugins,
     quantizing: QuantizerTargets = QuantizerTargets(),
-) -> list[ComponentLoad]:
+    weight_dtype: torch.dtype | None = None,
+) -> Components:
+    """Open every model of ``folder`` (and of ``files``, component -> the one file given in its place): its
+    weights' source read and checked, its skeleton built with the layers that rest packed made, running in
+    ``weight_dtype``, and what to bind from where. Nothing is bound yet."""
+    index = pipeline_index(folder) if (folder / "model_index.json").is_file() else None
     if index is None:
-        cls = _single_model_class(folder)
-        entries = [(MODULE_COMPONENT, folder, cls)]
+        entries = [(MODULE_COMPONENT, folder, _single_model_class(folder))]
     else:
         entries = []
         for name, value in index.items():
@@ -109,28 +143,15 @@ def component_loads(
     loads = []
     for name, sub, cls in entries:
         if name in files:
-            loads.append(_file_load(name, sub, cls, files[name], torch_dtype, plugins, quantizing))
+            loads.append(_file_load(name, sub, cls, files[name], torch_dtype, plugins, quantizing, weight_dtype))
             continue
         checkpoint = Checkpoint.open(sub, variant=variant)
+        weights = checkpoint_weights(checkpoint, plugins, quantizing.quantizer)
         dtype = resolve_dtype(torch_dtype, cls, checkpoint, name)
         skeleton = build(cls, sub, dtype, name)
-        item = ComponentLoad(name, sub, skeleton, checkpoint, torch_dtype=dtype)
-        fmt = saved.saved_format(checkpoint.metadata)
-        if fmt is not None:
-            item.saved_format = fmt
-            item.saved_layers = saved.saved_layers(checkpoint.metadata, str(sub))
-            formats = sorted({layer.format for layer in item.saved_layers}) or [fmt]
-            codecs = {f: _reader_for(f, plugins, quantizer, sub) for f in formats}
-            saved.prepare_packed(skeleton.module, codecs, item.saved_layers, str(sub), _stored_in(checkpoint))
-            if len(codecs) == 1:
-                item.reader = codecs[formats[0]]
-            else:  # several formats (a model loaded from a GGUF file): each layer's forward decodes with its own
-                item.file_layers = tuple(
-                    PackedFromFile(layer.path, codecs[layer.format], layer.shape, {}, layer.compute_dtype)
-                    for layer in item.saved_layers
-                )
-        item.cls = cls
-        if fmt is None and _needs_library_loader(skeleton, checkpoint):
+        make_placeholders(skeleton.module, weights.packed, where=weights.where, weight_dtype=weight_dtype)
+        item = ComponentLoad(name, sub, cls, skeleton, weights, torch_dtype=dtype)
+        if not weights.packed and _needs_library_loader(skeleton, checkpoint):
             logger.info(
                 "memmode: %s (%s) is loaded by %s itself: its checkpoint names tensors otherwise than "
                 "the model, which only the library converts; it is read as from_pretrained reads it",
@@ -138,15 +159,21 @@ def component_loads(
                 cls.__name__,
                 skeleton.library,
             )
-            item.library_loaded = True
         else:
-            item.binding = binding_for(skeleton, checkpoint, where=str(sub))
+            item.binding = binding_for(skeleton, weights, where=str(sub))
         loads.append(item)
-    return loads
+    return Components(folder, index, loads, torch_dtype, variant)
 
 
 def _file_load(
-    name: str, config_folder: Path, cls: type, file: Path, torch_dtype, plugins, quantizing: QuantizerTargets
+    name: str,
+    config_folder: Path,
+    cls: type,
+    file: Path,
+    torch_dtype,
+    plugins,
+    quantizing: QuantizerTargets,
+    weight_dtype: torch.dtype | None,
 ) -> ComponentLoad:
     """A component given as one file: its header read by the reader that reads it, the model built from
     ``config_folder``'s config, the file's names mapped to the model's and its encoded layers made packed. A
@@ -154,14 +181,12 @@ def _file_load(
     opened = open_weights(file, plugins)
     dtype = resolve_dtype(torch_dtype, cls, opened, name)
     skeleton = build(cls, config_folder, dtype, name)
-    where = str(file)
-    weights = weights_for_model(opened, skeleton, dict(getattr(skeleton.module, "config", None) or {}), where)
+    weights = weights_for_model(opened, skeleton, dict(getattr(skeleton.module, "config", None) or {}), str(file))
     if weights.packed and quantizing.takes(name, skeleton.module):
         raise encoded_by_a_file(quantizing.quantizer, name, [layer.codec.format_name for layer in weights.packed])
-    prepare_packed_layers(skeleton, weights, where)
-    item = ComponentLoad(name, config_folder, skeleton, weights, torch_dtype=dtype, cls=cls)
-    item.binding = binding_for(skeleton, weights, where=where)
-    item.file_layers = weights.packed
+    make_placeholders(skeleton.module, weights.packed, where=weights.where, weight_dtype=weight_dtype)
+    item = ComponentLoad(name, config_folder, cls, skeleton, weights, torch_dtype=dtype)
+    item.binding = binding_for(skeleton, weights, where=str(file))
     if weights.unused:
         logger.warning(
             "memmode: %d tensors of %s are not used by %s (e.g. %s)",
@@ -220,53 +245,8 @@ def _needs_library_loader(skeleton: Skeleton, checkpoint: Checkpoint) -> bool:
     """A checkpoint that names its tensors otherwise than the model does: transformers 5 renames, merges and
     splits tensors of many architectures while loading, and diffusers renames the attention weights of
     older checkpoints (``_fix_state_dict_keys_on_load``). Only the library itself can load those."""
-    names = {key for slot in slots_of(skeleton.module) for key in slot.keys}
+    names = {key for tensor in model_tensors(skeleton.module) for key in tensor.keys}
     return any(key not in names for key in checkpoint.keys())
-
-
-def _reader_for(fmt: str, plugins, quantizer, where: Path):
-    """The codec of saved format ``fmt``: the mode's quantizer, which must write it; else an installed quantizer
-    writing it, or a reader's codec of it (a layer loaded from a GGUF file and saved: :meth:`Reader.codecs`)."""
-    codecs = [
-        reg.obj for reg in plugins.registrations["quantizer"].values() if getattr(reg.obj, "format_name", None) == fmt
-    ]
-    if not codecs:
-        for reg in plugins.registrations["reader"].values():
-            codec = reg.obj.codecs().get(fmt)
-            if codec is not None:
-                codecs.append(codec)
-    if quantizer is not None:
-        if quantizer.format_name != fmt:
-            if codecs and not getattr(codecs[0], "packs", True):
-                raise IncompatibleModeError(
-                    f"{where} holds layers a file encoded in {fmt}; memmode does not quantize again what the "
-                    f"file quantized: use the mode without '_and_{quantizer.name}' (the layers rest packed under "
-                    f"every placement and storage)"
-                )
-            raise IncompatibleModeError(
-                f"{where} is saved quantized in {fmt}; the mode's quantizer {quantizer.name} "
-                f"writes {quantizer.format_name}, and memmode does not re-quantize a quantized "
-                f"model: use a mode with a {fmt} quantizer, or none"
-            )
-        return quantizer
-    if not codecs:
-        raise CheckpointError(
-            f"{where} is saved quantized in format {fmt!r}, which no installed quantizer reads, nor any "
-            f"installed reader's codec (pip install memmode-{fmt.split('_')[0]}?)"
-        )
-    return codecs[0]
-
-
-def _stored_in(checkpoint: Checkpoint):
-    """``key`` -> the shape and dtype of the checkpoint's tensor ``key``, or None where it has none."""
-
-    def stored(key: str):
-        if key not in checkpoint:
-            return None
-        record = checkpoint.record(key)
-        return tuple(record.shape), record.dtype
-
-    return stored
 
 
 def _single_model_class(folder: Path) -> type:
@@ -286,12 +266,3 @@ def _single_model_class(folder: Path) -> type:
     if cls is None:
         raise CheckpointError(f"{folder}/config.json names no model class memmode can import")
     return cls
-
-
-def install_file_forwards(loads: list[ComponentLoad], weight_dtype: torch.dtype | None) -> None:
-    """The forward of each layer a file keeps encoded: it decodes with the file's reader's codec, computing in
-    ``weight_dtype`` or the dtype the model was built in."""
-    for item in loads:
-        for layer in item.file_layers:
-            module = item.skeleton.module.get_submodule(layer.path)
-            install_forward(module, layer.codec, weight_dtype or layer.compute_dtype or packed_record(module).dtype)

@@ -26,28 +26,17 @@ from typing import Any
 import torch
 
 from memmode_core.applying import execute, prepare_request
-from memmode_core.contracts.errors import CheckpointError, InvalidOptionError
+from memmode_core.contracts.errors import InvalidOptionError
 from memmode_core.contracts.units import format_bytes
 from memmode_core.discovery.plugins import current
 from memmode_core.files import check_room, lending, source_of_mapping, staging_folder
 from memmode_core.handle import Handle
-from memmode_core.layer_packing import Packed, pack_while_streaming
+from memmode_core.layer_packing import FromCheckpoint
 from memmode_core.loading.binding import bind
-from memmode_core.loading.components import (
-    ComponentLoad,
-    QuantizerTargets,
-    component_files,
-    component_loads,
-    install_file_forwards,
-)
-from memmode_core.loading.dtypes import one_dtype, pipeline_dtype_keyword
-from memmode_core.loading.single_file import WeightsFile
-from memmode_core.loading.skeleton import (
-    complete,
-    pipeline_index,
-)
+from memmode_core.loading.components import QuantizerTargets, component_files, open_components
+from memmode_core.loading.dtypes import one_dtype
+from memmode_core.loading.skeleton import complete
 from memmode_core.planning.request import Request
-from memmode_core.quantization import install_forward
 
 logger = logging.getLogger("memmode")
 
@@ -98,6 +87,7 @@ def load(
     reads (GGUF with memmode-gguf, ComfyUI fp8 scaled): what it keeps encoded rests packed under every
     placement and storage (:mod:`memmode_core.loading.single_file`).
     """
+    # -- check everything: the mode and its options, configs, headers, formats ---------------------------------
     folder, files, options = component_files(Path(path), config, options)
     request = Request.build(
         mode,
@@ -114,17 +104,20 @@ def load(
     if in_place not in (None, True, False):
         raise InvalidOptionError(f"in_place={in_place!r} must be None (where no bit can change), True or False")
     torch_dtype = one_dtype(torch_dtype, dtype)
-    plugins = current()
     quantizer = request.quantizer.obj if request.quantizer is not None else None
     staging = staging_dir if staging_dir is not None else offload_dir
-
-    # -- check everything: configs, headers, formats -------------------------------------------------
-    index = pipeline_index(folder) if (folder / "model_index.json").is_file() else None
-    quantizing = QuantizerTargets(quantizer, request.components)
-    loads = component_loads(folder, index, torch_dtype, variant, plugins, quantizer, files, quantizing)
+    opened = open_components(
+        folder,
+        files,
+        torch_dtype=torch_dtype,
+        variant=variant,
+        plugins=current(),
+        quantizing=QuantizerTargets(quantizer, request.components),
+        weight_dtype=request.weight_dtype,
+    )
 
     # -- room for the conversions, checked before anything is written ------------------------------------
-    converted = [item for item in loads if item.binding is not None and item.binding.convert]
+    converted = [item for item in opened.loads if item.binding is not None and item.binding.convert]
     converting = sum(item.binding.staging_bytes for item in converted)
     if staging is not None:
         os.makedirs(staging, exist_ok=True)  # the storage would create offload_dir anyway
@@ -137,8 +130,7 @@ def load(
     )
 
     # -- bind ------------------------------------------------------------------------------------------
-    mappings: list[torch.Tensor] = []  # of the streamed files tensors were bound from
-    for item in loads:
+    for item in opened.loads:
         if item.library_loaded:
             kwargs = (
                 {}
@@ -147,67 +139,61 @@ def load(
             )
             item.skeleton.module = item.cls.from_pretrained(item.folder, variant=variant, **kwargs).eval()
             continue
-        bind(item.skeleton, item.checkpoint, item.binding, staging_dir=staging)
+        bind(item.skeleton, item.weights, item.binding, staging_dir=staging)
         complete(item.skeleton, item.name)
-        mappings.extend(item.binding.streamed)
-    target = _assemble(folder, index, loads, torch_dtype, variant)
-    if index is None and not files:
+    target = opened.assemble()
+    if opened.index is None and not files:
         _say_how_to_hand_it_to_its_pipeline(folder)
-    install_file_forwards(loads, weight_dtype)
 
-    # -- the plan apply executes: laid out, claimed and selected once ----------------------------------------
+    # -- the plan, executed: its layers packed while the checkpoint is read --------------------------------------
     prepared = prepare_request(target, request)
-    for item in loads:  # saved quantized, and no quantizer of the mode will install their forward: do it here
-        if item.reader is not None and item.name not in prepared.internal.selections:
-            for layer in item.saved_layers:
-                install_forward(
-                    item.skeleton.module.get_submodule(layer.path),
-                    item.reader,
-                    weight_dtype or layer.compute_dtype or layer.dtype,
-                )
-
-    # -- pack while streaming, as the selection says -----------------------------------------------------------
-    packed = pack_while_streaming(
-        prepared.internal,
+    checkpoint = FromCheckpoint(
         staging_dir=staging,
-        sources={item.name: (item.checkpoint.identity(), str(item.torch_dtype), variant) for item in loads},
-    )
-    mappings.extend(packed.mappings)
-
-    # the checkpoint's mappings and the streamed files are lent to file storages, which store the groups
-    # lying in them by reference rather than writing them again (see memmode_core.files.borrowed)
-    anywhere = in_place is True
-    sources = (
-        []
-        if in_place is False
-        else [
-            *(
-                source_of_mapping(window, f.path, any_alignment=anywhere)
-                for item in loads
-                for f in item.checkpoint.files
-                for window in f.mappings
-            ),
-            *(source_of_mapping(flat, None, any_alignment=anywhere) for flat in mappings),
-        ]
+        sources={item.name: (item.weights.identity(), str(item.torch_dtype), variant) for item in opened.loads},
+        in_place=in_place,
     )
     try:
-        with lending(sources):
-            handle = execute(prepared, packed)
+        # the checkpoint's mappings and the files converted weights were streamed to are lent to file storages,
+        # which store the groups lying in them by reference rather than writing them again (see
+        # memmode_core.files.borrowed); execute lends the files it packs into itself
+        with lending(_lent_pages(opened, in_place)):
+            handle = execute(prepared, checkpoint)
     finally:
-        for item in loads:
-            item.checkpoint.release()
-    handle.loading = _summary(handle, converting, sum(len(i.binding.convert) for i in converted), packed, staging)
-    files_read = {item.name: item.checkpoint.summary() for item in loads if isinstance(item.checkpoint, WeightsFile)}
+        opened.release()
+    handle.loading = _summary(handle, converting, sum(len(i.binding.convert) for i in converted), staging)
+    files_read = {item.name: item.weights.summary() for item in opened.loads if item.weights.summary() is not None}
     if files_read:
         handle.loading["files"] = files_read
     _say_what_was_done(folder, handle)
     return handle
 
 
-def _summary(handle: Handle, converted_bytes: int, converted_tensors: int, packed: Packed, staging) -> dict:
+def _lent_pages(opened, in_place: bool | None) -> list:
+    """What file storages may keep groups in: the checkpoints' mapped windows and the files converted tensors were
+    streamed to (none with ``in_place=False``; at any alignment with ``in_place=True``)."""
+    if in_place is False:
+        return []
+    anywhere = in_place is True
+    windows = [
+        source_of_mapping(window, f.path, any_alignment=anywhere)
+        for item in opened.loads
+        for f in item.weights.files
+        for window in f.mappings
+    ]
+    converted = [
+        source_of_mapping(flat, None, any_alignment=anywhere)
+        for item in opened.loads
+        if item.binding is not None
+        for flat in item.binding.streamed
+    ]
+    return [*windows, *converted]
+
+
+def _summary(handle: Handle, converted_bytes: int, converted_tensors: int, staging) -> dict:
     """What the load did: staged bytes, for ranks of one machine what this one packed and what it found packed,
     and for file storages where the groups went (``in_place``)."""
     stats = handle.report().storage_bytes
+    packed = handle.streamed
     summary = {
         "staging_dir": str(staging_folder(staging)),
         "converted_tensors": converted_tensors,
@@ -296,21 +282,6 @@ def _say_how_to_hand_it_to_its_pipeline(folder: Path) -> None:
         )
 
 
-def _assemble(folder: Path, index: dict | None, loads: list[ComponentLoad], torch_dtype, variant):
-    if index is None:
-        return loads[0].skeleton.module
-    import diffusers
-
-    pipeline_cls = getattr(diffusers, index.get("_class_name", ""), None)
-    if pipeline_cls is None:
-        raise CheckpointError(f"{folder}/model_index.json names {index.get('_class_name')!r}, not a diffusers pipeline")
-    built = {item.name: item.skeleton.module for item in loads}
-    # every model is passed in; what is left (tokenizers, schedulers) takes no dtype, and "auto" is not one
-    # diffusers 0.42 knows
-    kwargs = {pipeline_dtype_keyword(): torch_dtype} if isinstance(torch_dtype, torch.dtype) else {}
-    return pipeline_cls.from_pretrained(folder, **built, **kwargs)
-
-
 def skeleton(
     path: str | os.PathLike,
     *,
@@ -328,15 +299,12 @@ def skeleton(
     folder, files, rest = component_files(Path(path), config, files_given)
     if rest:
         raise InvalidOptionError(f"{next(iter(rest))}= names no model of the pipeline in {folder}")
-    index = pipeline_index(folder) if (folder / "model_index.json").is_file() else None
-    loads = component_loads(folder, index, torch_dtype, variant, current(), None, files)
-    for item in loads:
+    opened = open_components(folder, files, torch_dtype=torch_dtype, variant=variant, plugins=current())
+    for item in opened.loads:
         if item.binding is None:
             continue
         for i, key in item.binding.source.items():
-            slot = item.binding.slots[i]
-            record = item.checkpoint.record(key)
-            dtype = item.binding.convert.get(i, record.dtype)
-            slot.assign(torch.empty(slot.current.shape, dtype=dtype, device="meta"))
-    install_file_forwards(loads, None)
-    return _assemble(folder, index, loads, torch_dtype, variant)
+            tensor = item.binding.tensors[i]
+            dtype = item.binding.convert.get(i, item.weights.record(key).dtype)
+            tensor.assign(torch.empty(tensor.current.shape, dtype=dtype, device="meta"))
+    return opened.assemble()

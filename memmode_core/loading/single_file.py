@@ -9,14 +9,14 @@ Community files differ from a diffusers folder in three ways, and each is answer
 - **The names.** The file keeps the original checkpoint's names; :func:`~memmode_core.loading.original_keys.
   diffusers_names` says which rows of which of its tensors each of the model's tensors is (diffusers' own
   conversion, traced), so a tensor diffusers splits (Flux's fused ``qkv``) is a run of rows of the file's.
-- **The encoding.** A linear layer whose weight the file holds encoded (GGUF blocks, fp8 and a scale) becomes
-  a packed layer (:func:`prepare_packed_layers`) whose parts are bound, like any tensor, as views of the file's
-  pages; its forward decodes on the compute device. What cannot stay encoded — an encoded tensor that is not a
-  linear layer's weight (a patch embedding), or rows a split cannot cut out of the encoding — is decoded at
-  load, one tensor at a time, into the staging file that converted tensors go to.
+- **The encoding.** A linear layer whose weight the file holds encoded (GGUF blocks, fp8 and a scale) rests
+  packed (a :class:`~memmode_core.quantization.making.PackedSpec` of the file's codec): its parts are bound, like
+  any tensor, as views of the file's pages, and its forward decodes on the compute device. What cannot stay
+  encoded — an encoded tensor that is not a linear layer's weight (a patch embedding), or rows a split cannot
+  cut out of the encoding — is decoded at load, one tensor at a time, into the staging file that converted
+  tensors go to.
 
-:class:`WeightsFile` answers what :mod:`memmode_core.loading.binding` and ``load`` ask of a
-:class:`~memmode_core.files.Checkpoint` (keys, records, views, mappings), under the model's names.
+:class:`WeightsFile` is the file as a :class:`~memmode_core.loading.sources.WeightSource`, under the model's names.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ import torch
 from torch import nn
 
 from memmode_core.contracts.errors import CheckpointError, PluginLoadError, PluginNotInstalledError
-from memmode_core.contracts.quantizer import PAYLOAD, Quantizer
+from memmode_core.contracts.quantizer import Quantizer
 from memmode_core.contracts.reader import EncodedTensor, Reader
 from memmode_core.discovery.first_party import DISTRIBUTIONS
 from memmode_core.files import Checkpoint
 from memmode_core.files.checkpoint import CheckpointFile
 from memmode_core.loading.original_keys import Rows, diffusers_names
 from memmode_core.loading.skeleton import Skeleton
-from memmode_core.quantization.packed import attach_packed, packed_record
+from memmode_core.quantization.making import PackedSpec
 
 #: how many bytes of a file a reader is shown to recognise it
 HEAD_BYTES = 64
@@ -82,7 +82,7 @@ def open_weights(path: Path, plugins) -> OpenedFile:
             head = file.read(HEAD_BYTES)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    reader = _reader_for(path, head, plugins)
+    reader = _reader_of_file(path, head, plugins)
     if reader is None:
         return OpenedFile(Checkpoint.open(path), {}, "safetensors")
     contents = reader.read(path)
@@ -97,7 +97,7 @@ def open_weights(path: Path, plugins) -> OpenedFile:
     return OpenedFile(Checkpoint([file], path), dict(contents.encoded), reader.name)
 
 
-def _reader_for(path: Path, head: bytes, plugins) -> Reader | None:
+def _reader_of_file(path: Path, head: bytes, plugins) -> Reader | None:
     for registration in plugins.registrations["reader"].values():
         reader: Reader = registration.obj
         if not reader.reads(path, head):
@@ -161,28 +161,30 @@ class PackedFromFile:
     shape: tuple[int, ...]
     #: part name (``weight_packed`` first) -> the tensor the layer registers under that name
     parts: Mapping[str, FileTensor]
-    #: the dtype its forward computes in when ``load`` is given no ``weight_dtype`` (None: the model's dtype); set
-    #: for a layer saved by ``save_quantized``, which records it
-    compute_dtype: torch.dtype | None = None
+
+    def spec(self, dtype: torch.dtype, where: str) -> PackedSpec:
+        """What it is to the stage that makes packed layers: its weight computes in ``dtype``."""
+        parts = {name: (part.shape, part.dtype) for name, part in self.parts.items()}
+        return PackedSpec(self.path, self.codec, self.shape, dtype, parts, encoded_by=where)
 
 
 class WeightsFile:
-    """A component's weights in one file, as the model names them (what binding reads; see the module
-    docstring). ``unused``: the file's tensors no tensor of the model is made of."""
+    """A component's weights in one file, as the model names them: a
+    :class:`~memmode_core.loading.sources.WeightSource` (see the module docstring). ``unused``: the file's tensors
+    no tensor of the model is made of."""
 
     def __init__(
         self,
         opened: OpenedFile,
         tensors: Mapping[str, FileTensor],
-        packed: tuple[PackedFromFile, ...],
+        packed: tuple[PackedSpec, ...],
         unused: tuple[str, ...],
     ) -> None:
         self.opened = opened
+        self.where = str(opened.checkpoint.where)
         self.tensors = dict(tensors)
         self.packed = packed
         self.unused = unused
-
-    # -- what binding asks of a checkpoint --
 
     def keys(self) -> list[str]:
         return list(self.tensors)
@@ -233,15 +235,9 @@ class WeightsFile:
             "unused_tensors": len(self.unused),
         }
 
-    # -- what load asks of a checkpoint --
-
     @property
     def files(self) -> list[CheckpointFile]:
         return self.opened.checkpoint.files
-
-    @property
-    def metadata(self) -> Mapping[str, str]:
-        return self.opened.checkpoint.metadata
 
     def identity(self) -> tuple:
         return self.opened.checkpoint.identity()
@@ -254,14 +250,14 @@ def weights_for_model(opened: OpenedFile, skeleton: Skeleton, config: Mapping, w
     """The file's tensors under ``skeleton``'s names (diffusers' conversion for its class, traced), each linear
     layer whose weight is encoded planned to rest packed."""
     module = skeleton.module
-    model_keys = list(module.state_dict(keep_vars=True))
+    model_tensors = module.state_dict(keep_vars=True)
     try:
-        renamed = diffusers_names(type(module), config, opened.tensor_shapes(), model_keys)
+        renamed = diffusers_names(type(module), config, opened.tensor_shapes(), list(model_tensors))
     except CheckpointError as exc:
         raise CheckpointError(f"{where}: {exc}") from exc.__cause__
     linear = {f"{path}.weight": path for path, sub in module.named_modules() if isinstance(sub, nn.Linear) and path}
     tensors: dict[str, FileTensor] = {}
-    packed: list[PackedFromFile] = []
+    packed: list[PackedSpec] = []
     for key, target in renamed.items():
         sources = [opened.encoded.get(piece.key) for piece in target.pieces]
         if not any(sources):
@@ -270,7 +266,7 @@ def weights_for_model(opened: OpenedFile, skeleton: Skeleton, config: Mapping, w
             continue
         layer = _packed_layer(opened, target.shape, target.pieces, linear.get(key)) if all(sources) else None
         if layer is not None:
-            packed.append(layer)
+            packed.append(layer.spec(skeleton.dtypes.get(key, model_tensors[key].dtype), where))
             tensors.update((part.key, part) for part in layer.parts.values())
         else:
             dtype = next(s.dtype for s in sources if s is not None)
@@ -321,34 +317,3 @@ def _packed_layer(opened: OpenedFile, shape, pieces, path: str | None) -> Packed
         part_shape = (rows, *first.shape[1:]) if first.shape else ()
         parts[name] = FileTensor(f"{path}.{name}", part_shape, first.dtype, tuple(runs))
     return PackedFromFile(path, codec, tuple(shape), parts)
-
-
-def prepare_packed_layers(skeleton: Skeleton, weights: WeightsFile, where: str) -> None:
-    """Make each layer the file keeps encoded a packed layer holding meta tensors of its parts' shapes, so that
-    binding fills them like any other tensor. A layer whose weight has another shape than the file's tensor is
-    refused here, before anything is bound."""
-    module = skeleton.module
-    wrong = []
-    for layer in weights.packed:
-        sub = module.get_submodule(layer.path)
-        if tuple(sub.weight.shape) != layer.shape:
-            wrong.append(f"{layer.path}.weight: {list(layer.shape)} in the file, {list(sub.weight.shape)} in the model")
-    if wrong:
-        raise CheckpointError(
-            f"{where} does not fit {type(module).__name__}: {'; '.join(wrong[:5])}"
-            f"{f'; and {len(wrong) - 5} more' if len(wrong) > 5 else ''}"
-        )
-    for layer in weights.packed:
-        sub = module.get_submodule(layer.path)
-        dtype = skeleton.dtypes.get(f"{layer.path}.weight", sub.weight.dtype)
-        payload_part = layer.parts[PAYLOAD]
-        payload = nn.Parameter(
-            torch.empty(payload_part.shape, dtype=payload_part.dtype, device="meta"), requires_grad=False
-        )
-        buffers = {
-            name: torch.empty(part.shape, dtype=part.dtype, device="meta")
-            for name, part in layer.parts.items()
-            if name != PAYLOAD
-        }
-        attach_packed(sub, layer.codec.format_name, torch.Size(layer.shape), dtype, payload, buffers, layer.path)
-        packed_record(sub).encoded_by = where

@@ -13,11 +13,15 @@ one job each (lowest first; each imports only those before it):
   :mod:`memmode_core.engine.standins.quantized`);
 - ``forward``: the class a packed layer takes to run, whose forward unpacks at call time
   (``QuantizedLinear``, ``install_forward``);
+- ``making``: the one stage where a packed layer is made and its forward installed (``make_packed``,
+  ``make_placeholders`` for the layers a source of weights keeps packed, ``run_packed`` for layers packed
+  before, ``compute_dtype_for``: the one rule for the dtype a packed layer computes in, ``PackedSpec``);
 - ``selection``: which layers are packed, which are kept at full precision and why, and the sizes that leads
   to (``select_layers``, ``LayerSelection``);
 - ``quantizing``: the checks, packing a component, converting ahead, the summary, and the entry points
   ``check`` and ``quantize`` that run a quantizer's override or these mechanics;
-- ``saved``: packed layers in files (a quantized checkpoint's metadata, quantizing while streaming).
+- ``saved``: the saved format (a quantized checkpoint's metadata);
+- ``streaming``: packing one layer at a time into a file that is mapped back.
 
 Callers import from this package. Beside the engine, above the contracts: it imports the engine's stand-ins
 (``engine/standins/``), whose quantized stand-in reads the packed record (``packed``): no cycle, a test checks.
@@ -27,6 +31,7 @@ from memmode_core.contracts.deprecation import moved_names
 from memmode_core.contracts.quantizer import DEFAULT_EXCLUDE, OUTSIDE_BLOCKS, PAYLOAD
 from memmode_core.engine.standins.quantized import WeightStandIn
 from memmode_core.quantization.forward import QuantizedLinear, install_forward, quantized_class
+from memmode_core.quantization.making import PackedSpec, compute_dtype_for, make_packed, make_placeholders, run_packed
 from memmode_core.quantization.packed import (
     COMPUTE_DTYPES,
     PackedLayer,
@@ -43,7 +48,6 @@ from memmode_core.quantization.quantizing import (
     check_components,
     check_weight_dtype,
     convert,
-    install_forwards,
     overrides,
     quantize,
     quantize_component,
@@ -68,7 +72,6 @@ __all__ = [
     "check_components",
     "check_weight_dtype",
     "quantize_component",
-    "install_forwards",
     "convert",
     "summarize",
     "QuantizationSummary",
@@ -93,6 +96,12 @@ __all__ = [
     "QuantizedLinear",
     "quantized_class",
     "install_forward",
+    # where a packed layer is made, and made to run
+    "PackedSpec",
+    "make_packed",
+    "make_placeholders",
+    "run_packed",
+    "compute_dtype_for",
     "WeightStandIn",
     "COMPUTE_DTYPES",
     # the contract's vocabulary, re-exported for convenience (it lives in memmode_core.contracts.quantizer)
@@ -101,5 +110,5 @@ __all__ = [
     "PAYLOAD",
 ]
 
-#: names this package's ``__all__`` listed before "plan" was kept for ``plan()``, served under their new names
+#: names this package's ``__all__`` listed before, served under their new names (see contracts.deprecation)
 __getattr__ = moved_names(__name__)

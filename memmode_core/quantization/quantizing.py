@@ -31,8 +31,8 @@ from memmode_core.contracts.storage import data_class
 from memmode_core.contracts.targets import is_fsdp1
 from memmode_core.engine.standins.classes import is_stand_in, raw_reads
 from memmode_core.files.streamed import give_back_freed_memory
-from memmode_core.quantization.forward import install_forward
-from memmode_core.quantization.packed import COMPUTE_DTYPES, attach_packed, is_dtensor, packed_record
+from memmode_core.quantization.making import make_packed, run_packed
+from memmode_core.quantization.packed import COMPUTE_DTYPES, is_dtensor, packed_record
 from memmode_core.quantization.selection import LayerSelection, select_layers
 from memmode_core.quantization.sizes import component_bytes, pack_checked
 
@@ -248,9 +248,10 @@ def check_components(
 # -- acting ---------------------------------------------------------------------------------------------
 
 
-def _pack_all(selection: LayerSelection) -> int:
-    """Pack every layer the selection says; returns how many. A weight shared by several layers (tied)
-    is packed once and the packed tensors are shared the same way."""
+def _pack_all(selection: LayerSelection, *, weight_dtype: torch.dtype | None, runs: bool) -> int:
+    """Pack every layer the selection says, running in ``weight_dtype`` unless ``runs`` is False (converted
+    ahead); returns how many. A weight shared by several layers (tied) is packed once and the packed tensors
+    are shared the same way."""
     quantizer = selection.quantizer
     shared: dict[int, tuple[torch.Tensor, nn.Parameter, dict[str, torch.Tensor]]] = {}
     for layer in selection.to_pack:
@@ -262,7 +263,17 @@ def _pack_all(selection: LayerSelection) -> int:
             payload = nn.Parameter(packed.pop(PAYLOAD), requires_grad=False)
             known = shared[id(weight)] = (weight, payload, packed)
         _, payload, buffers = known
-        attach_packed(module, quantizer.format_name, weight.shape, weight.dtype, payload, buffers, layer.path)
+        make_packed(
+            module,
+            quantizer,
+            weight.shape,
+            weight.dtype,
+            payload,
+            buffers,
+            path=layer.path,
+            weight_dtype=weight_dtype,
+            runs=runs,
+        )
     return len(selection.to_pack)
 
 
@@ -294,7 +305,7 @@ def convert(
     options = {"default_exclude": tuple(default_exclude)}
     selection = check_component(quantizer, type(module).__name__, module, exclude=tuple(exclude), options=options)
     before = component_bytes(module)
-    packed_now = _pack_all(selection) if selection.packs_anything else 0
+    packed_now = _pack_all(selection, weight_dtype=None, runs=False) if selection.packs_anything else 0
     return summarize(quantizer, selection, packed_now, before)
 
 
@@ -319,18 +330,9 @@ def quantize_component(
     check_weight_dtype(weight_dtype)
     selection = check_component(quantizer, name, component, exclude=exclude, options=options, selection=selection)
     before = component_bytes(component)
-    packed_now = _pack_all(selection) if selection.packs_anything else 0
-    install_forwards(component, quantizer, weight_dtype)
+    packed_now = _pack_all(selection, weight_dtype=weight_dtype, runs=True) if selection.packs_anything else 0
+    run_packed(component, quantizer, weight_dtype)  # the layers packed before (converted ahead)
     return summarize(quantizer, selection, packed_now, before)
-
-
-def install_forwards(component: nn.Module, quantizer: Quantizer, weight_dtype: torch.dtype | None) -> None:
-    """The dequantizing forward on every packed layer of ``component``, computing in ``weight_dtype`` or, without
-    one, in the dtype the layer computed in before (its own before packing)."""
-    for module in component.modules():
-        record = packed_record(module)
-        if record is not None:
-            install_forward(module, quantizer, weight_dtype or record.compute_dtype or record.dtype)
 
 
 # -- the entry points: a quantizer's override, or the mechanics above -------------------------------------
