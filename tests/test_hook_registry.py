@@ -13,7 +13,7 @@ import torch
 import memmode_core as memmode
 from memmode_core import RestoreError, handle
 from memmode_core.engine.hooks import MARKER, REGISTRY_ATTRIBUTE, is_wrapped
-from memmode_core.engine.pipeline_hooks import ATTRIBUTE, ExecutionDeviceHook, watches_call_end
+from memmode_core.engine.pipeline_hooks import ATTRIBUTE, ExecutionDeviceHook
 from tiny_pipelines import make_pipeline, run
 
 
@@ -68,9 +68,10 @@ def test_rebuilt_hooks_replace_the_old_ones_in_the_registry():
 
 
 def _memmode_left_on(pipe) -> list[str]:
-    """Everything of memmode's on ``pipe``, its class and its components' modules: named hooks, wrappers in an
-    instance's ``__dict__``, the ``_hf_hook`` shim, the end-of-call wrapper on the class."""
-    found = [f"{type(pipe).__name__}.__call__ (call end)"] if watches_call_end(type(pipe)) else []
+    """Everything of memmode's on ``pipe`` and its components' modules: named hooks (the pipeline's
+    ``memmode.call_end`` registration included: the ``__call__`` wrapper on its class is shared by every placed
+    instance, and goes with the last of them), wrappers in an instance's ``__dict__``, the ``_hf_hook`` shim."""
+    found = []
     objects = [("pipe", pipe)] + [
         (f"{name}.{path}" if path else name, module)
         for name, component in pipe.components.items()
