@@ -10,7 +10,9 @@ module and know who touches what it holds:
   ``self._name = ...``, a module-level name). ``self._name`` counts too: a subclass reading its base's private
   in another module is the same coupling as a mixin's. A private of torch, of the standard library or of
   another third-party library is named in :data:`THIRD_PARTY_PRIVATES`, with why we touch it;
-- **no** ``locals()`` **as an argument** — what a function passes on is spelled out, not its whole frame.
+- **no** ``locals()`` **as an argument** — what a function passes on is spelled out, not its whole frame;
+- **one name, one class** — no two classes of memmode_core share a name (nested ones included): a name a reader
+  meets means one thing.
 
 Run this file (``python tests/test_structure.py [out.txt]``) to list every violation, one ``file:line: what``.
 """
@@ -375,6 +377,43 @@ def test_the_check_knows_what_a_module_names_and_what_an_interface_declares():
 def test_the_check_sees_locals_passed_on():
     files = {_A: "def f(a, b):\n    g(locals())\n    h(x=locals())\n    k(**locals())\n    return locals()\n"}
     assert [(v.line, v.rule) for v in check(files)] == [(2, "locals"), (3, "locals"), (4, "locals")]
+
+
+# -- one meaning per name: a class name is defined once in memmode_core --
+
+
+def class_definitions(files: dict[str, str]) -> dict[str, list[str]]:
+    """Class name -> every ``file:line`` of ``files`` (path -> source) that defines a class of that name, at the top
+    level of a module or nested in a class or a function."""
+    found: dict[str, list[str]] = {}
+    for where, text in sorted(files.items()):
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                found.setdefault(node.name, []).append(f"{where}:{node.lineno}")
+    return found
+
+
+def duplicate_classes(files: dict[str, str]) -> dict[str, list[str]]:
+    """The class names ``files`` define more than once, each with where."""
+    return {name: places for name, places in class_definitions(files).items() if len(places) > 1}
+
+
+def test_no_class_name_is_defined_twice():
+    """One name, one meaning: two classes called ``Slot`` (or ``Reader``, ``Source``) make every reader of either
+    ask which one; each class of memmode_core has a name no other class of it has."""
+    files = {path.relative_to(ROOT).as_posix(): path.read_text() for path in sorted(PACKAGE.rglob("*.py"))}
+    found = duplicate_classes(files)
+    assert not found, "class names defined more than once:\n" + "\n".join(
+        f"{name}: {', '.join(places)}" for name, places in sorted(found.items())
+    )
+
+
+def test_the_check_sees_a_class_defined_twice():
+    files = {
+        _A: "class Slot:\n    pass\nclass Group:\n    class Part:\n        pass\n",
+        _B: "def f():\n    class Part:\n        pass\nclass Slot:\n    pass\nclass Other:\n    pass\n",
+    }
+    assert duplicate_classes(files) == {"Part": [f"{_A}:4", f"{_B}:2"], "Slot": [f"{_A}:1", f"{_B}:4"]}
 
 
 if __name__ == "__main__":
