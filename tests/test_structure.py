@@ -12,7 +12,10 @@ module and know who touches what it holds:
   another third-party library is named in :data:`THIRD_PARTY_PRIVATES`, with why we touch it;
 - **no** ``locals()`` **as an argument** — what a function passes on is spelled out, not its whole frame;
 - **one name, one class** — no two classes of memmode_core share a name (nested ones included): a name a reader
-  meets means one thing.
+  meets means one thing;
+- **one stage makes packed layers** — ``attach_packed`` and ``install_forward`` are called from
+  ``quantization/making.py`` alone, which three roads feed (packing in memory, packing while streaming, the
+  placeholders every source of weights gets from one function): a new format adds no place that makes a layer.
 
 Run this file (``python tests/test_structure.py [out.txt]``) to list every violation, one ``file:line: what``.
 """
@@ -416,15 +419,6 @@ def test_the_check_sees_a_class_defined_twice():
     assert duplicate_classes(files) == {"Part": [f"{_A}:4", f"{_B}:2"], "Slot": [f"{_A}:1", f"{_B}:4"]}
 
 
-if __name__ == "__main__":
-    lines = [str(v) for v in violations()]
-    text = "\n".join(lines) + ("\n" if lines else "")
-    if len(sys.argv) > 1:
-        Path(sys.argv[1]).write_text(text)
-    print(text, end="")
-    print(f"{len(lines)} violations", file=sys.stderr)
-
-
 # -- one stage makes packed layers ------------------------------------------------------------------------------
 
 
@@ -464,3 +458,12 @@ def test_one_stage_makes_packed_layers_and_installs_their_forward():
         (MAKING, "make_placeholders"),
     }
     assert {where for where, _ in callers_of("make_placeholders")} == {"memmode_core/loading/components.py"}
+
+
+if __name__ == "__main__":
+    lines = [str(v) for v in violations()]
+    text = "\n".join(lines) + ("\n" if lines else "")
+    if len(sys.argv) > 1:
+        Path(sys.argv[1]).write_text(text)
+    print(text, end="")
+    print(f"{len(lines)} violations", file=sys.stderr)
