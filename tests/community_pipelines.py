@@ -34,6 +34,14 @@ from tiny_pipelines import make_pipeline, run
 FAMILY = "wan22"
 #: the tiny Wan transformer made 256 wide (2 heads of 128), so that the K types' super-blocks fit its rows
 WIDE_WAN = {**WAN_TRANSFORMER, "attention_head_dim": 128, "ffn_dim": 256, "freq_dim": 256}
+#: how a wide Wan transformer's forward sums (for ``helpers.assert_reassociated``): no sum longer than its width,
+#: 256 (2 heads of 128; ffn 256; freq 256), and in sequence the time and text embedders (4), then per block self-
+#: and cross-attention (projections, scores, values, output: 8) and the feed-forward (2), twice, and the output
+#: projection: 25 sums
+WIDE_WAN_FORWARD = {"length": 256, "depth": 25}
+#: a call of the pipeline: two steps of one of the transformers (the VAE and the text encoder compute with the
+#: same operands in every test that uses this: their sums carry the transformers' differences, adding none)
+WIDE_WAN_CALL = {"length": 256, "depth": 2 * WIDE_WAN_FORWARD["depth"]}
 #: the types given to the transformers' tensors in turn (city96's converter keeps small and 1-D ones F32)
 TYPES = (Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q4_0, Q.Q5_K, Q.Q2_K, Q.Q3_K, Q.Q4_1, Q.Q5_1, Q.F16, Q.BF16)
 

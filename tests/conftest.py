@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import importlib.metadata
 import os
+import re
 import sys
 import tempfile
 import zlib
@@ -77,6 +78,26 @@ def _entry_points_read_once() -> list:
 
 
 sources._entry_points = _entry_points_read_once
+
+
+#: what a test that compares computed numbers calls (``helpers``' comparisons, torch's own): a module that names one
+#: is a module of such tests
+_COMPARES_NUMBERS = re.compile(
+    r"\b(assert_bit_equal|assert_same_outputs|assert_reassociated|assert_close|allclose|torch\.equal|sqnr_db)\b"
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test of a module that compares computed numbers is marked ``numerics``: CI runs those again under the
+    kernel paths other CPUs take (``ATEN_CPU_CAPABILITY=default`` and ``avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``: see
+    ``.ci/run``), found from the source, so that a new such module joins those runs without anyone marking it."""
+    compares: dict[Path, bool] = {}
+    for item in items:
+        path = Path(item.fspath)
+        if path not in compares:
+            compares[path] = bool(_COMPARES_NUMBERS.search(path.read_text()))
+        if compares[path]:
+            item.add_marker(pytest.mark.numerics)
 
 
 def pytest_collection_finish(session):

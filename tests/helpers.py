@@ -2,6 +2,19 @@
 outputs and of weights, what memmode left on a model, signal-to-noise ratios, and which slice of a large sweep a
 run takes.
 
+**Comparing numbers.** Two rules, written once here, that hold on every CPU (an AMD EPYC with AVX-512 and an
+Intel one with AVX2 run other kernels, and so does one process under ``ATEN_CPU_CAPABILITY=default`` or
+``ONEDNN_MAX_CPU_ISA=AVX2``: CI runs the ``numerics`` tests under each):
+
+- :func:`assert_bit_equal` / :func:`assert_same_outputs` only between computations of the same operands at the
+  same alignment: a lossless mode against the full load of the same weights, like against like. A kernel may sum
+  in another order than another CPU's, but the same kernel on the same operands sums in the same order;
+- :func:`assert_reassociated` for anything else — an independent reference whose weights are the same values
+  in other tensors, a weight dequantized at call time against one stored, a split attention, an adapter fused
+  against one run beside: float32 sums in another order, within a tolerance derived from the computation's
+  reduction length and depth and the output's magnitude (:func:`reassociation_tolerance`), never a number picked
+  until a machine passed.
+
 Imports nothing heavier than torch and memmode_core: the child processes some tests start import it too.
 """
 
@@ -61,11 +74,10 @@ def placement_id(placement) -> str:
 # -- outputs ---------------------------------------------------------------------------------------------------
 
 
-def assert_same_outputs(got: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...], atol: float = 1e-5) -> None:
-    """Call by call: finite, and within ``atol`` of the expected output."""
-    for index, (g, e) in enumerate(zip(got, expected), start=1):
-        assert torch.isfinite(g).all(), f"call {index} produced non-finite values"
-        torch.testing.assert_close(g, e, atol=atol, rtol=0, msg=lambda m, index=index: f"call {index}: {m}")
+def assert_same_outputs(got: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...]) -> None:
+    """Call by call: what :func:`assert_bit_equal` says of each (like with like: see the module docstring)."""
+    for index, (g, e) in enumerate(zip(got, expected, strict=True), start=1):
+        assert_bit_equal(g, e, f"call {index}")
 
 
 def assert_bit_equal(got: torch.Tensor, expected: torch.Tensor, what: str = "output") -> None:
@@ -74,6 +86,45 @@ def assert_bit_equal(got: torch.Tensor, expected: torch.Tensor, what: str = "out
     assert finite.all(), f"{what}: {int((~finite).sum())} of {got.numel()} values are not finite (an offloaded weight?)"
     assert got.shape == expected.shape, f"{what}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
     assert torch.equal(got, expected), f"{what} differs from full load by {(got - expected).abs().max().item():.3g}"
+
+
+#: float32's unit roundoff: one rounding moves a value by at most this much of itself
+FLOAT32_ROUNDOFF = 2.0**-24
+#: how many standard deviations of a reordered sum's rounding a comparison allows (the rounding errors of a long
+#: sum are a random walk: its spread grows as the square root of the terms, its tail falls off like a normal's)
+REASSOCIATION_MARGIN = 4
+
+
+def reassociation_tolerance(expected: torch.Tensor, *, length: int, depth: int) -> float:
+    """How far a float32 result may move when its sums are done in another order (another CPU's kernels, another
+    alignment, a weight dequantized at call time against the same values stored).
+
+    A sum of ``length`` terms of magnitude ``m`` rounds at each of its partial sums, each about ``sqrt(k) m``:
+    its error spreads as ``FLOAT32_ROUNDOFF * sqrt(length)`` times the sum's own magnitude, and two orders differ
+    by that much. ``depth`` sums in sequence on the way to the output (layers times steps) each add theirs,
+    carried forward at the gain of the layers after them (about 1 in a normalized network). The magnitude is the
+    output's largest: an element near zero is the cancellation of larger terms and carries their error. Allowed:
+    :data:`REASSOCIATION_MARGIN` times that."""
+    scale = expected.detach().abs().max().item()
+    return REASSOCIATION_MARGIN * depth * length**0.5 * FLOAT32_ROUNDOFF * scale
+
+
+#: how a call of one of the suite's tiny pipelines sums (``tests/tiny_*.py``): widths of 16 to 32, MLPs of 2x to 4x
+#: and 3x3 convolutions over at most 32 channels, so no sum is longer than 288 terms; in sequence, a text encoder of
+#: two layers (12 sums), two steps of a transformer of two blocks of about 10 sums each with its embedders (48) and
+#: a VAE decoder of about a dozen convolutions: at most 72
+TINY_PIPELINE_CALL = {"length": 288, "depth": 72}
+
+
+def assert_reassociated(got: torch.Tensor, expected: torch.Tensor, *, length: int, depth: int, what="output") -> None:
+    """Finite, and within :func:`reassociation_tolerance` of ``expected`` (computed otherwise: see the module
+    docstring); ``length``: the longest sum of the computation, ``depth``: how many sums lie in sequence."""
+    finite = torch.isfinite(got)
+    assert finite.all(), f"{what}: {int((~finite).sum())} of {got.numel()} values are not finite"
+    tolerance = reassociation_tolerance(expected, length=length, depth=depth)
+    torch.testing.assert_close(
+        got, expected, rtol=0, atol=tolerance, msg=lambda m: f"{what}, {length=}, {depth=}, atol {tolerance:.3g}: {m}"
+    )
 
 
 def nbytes(tensors) -> int:

@@ -25,7 +25,15 @@ import torch
 from diffusers import DiffusionPipeline
 
 import memmode_core as memmode
-from helpers import ACCELERATOR, in_torch_memory, nbytes, on_accelerator, placement_id
+from helpers import (
+    ACCELERATOR,
+    TINY_PIPELINE_CALL,
+    assert_reassociated,
+    in_torch_memory,
+    nbytes,
+    on_accelerator,
+    placement_id,
+)
 from memmode_core import CheckpointError, IncompatibleModeError
 from memmode_core.quantization import packed_record
 from tiny_pipelines import FAMILIES, make_pipeline, run
@@ -586,7 +594,8 @@ def test_in_place_can_be_forced_or_refused(in_place, tmp_path):
     if in_place:
         assert stats["borrowed_bytes"] > 0.9 * _weights_bytes(folder, ("transformer", "vae", "text_encoder"))
         expected = reference(family, folder, None, "model_group_offload", storage="mmap")
-        torch.testing.assert_close(loaded_output(handle, family), expected, rtol=0, atol=1e-5)
+        # the checkpoint's own pages at their 8-byte alignment, the reference's copies at another: other sums
+        assert_reassociated(loaded_output(handle, family), expected, **TINY_PIPELINE_CALL)
     else:
         assert stats["borrowed_bytes"] == 0 and stats["disk_bytes"] > 0
     with pytest.raises(memmode.InvalidOptionError, match="in_place"):
@@ -617,7 +626,7 @@ def test_groups_kept_in_place_need_no_room_in_the_offload_folder(tmp_path, monke
     stats = handle.report().storage_bytes
     assert stats["disk_bytes"] == 0 and stats["borrowed_bytes"] > 0, stats
     expected = reference(family, folder, None, "model_group_offload", storage="disk")
-    torch.testing.assert_close(loaded_output(handle, family), expected, rtol=0, atol=1e-5)
+    assert_reassociated(loaded_output(handle, family), expected, **TINY_PIPELINE_CALL)  # kept in place: see above
     with pytest.raises(memmode.StorageUnavailableError, match="free"):
         memmode.load(
             folder, "model_group_offload", device="cpu", storage="disk", offload_dir=tmp_path / "o2", in_place=False

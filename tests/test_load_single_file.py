@@ -25,6 +25,8 @@ from community_pipelines import (
     FAMILY,
     PLACEMENTS,
     STORAGES,
+    WIDE_WAN_CALL,
+    WIDE_WAN_FORWARD,
     GgufPipeline,
     full_load_output,
     load,
@@ -32,6 +34,7 @@ from community_pipelines import (
     wan_inputs,
 )
 from gguf_files import write_gguf
+from helpers import assert_reassociated
 from memmode_core import CheckpointError, IncompatibleModeError, PluginNotInstalledError
 from memmode_core.discovery import plugins
 from tiny_pipelines import run
@@ -57,8 +60,8 @@ def test_full_load_matches_the_reference_dequantization(gguf_pipeline):
     read = handle.report().loading["files"]["transformer"]
     assert (read["path"], read["reader"]) == (str(gguf_pipeline.files["transformer"]), "gguf")
     assert read["packed_layers"] == {f: list(formats.values()).count(f) for f in sorted(set(formats.values()))}
-    output = full_load_output(gguf_pipeline)
-    torch.testing.assert_close(output, gguf_pipeline.reference, rtol=1e-4, atol=1e-5)
+    # the reference holds gguf-py's values as stored weights; memmode decodes them at each call: other sums
+    assert_reassociated(full_load_output(gguf_pipeline), gguf_pipeline.reference, **WIDE_WAN_CALL)
 
 
 @pytest.mark.parametrize("storage", STORAGES)
@@ -165,7 +168,7 @@ def test_tensors_a_conversion_splits_or_swaps_stay_packed_and_exact(gguf_pipelin
     model.load_state_dict(convert(reference_dequantize(path)))
     inputs = wan_inputs()
     with torch.no_grad():
-        torch.testing.assert_close(loaded(**inputs)[0], model(**inputs)[0], rtol=1e-4, atol=1e-5)
+        assert_reassociated(loaded(**inputs)[0], model(**inputs)[0], **WIDE_WAN_FORWARD)
 
 
 def test_a_weight_stored_reshaped_rests_packed_in_its_real_shape(gguf_pipeline, tmp_path):
@@ -192,4 +195,4 @@ def test_a_weight_stored_reshaped_rests_packed_in_its_real_shape(gguf_pipeline, 
     )
     inputs = wan_inputs()
     with torch.no_grad():
-        torch.testing.assert_close(handle.target(**inputs)[0], model(**inputs)[0], rtol=1e-4, atol=1e-5)
+        assert_reassociated(handle.target(**inputs)[0], model(**inputs)[0], **WIDE_WAN_FORWARD)

@@ -135,7 +135,7 @@ def test_every_placement_and_storage_gives_the_full_load_output(family, quantize
     name, options = placement
     expected, full_report = full_load(family, quantizer)
     outputs, report = apply_and_run(family, f"{name}_and_{quantizer}", storage, options, tmp_path)
-    assert_same_outputs(outputs, expected, atol=0)
+    assert_same_outputs(outputs, expected)
     assert report.quantization == full_report.quantization
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import memmode_core as memmode
-from helpers import nbytes, sqnr_db
+from helpers import assert_bit_equal, assert_reassociated, nbytes, sqnr_db
 from memmode_core import IncompatibleModeError, InvalidOptionError, QuantizedWeightWriteError, Quantizer
 from memmode_core.quantization import (
     QuantizedLinear,
@@ -188,7 +188,8 @@ def test_the_forward_reads_whatever_the_attributes_hold_at_call_time():
     assert torch.isnan(layer(x)).all()
     layer.weight_packed.data = payload.clone()
     layer.weight_scale.data = layer.weight_scale.data * 2
-    torch.testing.assert_close(layer(x) - layer.bias, (first - layer.bias) * 2)
+    # twice the scale is exactly twice the weight; taking the bias out of y = Wx + b again rounds (one layer of 32)
+    assert_reassociated(layer(x) - layer.bias, (first - layer.bias) * 2, length=32, depth=1)
 
 
 def test_torch_compile_after_apply_traces_the_dequantizing_forward():
@@ -197,7 +198,7 @@ def test_torch_compile_after_apply_traces_the_dequantizing_forward():
     memmode.apply(model, "model_cpu_offload_and_qfloat4")
     eager = model(x)
     compiled = torch.compile(model, backend="aot_eager")
-    torch.testing.assert_close(compiled(x), eager)
+    assert_reassociated(compiled(x), eager, length=32, depth=2)  # AOT's decompositions may sum otherwise
     layer = Blocks(widths=(32,))
     quantize_component(QFloat8(), layer, weight_dtype=None)
     torch.compile(layer, backend="aot_eager", fullgraph=True)(x)  # no graph break in the forward
@@ -215,7 +216,7 @@ def test_a_lora_adapter_wraps_a_quantized_layer():
     x = torch.randn(4, 32)
     with torch.no_grad():
         expected = wrapper.base_layer(x) + wrapper.lora_B["default"](wrapper.lora_A["default"](x)) * 2.0
-        torch.testing.assert_close(wrapper(x), expected)
+        assert_reassociated(wrapper(x), expected, length=32, depth=2)  # peft's own order of the same terms
 
 
 # -- which layers: defaults, model declarations, exclude=, format limits --------------------------------------
@@ -424,14 +425,14 @@ def test_state_dicts_carry_the_stand_in_and_refuse_full_precision_weights():
     x = torch.randn(2, 16)
     before = model(x)
     model.load_state_dict(state)  # a quantized model's own state dict loads back
-    torch.testing.assert_close(model(x), before)
+    assert_bit_equal(model(x), before, "after load_state_dict")  # the same packed values, copied in place
     saved = io.BytesIO()
     torch.save(state, saved)  # pickled as plain tensors: loadable with weights_only, and back into the model
     saved.seek(0)
     loaded = torch.load(saved, weights_only=True)
     assert type(loaded["blocks.0.0.weight"]) is torch.Tensor and torch.equal(loaded["blocks.0.0.weight"], dequantized)
     model.load_state_dict(loaded)
-    torch.testing.assert_close(model(x), before)
+    assert_bit_equal(model(x), before, "after torch.load")
     state["blocks.0.0.weight"] = torch.randn(32, 32)
     with pytest.raises(RuntimeError, match="cannot load a full-precision weight into a layer quantized with qfloat8"):
         model.load_state_dict(state)

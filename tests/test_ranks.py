@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_bit_equal, mapped_from
+from helpers import TINY_PIPELINE_CALL, assert_bit_equal, assert_reassociated, mapped_from
 from rank_models import forward, shard, wan_transformer
 from ranks import distributed_available, run_ranks
 
@@ -154,7 +154,7 @@ def test_context_parallelism_of_every_family_diffusers_splits_is_exact():
     for rank, results in enumerate(run_ranks(2, context_parallel_pipelines, modes)):
         for family in CP_FAMILIES:
             full = results[family, "model_full_load", "{}"]
-            torch.testing.assert_close(full, single[family], rtol=1e-4, atol=1e-5)
+            assert_reassociated(full, single[family], **TINY_PIPELINE_CALL)  # split token counts: other sums
             for mode, options in modes:
                 quantizer = quantizer_of(mode)
                 reference = results[family, "model_full_load" + (f"_and_{quantizer}" if quantizer else ""), "{}"]

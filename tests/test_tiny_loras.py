@@ -11,7 +11,7 @@ import pytest
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 
-from helpers import module_components
+from helpers import TINY_PIPELINE_CALL, assert_reassociated, module_components
 from tiny_loras import (
     DENOISERS,
     LORA_FAMILIES,
@@ -208,13 +208,15 @@ def test_lora_operations(family):
     assert _max_change(out["a+b/2"], out["a"]) > VISIBLE
     assert _max_change(out["a+b/2"], out["base"]) > VISIBLE
     assert _max_change(out["b"], out["a+b/2"]) > VISIBLE
-    torch.testing.assert_close(out["b"], out["b_loaded"], atol=1e-6, rtol=0)
+    # Each pair is the same model summed otherwise (adapters added in another order, a delta fused into the weight
+    # and taken out again: one rounding of each weight more), so within float32 reassociation of each other.
+    assert_reassociated(out["b"], out["b_loaded"], **TINY_PIPELINE_CALL)
     # Fusing the active adapters (with their weights) gives the unfused output; unfusing restores it.
-    torch.testing.assert_close(out["fused"], out["a+b/2"], atol=1e-4, rtol=0)
-    torch.testing.assert_close(out["unfused"], out["a+b/2"], atol=1e-5, rtol=0)
+    assert_reassociated(out["fused"], out["a+b/2"], **TINY_PIPELINE_CALL)
+    assert_reassociated(out["unfused"], out["a+b/2"], **TINY_PIPELINE_CALL)
     # Deleting "a" leaves "b" as it was; unloading restores the original pipeline.
-    torch.testing.assert_close(out["deleted_a"], out["b"], atol=1e-5, rtol=0)
-    torch.testing.assert_close(out["unloaded"], out["base"], atol=1e-5, rtol=0)
+    assert_reassociated(out["deleted_a"], out["b"], **TINY_PIPELINE_CALL)
+    assert_reassociated(out["unloaded"], out["base"], **TINY_PIPELINE_CALL)
 
 
 def test_lora_operations_are_deterministic(family):
