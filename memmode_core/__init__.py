@@ -7,7 +7,7 @@ where offloaded weights wait.
     print(handle.report())
     handle.remove()
 
-Placements, quantizers and storages are plugins (entry-point group ``memmode``); see ``memmode list``.
+Placements, quantizers, storages and readers are plugins (entry-point group ``memmode``); see ``memmode list``.
 
 ``apply`` is ``prepare`` then execute: :func:`prepare` builds the request once (the mode's names resolved,
 every argument checked, each plugin's typed options built), lays the target out, claims the groups, selects
@@ -21,9 +21,10 @@ The modules are layered, one folder per layer, and imports only point down, even
 the table of ``tests/layers.py``):
 
 0. ``contracts/``: what plugins implement and every layer shares — errors, typed options, hookspecs,
-   devices, ``storage_cost``, the ``Placement``, ``Quantizer``, ``Resolver`` and ``Storage`` contracts,
-   targets, the group vocabulary (``group_specs``: ``GroupSpec``, ``Policy``), ``packing`` (a group's tensors
-   in one flat buffer), the one table of deprecated names (``deprecation``);
+   devices, ``storage_cost``, the ``Placement``, ``Quantizer``, ``Resolver``, ``Storage`` and ``Reader``
+   contracts (``reader``: what a weight file holds, stored and encoded), targets, the group vocabulary
+   (``group_specs``: ``GroupSpec``, ``Policy``), ``packing`` (a group's tensors in one flat buffer), the one
+   table of deprecated names (``deprecation``);
 1. mechanics: ``engine/`` (``groups``: the group model and claiming; ``placement_layout``: a placement's
    layout as core adjusts it, and the engine's rebuilds; ``runtime``: the engine of one ``apply``, which
    installs and removes every hook the engine puts on a model or pipeline, made of parts that each get their
@@ -35,8 +36,10 @@ the table of ``tests/layers.py``):
    named hooks and their registry; ``pipeline_hooks`` (the ``_hf_hook`` shim and the guards on a pipeline),
    ``watch``, ``inputs``, ``ledger``, ``staging``, ``streams``: the one door to the
    accelerator), ``files/`` (group files, checkpoints; what the layers above use is what
-   ``memmode_core.files`` exports) and ``quantization/`` (``packed``, ``sizes``, ``forward``, ``selection``,
-   ``quantizing``, ``saved``: everything a quantizer does besides packing one weight);
+   ``memmode_core.files`` exports) and ``quantization/`` (``packed``, ``sizes``, ``forward``, ``making``: the
+   one stage where a packed layer is made and its forward installed, ``selection``, ``quantizing``, ``saved``:
+   the saved format's metadata, ``streaming``: packing one layer at a time into a file; everything a quantizer
+   does besides packing one weight);
 2. ``discovery/``: plugins, grammar, the one table of first-party names (built-in plugins are loaded by
    module name, like entry points);
 3. ``planning/``: ``request`` (what was asked, resolved once, built from named arguments), ``prepared`` (the
@@ -44,11 +47,13 @@ the table of ``tests/layers.py``):
    it), and the planner: ``calls`` (the call priced for), ``replay``, ``pricing``, ``candidates``,
    ``budgets``, ``choosing``, ``planner`` (``plan``), ``measuring`` (what a storage costs, measured where it
    is not declared), ``residency``, ``timing``, ``trace``;
-4. ``builtin/``: the built-in plugins (the placements, the ``auto`` resolver, the ``ram`` storage);
+4. ``builtin/``: the built-in plugins (the placements, the ``auto`` resolver, the ``ram`` storage, the
+   ``comfy_fp8`` reader);
 5. top level: ``applying`` (``prepare``, ``apply``: prepare -> pack -> execute; remove, convert),
    ``layer_packing`` (the stage that packs a plan's layers, for ``apply`` and ``load``), ``handover`` (a
    mode applied over another: what is taken off and put back), ``handle`` (the ``Handle``), ``plugin`` (the
-   plugin kit), ``loading/``, ``compat`` (the VideoX-Fun drop-in), ``cli/``, ``demo``, ``testing/`` (the
+   plugin kit), ``loading/`` (``load`` and ``save_quantized``: its package docstring lists its modules),
+   ``compat`` (the VideoX-Fun drop-in), ``cli/``, ``demo``, ``testing/`` (the
    strict model of asynchronous copies), and ``storage``/``costs``: deprecated aliases.
 """
 

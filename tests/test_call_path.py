@@ -16,8 +16,8 @@ from memmode_core.cli.demo_pipeline import make_demo_pipeline
 
 @pytest.mark.parametrize("mode", ["model_group_offload", "model_group_offload_and_qfloat8"])
 def test_the_request_of_load_enters_each_module_once_and_nothing_calls_up(mode, tmp_path):
-    """``load`` builds its request before the model exists, packs while streaming (``layer_packing``) and executes
-    the plan (``applying``): each module once, nothing up a layer."""
+    """``load`` builds its request before the model exists and executes the plan (``applying``, which packs while
+    the checkpoint is read: ``layer_packing``): each module once, nothing up a layer."""
     from call_tracing import trace_load
 
     make_demo_pipeline("tiny", seed=0).save_pretrained(tmp_path / "pipe")

@@ -6,10 +6,10 @@ for the code that executes and prices it (``apply``, ``load``, the planner's pri
 leading underscore on each field, is what says "internal": nothing here is exported by ``memmode_core``, and
 its shape may change in any release.
 
-The plan is sealed: nothing writes into it after ``prepare``. Work done ahead of executing it (layers packed
-while ``load`` streams the checkpoint, packed once for the ranks of a machine) is a value of its own
-(:class:`~memmode_core.layer_packing.Packed`) handed to ``execute`` beside the plan. The groups' live bindings are
-the engine's (``Runtime`` binds its own copies of the slots), so executing a plan leaves it as it was.
+The plan is sealed: nothing writes into it after ``prepare``. What executing it does (layers packed into
+streamed files, once for the ranks of a machine) is a value of its own
+(:class:`~memmode_core.layer_packing.Packed`), kept by the handle. The groups' live bindings are the engine's
+(``Runtime`` binds its own copies of the slots), so executing a plan leaves it as it was.
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ tensors, decides which layers of each component the quantizer packs, and sizes w
 Nothing here touches the target: every refusal happens while the user still has everything.
 
 A :class:`Prepared` is what every consumer reuses instead of recomputing: ``apply`` executes one, the planner
-prices one per candidate, ``load`` packs the layers it selects while streaming the checkpoint, ``auto`` prepares
-candidates and executes the one it chose. It is sealed (a frozen dataclass): nothing writes into it after
-``prepare``, and what was done ahead of executing it travels beside it (:class:`~memmode_core.layer_packing.Packed`).
+prices one per candidate, ``load`` executes one while its checkpoint is read, ``auto`` prepares candidates and
+executes the one it chose. It is sealed (a frozen dataclass): nothing writes into it after ``prepare``, and what
+executing it did is a value of its own (the handle; :class:`~memmode_core.layer_packing.Packed` for the layers
+streamed).
 What a user reads of it is plain (:attr:`Prepared.groups` as :class:`PreparedGroup` descriptions,
 :attr:`Prepared.quantization` as :class:`QuantizationOutline`, sizes, names, :meth:`Prepared.describe`); the
 engine's objects are in :attr:`Prepared.internal` (:mod:`memmode_core.planning.internal_plan`).
