@@ -15,7 +15,11 @@ A tensor is borrowed only where that cannot change a bit of any output:
 - it starts on a 64-byte boundary of the file, as in memmode's own group files. CPU kernels can take
   another path for a weight at another alignment (a GEMV on a weight 24 bytes off a cache line sums in
   another order). Safetensors files written by other tools align tensors to 8 bytes only; files memmode
-  wrote (quantized checkpoints, streamed conversions) align them to 64.
+  wrote (quantized checkpoints, streamed conversions) align them to 64; or
+- it is a part of a packed layer (its payload, its scales), which the lender names: nothing computes on it but
+  the codec's decode, element by element into a fresh tensor, and an elementwise kernel gives each element
+  the same bits wherever it lies. A GGUF file aligns its tensors to 32 bytes: its blocks are borrowed, and a
+  15 GB file is not written again.
 
 The other tensors of a group (misaligned on a CPU device, or in no lent mapping at all, like buffers
 ``__init__`` computes) are kept as copies of its own, when they are a small part of it (the float32 norms
@@ -55,6 +59,9 @@ class Source:
     stamp: FileStamp | None
     #: borrow tensors at any alignment, on a CPU compute device too (``load(..., in_place=True)``)
     any_alignment: bool = False
+    #: where the tensors start (``data_ptr()``) that are borrowed at any alignment because only a decode reads them:
+    #: the parts of packed layers
+    decoded_only: frozenset[int] = frozenset()
 
     @property
     def base(self) -> int:
@@ -80,11 +87,14 @@ def lending_now() -> bool:
         return bool(_lent)
 
 
-def source_of_mapping(view: torch.Tensor, path: Path | None, *, any_alignment: bool = False) -> Source:
-    """The :class:`Source` of the whole mapping ``view`` is a view of (its untyped storage)."""
+def source_of_mapping(
+    view: torch.Tensor, path: Path | None, *, any_alignment: bool = False, decoded_only: frozenset[int] = frozenset()
+) -> Source:
+    """The :class:`Source` of the whole mapping ``view`` is a view of (its untyped storage); ``decoded_only``: the
+    addresses of the tensors in it that only a decode reads (see :attr:`Source.decoded_only`)."""
     storage = view.untyped_storage()
     flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
-    return Source(flat, path, FileStamp.of(path) if path is not None else None, any_alignment)
+    return Source(flat, path, FileStamp.of(path) if path is not None else None, any_alignment, decoded_only)
 
 
 @contextlib.contextmanager
@@ -119,7 +129,7 @@ def borrow(layout: FileLayout, tensors: Tensors, device: torch.device) -> Borrow
     for name, tensor in tensors.items():
         found = next(((s, o) for s in lent if (o := s.offset_of(tensor)) is not None), None)
         computes_in_place = active().is_host(device)  # on an accelerator it is copied to fresh memory anyway
-        if found is None or (computes_in_place and found[1] % DATA_ALIGNMENT and not found[0].any_alignment):
+        if found is None or (computes_in_place and found[1] % DATA_ALIGNMENT and not _anywhere(found[0], tensor)):
             # in no lent mapping, or where computing on it in place could change bits: a copy of its own
             # (64-byte aligned, as in memmode's group files)
             extras[name] = tensor
@@ -129,6 +139,11 @@ def borrow(layout: FileLayout, tensors: Tensors, device: torch.device) -> Borrow
     if not places or extra_bytes > EXTRAS_FRACTION * layout.data_bytes:
         return None
     return BorrowedFile(layout, places, {name: t.clone() for name, t in extras.items()})
+
+
+def _anywhere(source: Source, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` may be borrowed from ``source`` at any alignment on a CPU device."""
+    return source.any_alignment or tensor.data_ptr() in source.decoded_only
 
 
 class BorrowedFile(GroupFile):

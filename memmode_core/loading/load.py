@@ -37,6 +37,7 @@ from memmode_core.loading.components import QuantizerTargets, component_files, o
 from memmode_core.loading.dtypes import one_dtype
 from memmode_core.loading.skeleton import complete
 from memmode_core.planning.request import Request
+from memmode_core.quantization import packed_record
 
 logger = logging.getLogger("memmode")
 
@@ -170,12 +171,20 @@ def load(
 
 def _lent_pages(opened, in_place: bool | None) -> list:
     """What file storages may keep groups in: the checkpoints' mapped windows and the files converted tensors were
-    streamed to (none with ``in_place=False``; at any alignment with ``in_place=True``)."""
+    streamed to (none with ``in_place=False``; at any alignment with ``in_place=True``). The parts of packed layers
+    are named: only their codec's decode reads them, so they are kept in place at any alignment."""
     if in_place is False:
         return []
     anywhere = in_place is True
+    decoded_only = frozenset(
+        getattr(module, name).data_ptr()
+        for item in opened.loads
+        for module in item.skeleton.module.modules()
+        if (record := packed_record(module)) is not None
+        for name in record.names
+    )
     windows = [
-        source_of_mapping(window, f.path, any_alignment=anywhere)
+        source_of_mapping(window, f.path, any_alignment=anywhere, decoded_only=decoded_only)
         for item in opened.loads
         for f in item.weights.files
         for window in f.mappings
