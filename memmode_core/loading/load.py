@@ -162,7 +162,8 @@ def load(
     finally:
         opened.release()
     handle.loading = _summary(handle, converting, sum(len(i.binding.convert) for i in converted), staging)
-    files_read = {item.name: item.weights.summary() for item in opened.loads if item.weights.summary() is not None}
+    summaries = {item.name: item.weights.summary() for item in opened.loads}
+    files_read = {name: summary for name, summary in summaries.items() if summary is not None}
     if files_read:
         handle.loading["files"] = files_read
     _say_what_was_done(folder, handle)
