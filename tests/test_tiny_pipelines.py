@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from helpers import in_slice, module_components
+from tiny_components import lookup
 from tiny_pipelines import ALL_FAMILIES, full_load_outputs, make_pipeline, run
 
 
@@ -134,3 +135,18 @@ def test_every_component_influences_the_output(family):
             for parameter, original in zip(parameters, originals):
                 parameter.copy_(original)
         assert change > 1e-5, f"{name} has no influence on the output"
+
+
+def test_a_name_the_installed_library_lacks_skips_what_needs_it_and_says_so():
+    """``lookup``: how a family built from a class newer than pyproject's lower bound runs on the lowest lane."""
+    from diffusers import FluxPipeline
+
+    assert lookup("diffusers", "FluxPipeline") is FluxPipeline
+    missing = lookup("diffusers.pipelines", "NoSuchPipeline")
+    reason = r"needs diffusers\.pipelines\.NoSuchPipeline, which diffusers \S+ lacks"
+    with pytest.raises(pytest.skip.Exception, match=reason):
+        missing(transformer=None)
+    with pytest.raises(pytest.skip.Exception, match="NoSuchPipeline"):
+        missing.from_pretrained("folder")
+    with pytest.raises(pytest.skip.Exception, match=r"needs diffusers\.no_such_module\.Thing"):
+        lookup("diffusers.no_such_module", "Thing")()

@@ -24,12 +24,19 @@ its seed; ``Text``: a tokenizer and the encoder built for its vocabulary; any ot
 else passed as it is), the call's keyword arguments, and what is particular to it. The families are in
 ``tiny_dit_pipelines``, ``tiny_unet_pipelines``, ``tiny_video_pipelines``, ``tiny_audio_pipelines`` and
 ``tiny_prior_pipelines``; ``tiny_pipelines`` is the API over all of them.
+
+The suite also runs on the oldest diffusers and transformers memmode supports (pyproject's lower bounds: CI's
+lowest-versions lane). A family built from a class that came after those releases takes it through :func:`lookup`,
+written once here, instead of importing it: on an older release that family's tests are skipped, saying which name is
+missing, and every other family runs (an import of a missing name would break the whole suite's collection).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
+import importlib.metadata
 import json
 import re
 import string
@@ -40,6 +47,7 @@ from functools import partial
 from itertools import chain
 from typing import Any
 
+import pytest
 import torch
 from diffusers import AutoencoderKL, AutoencoderKLWan, AutoencoderOobleck, CogVideoXDDIMScheduler, DiffusionPipeline
 from diffusers.models.modeling_utils import ModelMixin
@@ -97,6 +105,43 @@ LUMINA2_SYSTEM_PROMPT = (
 )
 _GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
 _ROBERTA_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # bos=0, pad=1, eos=2, unk=3 as RoBERTa's
+
+
+# --------------------------------------------------------------------------- what an older release lacks
+
+
+class Unavailable:
+    """What :func:`lookup` gives for a name the installed library lacks: building what needs it (calling it, or
+    reading any of its attributes) skips the test, with the reason, instead of breaking the suite's collection."""
+
+    def __init__(self, reason: str):
+        self._reason = reason
+
+    def __call__(self, *args, **kwargs):
+        pytest.skip(self._reason)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):  # copy, pickle and introspection probe these: no build asks for them
+            raise AttributeError(name)
+        pytest.skip(self._reason)
+
+    def __repr__(self) -> str:
+        return f"<unavailable: {self._reason}>"
+
+
+def lookup(module: str, name: str) -> Any:
+    """``module``'s ``name`` (``from module import name``), or, where the installed library lacks it, an
+    :class:`Unavailable` whose use skips the test: ``"needs diffusers.AceStepPipeline, which diffusers 0.37.0 lacks
+    (...)"``. Only for a name newer than pyproject's lower bound (``AceStepPipeline = lookup("diffusers",
+    "AceStepPipeline")``, with a comment saying which release brought it): every other name is imported as usual,
+    and breaks collection if it goes missing."""
+    library = module.partition(".")[0]
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, RuntimeError) as error:  # diffusers' lazy import raises RuntimeError
+        why = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        version = importlib.metadata.version(library)
+        return Unavailable(f"needs {module}.{name}, which {library} {version} lacks ({why})")
 
 
 # --------------------------------------------------------------------------- tokenizers
