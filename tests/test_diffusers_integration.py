@@ -4,10 +4,12 @@ installs after ``apply`` (``enable_layerwise_casting``), and accelerate's offloa
 
 from __future__ import annotations
 
+import diffusers
 import pytest
 import torch
 from diffusers import DiffusionPipeline, FluxTransformer2DModel, ModelMixin
 from diffusers.configuration_utils import ConfigMixin, register_to_config
+from packaging.version import Version
 from torch import nn
 
 import memmode_core as memmode
@@ -136,6 +138,12 @@ def test_keep_last_on_device_leaves_the_last_component_for_the_next_call():
 
 # -- diffusers' own offloading after apply ----------------------------------------------------------------
 
+#: whether diffusers' own group offloading runs on this machine: before 0.41 it reads the type of
+#: ``torch.accelerator.current_accelerator()``, which is None on a machine without one
+DIFFUSERS_GROUP_OFFLOADS_HERE = torch.accelerator.current_accelerator() is not None or Version(
+    diffusers.__version__
+) >= Version("0.41")
+
 
 @pytest.mark.parametrize(
     "call",
@@ -152,7 +160,7 @@ def test_keep_last_on_device_leaves_the_last_component_for_the_next_call():
         "transformer.enable_group_offload",
     ],
 )
-def test_diffusers_offloading_after_apply_is_refused_at_that_call_with_nothing_changed(call):
+def test_diffusers_offloading_after_apply_is_refused_at_that_call_with_nothing_changed(call, request):
     spec = FAMILIES["flux"]
     pipe = spec.make(0)
     expected = spec.run(spec.make(0), 0)
@@ -163,6 +171,8 @@ def test_diffusers_offloading_after_apply_is_refused_at_that_call_with_nothing_c
     assert handle.active and handle.runtime.groups == groups
     assert torch.equal(spec.run(pipe, 0), expected)
     handle.remove()
+    if "group_offload" in request.node.callspec.id and not DIFFUSERS_GROUP_OFFLOADS_HERE:
+        pytest.skip(f"diffusers {diffusers.__version__}'s own group offloading needs an accelerator (0.41 runs on CPU)")
     call(pipe)  # memmode is gone: diffusers' own offloading is the user's again
 
 

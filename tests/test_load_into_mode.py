@@ -35,6 +35,7 @@ from helpers import (
     placement_id,
 )
 from memmode_core import CheckpointError, IncompatibleModeError
+from memmode_core.loading.dtypes import pipeline_dtype_keyword
 from memmode_core.quantization import packed_record
 from tiny_pipelines import FAMILIES, make_pipeline, run
 
@@ -65,7 +66,8 @@ def saved_folder(family: str, dtype: torch.dtype = torch.float32, shard: str | N
 
 
 def from_pretrained(folder: Path, torch_dtype: torch.dtype | None = None):
-    pipe = DiffusionPipeline.from_pretrained(folder, **({"dtype": torch_dtype} if torch_dtype else {}))
+    # under the keyword the installed diffusers takes (before 0.40, it ignores ``dtype``), as load passes it on
+    pipe = DiffusionPipeline.from_pretrained(folder, **({pipeline_dtype_keyword(): torch_dtype} if torch_dtype else {}))
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
