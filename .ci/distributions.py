@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The chain a user takes, from the built files alone: build, check, install, use; then the newest dependencies.
+"""The chain a user takes, from the built files alone: build, check, install, use; then the newest and the lowest
+dependencies.
 
 ``.ci/run`` runs ``all``; the release workflow runs ``build``. Steps, each a subcommand:
 
@@ -19,10 +20,16 @@
   subset (:data:`FAST_SUBSET`) run against the installed wheels, ``load`` of a saved Wan 2.2 pipeline among it.
   It lists the packages whose resolved version differs from the pinned lane's (the environment this runs in,
   made from requirements*.txt): what moved, which a failure repeats.
+- ``lowest OUT VENV``: the lowest-versions lane: a fresh environment made as ``install`` makes one, with diffusers
+  and transformers at the lower bounds memmode-core's ``pyproject.toml`` declares (read from it) resolved together
+  with the seven and the test tools, then the fast subset. ``--torch SPEC`` (default: requirements.txt's pin;
+  ``lowest``: pyproject's lower bound) and ``--torch-index URL`` choose the torch, ``--python`` the environment's
+  interpreter: the release workflow runs this lane with ``--torch lowest`` from PyTorch's CPU index, on every
+  Python the classifiers name (this script itself needs 3.11: tomllib).
 - ``select OUT RELEASE``: for the release workflow, the built files it publishes copied to ``RELEASE``: on a tag
   ``v<version>`` (``REF_TYPE``/``REF_NAME``), the distributions whose version that is; by hand, those named in
   ``CHOSEN``.
-- ``all``: build, install, use, newest, uninstall, in a temporary folder.
+- ``all``: build, install, use, newest, uninstall, lowest, in a temporary folder.
 """
 
 from __future__ import annotations
@@ -214,18 +221,29 @@ def pinned(requirement: str) -> str:
     return line.split("#")[0].strip()
 
 
-def install(out: Path, venv: Path) -> Path:
-    """A fresh environment with the seven distributions from ``out``'s index; its python."""
+def install(
+    out: Path,
+    venv: Path,
+    *,
+    torch: str | None = None,
+    torch_index: str | None = None,
+    also: tuple[str, ...] = (),
+    interpreter: str = sys.executable,
+) -> Path:
+    """A fresh environment of ``interpreter`` with the seven distributions from ``out``'s index (and ``also``,
+    resolved with them); its python. ``torch``: the torch requirement (requirements.txt's pin), from
+    ``torch_index`` if given."""
     started = time.monotonic()
-    run(sys.executable, "-m", "venv", venv)
+    run(interpreter, "-m", "venv", venv)
     python = venv / "bin" / "python"
     pip = [python, "-m", "pip", "--disable-pip-version-check", "install", "--quiet", "--no-compile"]
-    run(*pip, pinned("torch=="), capture=True)  # the CPU build, from wherever pip is configured to find it
+    # the CPU build, from wherever pip is configured to find it (or from torch_index)
+    run(*pip, *(["--index-url", torch_index] if torch_index else []), torch or pinned("torch=="), capture=True)
     names = [name_of(folder) for folder in DISTRIBUTIONS]
     versions = [f"{n}=={source_version(f, n)}" for n, f in zip(names, DISTRIBUTIONS)]
     report = venv / "install-report.json"
     index = local_index(out)
-    run(*pip, "--extra-index-url", index.as_uri(), "--report", report, *versions, capture=True)
+    run(*pip, "--extra-index-url", index.as_uri(), "--report", report, *versions, *also, capture=True)
     installed = json.loads(report.read_text())["install"]
     for item in installed:
         if item["metadata"]["name"].startswith("memmode"):
@@ -235,7 +253,7 @@ def install(out: Path, venv: Path) -> Path:
     mine = sorted(i["metadata"]["name"] for i in installed if i["metadata"]["name"].startswith("memmode"))
     if len(mine) != len(names):
         raise SystemExit(f"[distributions] installed {mine}, expected {names}")
-    say(f"installed {', '.join(versions)} from {index} into {venv} ({time.monotonic() - started:.0f} s)")
+    say(f"installed {', '.join([*versions, *also])} from {index} into {venv} ({time.monotonic() - started:.0f} s)")
     return python
 
 
@@ -343,12 +361,18 @@ def newest(venv: Path) -> None:
     """The fast subset of the suite, from the checkout's tests, against the wheels installed in ``venv``."""
     python = venv / "bin" / "python"
     run(python, "-m", "pip", "install", "--quiet", "--no-compile", *TEST_TOOLS, capture=True)
+    fast_subset(python, "newest-dependencies")
+
+
+def fast_subset(python: Path, lane: str) -> None:
+    """The suite's fast subset run by ``python`` against the wheels installed beside it, from outside the checkout;
+    what differs from the pinned lane is said first, and again on a failure."""
     changed = moved(python)
     say("differs from the pinned lane: " + ("; ".join(changed) if changed else "nothing"))
     env = dict(
         os.environ, MEMMODE_TEST_FROM_WHEELS="1", MEMMODE_TEST_ROTATION=os.environ.get("MEMMODE_TEST_ROTATION", "0")
     )
-    with tempfile.TemporaryDirectory(prefix="memmode-newest-") as elsewhere:
+    with tempfile.TemporaryDirectory(prefix=f"memmode-{lane}-") as elsewhere:
         # run from elsewhere, so that nothing of the checkout but tests/ is importable: memmode comes from the wheels
         result = subprocess.run(
             [
@@ -369,10 +393,48 @@ def newest(venv: Path) -> None:
         )
     if result.returncode != 0:
         raise SystemExit(
-            "[distributions] the newest-dependencies lane failed. What differs from the pinned lane:\n  "
+            f"[distributions] the {lane} lane failed. What differs from the pinned lane:\n  "
             + "\n  ".join(changed or ["nothing: the failure is not a dependency's"])
         )
-    say("the newest-dependencies lane passed")
+    say(f"the {lane} lane passed")
+
+
+# -- the lowest dependencies ----------------------------------------------------------------------------------
+
+#: the libraries the lowest lane installs at memmode-core's lower bounds (the rest resolves as pip resolves it)
+AT_LOWER_BOUNDS = ("diffusers", "transformers")
+
+
+def lower_bounds(names: tuple[str, ...] = AT_LOWER_BOUNDS) -> list[str]:
+    """``name==X`` for each of ``names``, X the ``>=`` bound memmode-core's ``pyproject.toml`` declares."""
+    from packaging.requirements import Requirement
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    bounds = {}
+    for line in declared:
+        requirement = Requirement(line)
+        if requirement.name in names:
+            (bound,) = [spec.version for spec in requirement.specifier if spec.operator == ">="]
+            bounds[requirement.name] = f"{requirement.name}=={bound}"
+    if sorted(bounds) != sorted(names):
+        raise SystemExit(f"[distributions] pyproject.toml declares no >= bound for {sorted(set(names) - set(bounds))}")
+    return [bounds[name] for name in names]
+
+
+def lowest(
+    out: Path, venv: Path, torch: str | None = None, torch_index: str | None = None, interpreter: str | None = None
+) -> None:
+    """The fast subset on diffusers and transformers at their lower bounds, torch as chosen (see the module
+    docstring), the seven from ``out`` and the test tools resolved together, in a fresh ``venv`` of
+    ``interpreter`` (this one's by default)."""
+    started = time.monotonic()
+    if torch == "lowest":
+        (torch,) = lower_bounds(("torch",))
+    also = (*lower_bounds(), *TEST_TOOLS)
+    interpreter = interpreter or sys.executable
+    python = install(out, venv, torch=torch, torch_index=torch_index, also=also, interpreter=interpreter)
+    fast_subset(python, "lowest-versions")
+    say(f"the lowest-versions lane took {time.monotonic() - started:.0f} s")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -388,8 +450,14 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("use").add_argument("venv", type=Path)
     sub.add_parser("uninstall").add_argument("venv", type=Path)
     sub.add_parser("newest").add_argument("venv", type=Path)
+    step = sub.add_parser("lowest")
+    step.add_argument("out", type=Path)
+    step.add_argument("venv", type=Path)
+    step.add_argument("--torch", help="the torch requirement, or lowest (default: requirements.txt's pin)")
+    step.add_argument("--torch-index", help="the package index torch comes from (default: pip's configuration)")
+    step.add_argument("--python", help="the interpreter of the environment (default: the one running this)")
     step = sub.add_parser("all")
-    step.add_argument("--skip-newest", action="store_true", help="build, install and use only")
+    step.add_argument("--skip-newest", action="store_true", help="build, install and use only (no newest, no lowest)")
     args = parser.parse_args(argv)
     if args.step == "build":
         build(args.out)
@@ -403,6 +471,8 @@ def main(argv: list[str] | None = None) -> None:
         uninstall_one(args.venv)
     elif args.step == "newest":
         newest(args.venv)
+    elif args.step == "lowest":
+        lowest(args.out, args.venv, args.torch, args.torch_index, args.python)
     else:
         with tempfile.TemporaryDirectory(prefix="memmode-distributions-") as folder:
             out, venv = Path(folder) / "dist", Path(folder) / "venv"
@@ -414,6 +484,9 @@ def main(argv: list[str] | None = None) -> None:
             if not args.skip_newest:
                 newest(venv)
             uninstall_one(venv)
+            if not args.skip_newest:
+                shutil.rmtree(venv)  # its disk, before the next environment
+                lowest(out, Path(folder) / "lowest")
         shutil.rmtree(ROOT / "build", ignore_errors=True)
 
 

@@ -25,8 +25,9 @@ from tiny_pipelines import FAMILIES
 
 
 def pytest_configure(config):
-    """The newest-dependencies lane (``.ci/distributions.py newest``) runs the suite against the installed wheels:
-    there, memmode and its plugins must come from the virtual environment, never from this checkout."""
+    """The newest- and lowest-versions lanes (``.ci/distributions.py newest``, ``lowest``) run the suite against the
+    installed wheels: there, memmode and its plugins must come from the virtual environment, never from this
+    checkout."""
     if os.environ.get("MEMMODE_TEST_FROM_WHEELS") != "1":
         return
     import memmode_gguf
