@@ -452,10 +452,10 @@ def test_one_stage_makes_packed_layers_and_installs_their_forward():
     makes those, for every format)."""
     assert callers_of("attach_packed") == {(MAKING, "make_packed")}
     assert callers_of("install_forward") == {(MAKING, "make_packed"), (MAKING, "run_packed")}
-    assert callers_of("make_packed") == {
+    assert callers_of("make_packed") == {(MAKING, "make_selected"), (MAKING, "make_placeholders")}
+    assert callers_of("make_selected") == {
         ("memmode_core/quantization/quantizing.py", "_pack_all"),
         ("memmode_core/quantization/streaming.py", "stream_pack"),
-        (MAKING, "make_placeholders"),
     }
     assert {where for where, _ in callers_of("make_placeholders")} == {"memmode_core/loading/components.py"}
 

@@ -8,18 +8,22 @@ tensor). So the forward is installed once, where the layer is made, with its com
 
 - :func:`make_packed`: a layer holding given packed tensors (``attach_packed``), running (``install_forward``)
   unless it is converted ahead for FSDP2, which packs and installs nothing (``runs=False``);
+- :func:`make_selected`: every layer a quantizer's selection packs, from packed tensors computed once per weight
+  (in memory, or read back from a streamed file), a tied weight's layers sharing them;
 - :func:`make_placeholders`: the layers a :class:`PackedSpec` list describes, holding meta tensors of their
   parts' shapes, checked against the model first (nothing is changed when one does not fit);
 - :func:`run_packed`: the forward of layers packed before (converted ahead, or quantized by an earlier
   ``apply``), where it is missing or ``weight_dtype`` asks for another compute dtype.
 
-A structure test holds the line: ``attach_packed`` and ``install_forward`` are called from this module only.
+A structure test holds the line: ``attach_packed`` and ``install_forward`` are called from this module only, and
+:func:`make_packed` from :func:`make_selected` and :func:`make_placeholders` alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,6 +32,9 @@ from memmode_core.contracts.errors import CheckpointError
 from memmode_core.contracts.quantizer import PAYLOAD, Quantizer
 from memmode_core.quantization.forward import QuantizedLinear, install_forward
 from memmode_core.quantization.packed import PackedLayer, attach_packed, packed_record
+
+if TYPE_CHECKING:
+    from memmode_core.quantization.selection import LayerSelection
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,38 @@ def make_packed(
     record.compute_dtype = compute_dtype
     if runs:
         install_forward(module, codec, compute_dtype_for(weight_dtype, record))
+
+
+def make_selected(
+    selection: LayerSelection,
+    packed_of: Callable[[str, torch.Tensor], Mapping[str, torch.Tensor]],
+    *,
+    weight_dtype: torch.dtype | None,
+    runs: bool = True,
+) -> int:
+    """Make every layer ``selection`` packs a packed layer (see :func:`make_packed`); returns how many.
+    ``packed_of(path, weight)`` gives a weight's packed tensors, asked once per weight: the layers of a tied
+    weight share one set, as they shared the weight."""
+    shared: dict[int, tuple[nn.Parameter, dict[str, torch.Tensor], torch.Tensor]] = {}
+    for layer in selection.to_pack:
+        weight = layer.module.weight
+        if id(weight) not in shared:
+            parts = dict(packed_of(layer.path, weight))
+            # the weight is kept beside its parts: its id stays its own while later layers are made
+            shared[id(weight)] = (nn.Parameter(parts.pop(PAYLOAD), requires_grad=False), parts, weight)
+        payload, buffers, _ = shared[id(weight)]
+        make_packed(
+            layer.module,
+            selection.quantizer,
+            weight.shape,
+            weight.dtype,
+            payload,
+            buffers,
+            path=layer.path,
+            weight_dtype=weight_dtype,
+            runs=runs,
+        )
+    return len(selection.to_pack)
 
 
 def make_placeholders(

@@ -26,12 +26,12 @@ import torch
 from torch import nn
 
 from memmode_core.contracts.errors import IncompatibleModeError, InvalidOptionError
-from memmode_core.contracts.quantizer import DEFAULT_EXCLUDE, PAYLOAD, Quantizer
+from memmode_core.contracts.quantizer import DEFAULT_EXCLUDE, Quantizer
 from memmode_core.contracts.storage import data_class
 from memmode_core.contracts.targets import is_fsdp1
 from memmode_core.engine.standins.classes import is_stand_in, raw_reads
 from memmode_core.files.streamed import give_back_freed_memory
-from memmode_core.quantization.making import make_packed, run_packed
+from memmode_core.quantization.making import make_selected, run_packed
 from memmode_core.quantization.packed import COMPUTE_DTYPES, is_dtensor, packed_record
 from memmode_core.quantization.selection import LayerSelection, select_layers
 from memmode_core.quantization.sizes import component_bytes, pack_checked
@@ -249,32 +249,15 @@ def check_components(
 
 
 def _pack_all(selection: LayerSelection, *, weight_dtype: torch.dtype | None, runs: bool) -> int:
-    """Pack every layer the selection says, running in ``weight_dtype`` unless ``runs`` is False (converted
-    ahead); returns how many. A weight shared by several layers (tied) is packed once and the packed tensors
-    are shared the same way."""
+    """Pack every layer the selection says in memory, running in ``weight_dtype`` unless ``runs`` is False
+    (converted ahead); returns how many (a tied weight is packed once)."""
     quantizer = selection.quantizer
-    shared: dict[int, tuple[torch.Tensor, nn.Parameter, dict[str, torch.Tensor]]] = {}
-    for layer in selection.to_pack:
-        module = layer.module
-        weight = module.weight
-        known = shared.get(id(weight))
-        if known is None:
-            packed = pack_checked(quantizer, selection.sizes, weight)
-            payload = nn.Parameter(packed.pop(PAYLOAD), requires_grad=False)
-            known = shared[id(weight)] = (weight, payload, packed)
-        _, payload, buffers = known
-        make_packed(
-            module,
-            quantizer,
-            weight.shape,
-            weight.dtype,
-            payload,
-            buffers,
-            path=layer.path,
-            weight_dtype=weight_dtype,
-            runs=runs,
-        )
-    return len(selection.to_pack)
+    return make_selected(
+        selection,
+        lambda path, weight: pack_checked(quantizer, selection.sizes, weight),
+        weight_dtype=weight_dtype,
+        runs=runs,
+    )
 
 
 def convert(

@@ -17,16 +17,14 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from memmode_core.contracts.quantizer import PAYLOAD
 from memmode_core.contracts.storage import is_placeholder
 from memmode_core.engine.streams import active
 from memmode_core.files.file_layout import FileLayout
 from memmode_core.files.made_once import MadeOnce, recipe_of
 from memmode_core.files.naming import content_name
 from memmode_core.files.streamed import check_room, file_size, write_pieces
-from memmode_core.quantization.making import make_packed
+from memmode_core.quantization.making import make_selected
 from memmode_core.quantization.selection import LayerSelection
 from memmode_core.quantization.sizes import component_bytes, pack_checked
 
@@ -100,26 +98,13 @@ def stream_pack(
         mapped = made_once.mapped(recipe, layout, lambda into: write_pieces(specs, pieces(), into=into))
     if mappings is not None:
         mappings.extend(mapped.flats)
-    shared: dict[int, tuple[nn.Parameter, dict[str, torch.Tensor]]] = {}
-    for layer in selection.to_pack:
-        weight = layer.module.weight
-        if id(weight) not in shared:
-            first = firsts[id(weight)]
-            names = selection.sizes.specs(weight.shape, weight.dtype)
-            payload = nn.Parameter(mapped[f"{first}.{PAYLOAD}"], requires_grad=False)
-            shared[id(weight)] = (payload, {n: mapped[f"{first}.{n}"] for n in names if n != PAYLOAD}, weight)
-        payload, buffers, _ = shared[id(weight)]
-        make_packed(
-            layer.module,
-            quantizer,
-            weight.shape,
-            weight.dtype,
-            payload,
-            buffers,
-            path=layer.path,
-            weight_dtype=weight_dtype,
-        )
-    return len(selection.to_pack)
+    return make_selected(
+        selection,
+        lambda path, weight: {
+            name: mapped[f"{path}.{name}"] for name in selection.sizes.specs(weight.shape, weight.dtype)
+        },
+        weight_dtype=weight_dtype,
+    )
 
 
 def _recipe(selection: LayerSelection, source: object, layout: FileLayout, where: str) -> str:
