@@ -83,8 +83,8 @@ class Components:
     #: its ``model_index.json`` (None: one model's folder, or one file)
     index: dict | None
     loads: list[ComponentLoad]
+    #: what the pipeline's other parts are loaded with (``"auto"`` resolved per model is in each load)
     torch_dtype: torch.dtype | str | None
-    variant: str | None
 
     def assemble(self) -> Any:
         """The pipeline (or the one model) of the loads' models: what ``load`` places and ``plan`` prices."""
@@ -162,7 +162,7 @@ def open_components(
         else:
             item.binding = binding_for(skeleton, weights, where=str(sub))
         loads.append(item)
-    return Components(folder, index, loads, torch_dtype, variant)
+    return Components(folder, index, loads, torch_dtype)
 
 
 def _file_load(
