@@ -85,7 +85,7 @@ from memmode_core.contracts.hookspecs import hookimpl
 from memmode_core.contracts.options import Option, Options, option
 from memmode_core.contracts.placement import Placement
 from memmode_core.contracts.quantizer import Quantizer
-from memmode_core.contracts.reader import EncodedTensor, FileContents, Reader, StoredTensor
+from memmode_core.contracts.reader import EncodedTensor, FileContents, QuantizedFolder, Reader, StoredTensor
 from memmode_core.contracts.resolver import Budgets, Resolver
 from memmode_core.contracts.storage import Storage, StorageSession, Tensors, is_placeholder, placeholder
 from memmode_core.contracts.storage_cost import StorageCost
@@ -135,6 +135,7 @@ __all__ = [
     "StoredTensor",
     "EncodedTensor",
     "FileContents",
+    "QuantizedFolder",
     "Storage",
     "StorageSession",
     "StorageCost",

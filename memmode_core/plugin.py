@@ -29,6 +29,8 @@ module; a plugin built for a kit this core does not provide is refused, with a
 - readers (kit 1.1): :class:`Reader` (a format of weight files ``load`` reads: parse a header into
   :class:`FileContents` of :class:`StoredTensor` and :class:`EncodedTensor` records), :data:`PAYLOAD` (the part
   of an encoded tensor that takes a weight's place), :class:`CheckpointError` (what a damaged file raises);
+  kit 1.2 adds folders a library saved quantized: :attr:`Reader.quant_methods` and :meth:`Reader.read_folder`,
+  shown a :class:`QuantizedFolder` (its ``quantization_config`` and every stored tensor);
 - storages: :class:`Storage`, :class:`StorageSession`, :data:`Tensors`, what a parameter holds at rest
   (:func:`placeholder`, :func:`is_placeholder`, :func:`host_copy`), :class:`StorageCost` and
   :func:`copying_cost`, :func:`resolve_device`, ``packing`` (how a group's tensors lie in one flat buffer);
@@ -62,7 +64,7 @@ from memmode_core.contracts.hookspecs import hookimpl
 from memmode_core.contracts.options import Option, Options, boolean, byte_size, one_of, option, positive_int
 from memmode_core.contracts.placement import Placement
 from memmode_core.contracts.quantizer import DEFAULT_EXCLUDE, PAYLOAD, Quantizer
-from memmode_core.contracts.reader import EncodedTensor, FileContents, Reader, StoredTensor
+from memmode_core.contracts.reader import EncodedTensor, FileContents, QuantizedFolder, Reader, StoredTensor
 from memmode_core.contracts.resolver import Budgets, Resolver
 from memmode_core.contracts.storage import Storage, StorageSession, Tensors, host_copy, is_placeholder, placeholder
 from memmode_core.contracts.storage_cost import StorageCost, copying_cost
@@ -127,6 +129,7 @@ __all__ = [
     "StoredTensor",
     "EncodedTensor",
     "FileContents",
+    "QuantizedFolder",
     "PAYLOAD",
     "CheckpointError",
     # storages

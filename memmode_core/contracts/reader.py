@@ -45,14 +45,22 @@ A complete reader of a made-up format "rows8" — int8 codes with one float32 sc
             stored, encoded = parse_my_header(path)        # StoredTensor and EncodedTensor records
             return memmode_core.FileContents(stored, encoded, metadata={}, size=path.stat().st_size)
 
+A reader may also read **folders a library saved quantized** (kit 1.2): a component folder whose ``config.json``
+holds ``"quantization_config": {"quant_method": ...}`` (diffusers' ``save_pretrained`` of a model quantized with
+bitsandbytes, quanto, ModelOpt, ...). Core opens the folder's safetensors checkpoint (every shard) and shows the
+reader a :class:`QuantizedFolder` — the config and every stored tensor — and the reader whose
+:attr:`Reader.quant_methods` names the method says, in :meth:`Reader.read_folder`, which stored tensors are the
+model's and which are decoded from parts. From there a folder is read exactly as a file is.
+
 docs/writing-a-plugin.md has the page in full.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -116,21 +124,44 @@ class FileContents:
     size: int = 0
 
 
+@dataclass(frozen=True)
+class QuantizedFolder:
+    """A model's folder that a library saved quantized, as a reader is shown it.
+
+    Core has read the folder's ``config.json`` and the headers of its safetensors checkpoint (all shards) and
+    checked every byte range; no tensor data is read unless the reader asks for it with :attr:`read`."""
+
+    #: the component's folder (for messages)
+    where: Path
+    #: config.json's ``"quantization_config"``, as written
+    quantization_config: Mapping[str, Any]
+    #: every tensor of its checkpoint (all shards), by name
+    stored: Mapping[str, StoredTensor]
+    #: one stored tensor's value (a view of the file's pages): for the few small tensors a reader must look at
+    #: (a bitsandbytes quant_state, a scale to check)
+    read: Callable[[str], torch.Tensor]
+
+
 class Reader:
     """Base class of every reader: a format of weight files memmode can load from. Subclasses set ``name``,
-    ``description`` and ``suffixes`` and implement :meth:`reads` and :meth:`read`."""
+    ``description`` and ``suffixes`` and implement :meth:`reads` and :meth:`read`; a reader of folders a library
+    saved quantized sets :attr:`quant_methods` and implements :meth:`read_folder` (either or both)."""
 
     name: str = ""
     description: str = ""
     #: the file name endings of the format (``.gguf``): a file with one of them that no installed reader
     #: reads is refused naming the distribution to install
     suffixes: tuple[str, ...] = ()
+    #: the ``quant_method`` values (a component config's ``quantization_config``) of the folders this reader
+    #: reads with :meth:`read_folder` (kit 1.2); empty for a reader of files only
+    quant_methods: tuple[str, ...] = ()
 
     def reads(self, path: Path, head: bytes) -> bool:
         """Whether this reader reads the file at ``path``, whose first bytes are ``head`` (at least 64 of
         them, fewer only for a shorter file). Readers are asked before core's own safetensors reading: a
-        reader of a safetensors dialect (ComfyUI's fp8 scaled files) says yes only to files of its dialect."""
-        raise NotImplementedError
+        reader of a safetensors dialect (ComfyUI's fp8 scaled files) says yes only to files of its dialect.
+        No file by default: a reader of quantized folders only (kit 1.2) need not write it."""
+        return False
 
     def read(self, path: Path) -> FileContents:
         """Parse the header of ``path``: where each tensor lies and how it is read. Read no tensor data.
@@ -138,6 +169,18 @@ class Reader:
         A file that is damaged (truncated, a header that contradicts itself) or that holds a type the reader
         cannot decode raises :class:`~memmode_core.contracts.errors.CheckpointError` naming the file and the
         tensor; core checks every byte range against the file's size besides."""
+        raise NotImplementedError
+
+    def read_folder(self, folder: QuantizedFolder) -> FileContents:
+        """The folder's tensors as :class:`FileContents` (kit 1.2; for a reader with :attr:`quant_methods`).
+
+        ``stored`` = the stored tensors of the model and the parts of encoded tensors (records taken from
+        ``folder.stored``, unchanged; what is left out is not the model's: an activation scale kept by the
+        library, a marker); ``encoded`` = the model's tensors that are decoded from parts, under the model's
+        names (``<layer>.weight``); ``metadata`` = anything worth reporting (strings); ``size`` is left 0 (core
+        checked every shard's ranges). Raise :class:`~memmode_core.contracts.errors.CheckpointError` naming the
+        folder and the tensor for anything damaged or unknown (a quant_type the reader does not decode, a
+        scale of the wrong shape, a non-finite scale)."""
         raise NotImplementedError
 
     def codecs(self) -> Mapping[str, Quantizer]:
