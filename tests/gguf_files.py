@@ -32,10 +32,13 @@ from gguf import GGMLQuantizationType as Q
 #: every type :func:`quantize_blocks` makes
 SUPPORTED_TYPES: tuple[Q, ...] = (
     Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+    Q.IQ4_NL, Q.IQ4_XS,
 )  # fmt: skip
-#: the ones gguf-py quantizes itself (``gguf.quants.quantize``); the K types it only dequantizes
+#: the ones gguf-py quantizes itself (``gguf.quants.quantize``); the K types and the i-quants it only dequantizes
 GGUF_PY_TYPES: tuple[Q, ...] = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
 K_TYPES: tuple[Q, ...] = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+#: the i-quants whose levels are a table of 16 (llama.cpp's ``kvalues_iq4nl``), which community diffusion files use
+IQ4_TYPES: tuple[Q, ...] = (Q.IQ4_NL, Q.IQ4_XS)
 
 #: city96's converter keeps tensors of at most this many elements in F32 (``QUANTIZATION_THRESHOLD``)
 SMALL_TENSOR_ELEMENTS = 1024
@@ -58,7 +61,7 @@ def quantize_blocks(values: np.ndarray, qtype: Q) -> np.ndarray:
     The result is uint8 in gguf's byte shape, ``(*rows, cols // block_size * type_size)``: what
     ``GGUFWriter.add_tensor`` takes with ``raw_dtype=qtype`` and what ``GGUFReader`` hands back. gguf-py's own
     quantizer for the types it has (the bytes are exactly ``gguf.quants.quantize``'s), this module's reference
-    quantizer for the K types.
+    quantizer for the K types and the i-quants.
     """
     values = np.ascontiguousarray(values, dtype=np.float32)
     if qtype not in SUPPORTED_TYPES:
@@ -70,8 +73,8 @@ def quantize_blocks(values: np.ndarray, qtype: Q) -> np.ndarray:
     if qtype in GGUF_PY_TYPES:
         # F32 and F16 come back as float arrays: their bytes are the same thing
         return np.ascontiguousarray(gguf.quants.quantize(values, qtype)).view(np.uint8).reshape(byte_shape)
-    blocks = values.reshape(-1, _QK)
-    out = _K_QUANTIZERS[qtype](blocks)
+    blocks = values.reshape(-1, bsize)
+    out = _REFERENCE_QUANTIZERS[qtype](blocks)
     assert out.dtype == np.uint8 and out.shape == (blocks.shape[0], tsize), (qtype.name, out.shape)
     return out.reshape(byte_shape)
 
@@ -204,12 +207,83 @@ def _quantize_q6_k(blocks: np.ndarray) -> np.ndarray:
     return np.concatenate([ql, qh, scales, _f16_bytes(d)], axis=1)
 
 
-_K_QUANTIZERS = {
+# ---------------------------------------------------------------------------------------------------------------
+# IQ4_NL and IQ4_XS: a reference quantizer, the inverse of gguf-py's dequantize_blocks
+#
+# A block of 32 is a signed scale times one of 16 integer levels per element (``KVALUES_IQ4NL``, from -127 to 113).
+# As llama.cpp does, the scale's sign is chosen so that the block's element of largest magnitude maps to -127 (the
+# level of largest magnitude); unlike llama.cpp (which searches scales around it), the scale is that one, rounded
+# away from zero to the stored grid so that nothing clips, and each element takes its nearest level. The error is
+# then at most 14 level units (the gap from 113 to 127) of the scale: 14/127 of the block's absolute maximum,
+# times the scale's grid rounding.
+
+#: llama.cpp's ``kvalues_iq4nl``, written out here: the fixtures do not take the decoder's table on trust
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def _block_scales(sub: np.ndarray) -> np.ndarray:
+    """Per block of ``sub`` (n, S, 32) the signed scale that maps its element of largest magnitude to -127."""
+    extreme = np.take_along_axis(sub, np.abs(sub).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+    return (-extreme / 127).astype(np.float32)
+
+
+def _nearest_levels(sub: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The index of the level nearest ``sub / scale`` for every element (uint8, sub's shape)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(scale[..., None] != 0, sub / np.where(scale != 0, scale, 1)[..., None], 0)
+    return np.abs(ratio[..., None] - KVALUES_IQ4NL).argmin(axis=-1).astype(np.uint8)
+
+
+def _quantize_iq4_nl(blocks: np.ndarray) -> np.ndarray:
+    """IQ4_NL, 18 bytes per 32: d, qs[16] (element j < 16 in the low nibble of qs[j], j + 16 in its high nibble)."""
+    n = blocks.shape[0]
+    wanted = _block_scales(blocks.reshape(n, 1, 32))[:, 0]
+    d = (np.sign(wanted) * _f16_at_least(np.abs(wanted))).astype(np.float16)
+    q = _nearest_levels(blocks.reshape(n, 1, 32), d.astype(np.float32)[:, None]).reshape(n, 2, 16)
+    return np.concatenate([_f16_bytes(d), _pack_bits(q, bits=4, groups=2)], axis=1)
+
+
+def _quantize_iq4_xs(blocks: np.ndarray) -> np.ndarray:
+    """IQ4_XS, 136 bytes per 256: d, scales_h (u16, bits 2j: the top 2 bits of sub-block j's scale), scales_l[4]
+    (byte i: the low 4 bits of scale 2i low, of 2i + 1 high), qs[128] (each sub-block of 32 as IQ4_NL's); a sub-block's
+    scale is ``d * (sc - 32)``, sc of 6 bits. ``d`` covers the largest sub-block scale with 31 steps, each sub-block's
+    step count rounded away from zero (its scale never shrinks)."""
+    n = blocks.shape[0]
+    sub = blocks.reshape(n, 8, 32)
+    wanted = _block_scales(sub)  # (n, 8), signed
+    d = _f16_at_least(np.abs(wanted).max(axis=-1) / 31)
+    d32 = d.astype(np.float32)[:, None]
+    steps = np.clip(np.sign(wanted) * np.ceil(_div(np.abs(wanted), d32)), -32, 31).astype(np.int32)
+    q = _nearest_levels(sub, d32 * steps.astype(np.float32))  # (n, 8, 32)
+    sc = (steps + 32).astype(np.uint16)  # 6 bits
+    scales_h = np.zeros(n, dtype=np.uint16)
+    for j in range(8):
+        scales_h |= (sc[:, j] >> 4) << (2 * j)
+    scales_l = ((sc[:, 0::2] & 0x0F) | ((sc[:, 1::2] & 0x0F) << 4)).astype(np.uint8)
+    qs = _pack_bits(q.reshape(n, 16, 16), bits=4, groups=2)  # per sub-block: element k*16 + l in nibble k
+    return np.concatenate([_f16_bytes(d), scales_h.reshape(-1, 1).view(np.uint8), scales_l, qs], axis=1)
+
+
+def random_iq4_blocks(rng: np.random.Generator, count: int, qtype: Q) -> np.ndarray:
+    """``count`` blocks of ``qtype`` (IQ4_NL, IQ4_XS) of random bytes, every code and every 6-bit scale possible,
+    ``d`` a finite float16 of either sign (zero and subnormals among them): llama.cpp's layout, whatever a quantizer
+    would choose; ``(count, type_size)`` uint8."""
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    blocks = rng.integers(0, 256, (count, size), dtype=np.uint8)
+    d = rng.standard_normal(count).astype(np.float16) * np.float16(0.01)
+    d[:4] = np.array([0.0, -0.0, 6e-8, -3e-5], dtype=np.float16)  # zeros, the smallest subnormal, a negative one
+    blocks[:, :2] = d.reshape(-1, 1).view(np.uint8)
+    return blocks
+
+
+_REFERENCE_QUANTIZERS = {
     Q.Q2_K: _quantize_q2_k,
     Q.Q3_K: _quantize_q3_k,
     Q.Q4_K: _quantize_q4_k,
     Q.Q5_K: _quantize_q5_k,
     Q.Q6_K: _quantize_q6_k,
+    Q.IQ4_NL: _quantize_iq4_nl,
+    Q.IQ4_XS: _quantize_iq4_xs,
 }
 
 

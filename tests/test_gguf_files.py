@@ -13,6 +13,11 @@ Tolerances are per block (for the K types per super-block of 256), relative to t
   Q6_K ``(1/31)(1 + 1/127)/2 = 0.0163`` -> 0.017; Q5_K ``(2.016/31)(1 + 1/63)/2 = 0.033`` -> 0.035;
   Q4_K ``(2.016/15)(1 + 1/63)/2 = 0.068`` -> 0.07; Q3_K ``(1/3)(1 + 1/31)/2 = 0.172`` -> 0.175;
   Q2_K ``(2.067/3)(1 + 1/15)/2 = 0.367`` -> 0.37 (2 bits, with 4-bit scales and minimums: coarse by design).
+- The i-quants (this module's quantizer: a block's element of largest magnitude at level -127, the scale rounded away
+  from zero, every element at its nearest of the 16 levels): at most the widest half-gap, 14 level units (113 to
+  127), of a scale of at most ``A / 127``: IQ4_NL ``(14/127)(1 + 2^-10) = 0.1103`` -> 0.111 (the f16 scale's
+  rounding); IQ4_XS, whose sub-block scale is a step count of ``d = A / (127 * 31)`` rounded up,
+  ``(14/127)(1 + 1/31)(1 + 2^-10) = 0.1139`` -> 0.114.
 - F32 exact; F16 and BF16 equal to the input rounded to them (torch's round to nearest even).
 """
 
@@ -26,12 +31,14 @@ from gguf import GGMLQuantizationType as Q
 
 from gguf_files import (
     GGUF_PY_TYPES,
+    IQ4_TYPES,
     K_TYPES,
     ORIG_SHAPE_KEY,
     SUPPORTED_TYPES,
     block_size,
     orig_shape,
     quantize_blocks,
+    random_iq4_blocks,
     reference_dequantize,
     write_gguf,
 )
@@ -47,6 +54,8 @@ TOLERANCE = {
     Q.Q4_K: 0.07,
     Q.Q5_K: 0.035,
     Q.Q6_K: 0.017,
+    Q.IQ4_NL: 0.111,
+    Q.IQ4_XS: 0.114,
 }
 
 
@@ -113,11 +122,28 @@ def test_k_blocks_are_valid(qtype: Q) -> None:
     np.testing.assert_array_equal(quantize_blocks(x.reshape(-1, 256)[5], qtype), blocks[5])
 
 
+@pytest.mark.parametrize("qtype", IQ4_TYPES, ids=lambda t: t.name)
+def test_iq4_blocks_are_valid(qtype: Q) -> None:
+    x = sample(rows=8, cols=1024, seed=2)
+    blocks = quantize_blocks(x, qtype).reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])
+    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    assert np.isfinite(scale).all()
+    if qtype == Q.IQ4_XS:  # the super-block scale is a magnitude; the signs are the sub-blocks'
+        assert (scale >= 0).all()
+    assert np.isfinite(gguf.quants.dequantize(blocks, qtype)).all()
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    np.testing.assert_array_equal(quantize_blocks(x.reshape(-1, block)[5], qtype), blocks[5])
+    # random blocks: every code and scale, in llama.cpp's layout, gguf-py reads them finite
+    random = random_iq4_blocks(np.random.default_rng(0), 64, qtype)
+    assert random.shape == (64, gguf.GGML_QUANT_SIZES[qtype][1])
+    assert np.isfinite(gguf.quants.dequantize(random, qtype)).all()
+
+
 def test_rows_that_do_not_fit_and_unknown_types_are_refused() -> None:
     with pytest.raises(ValueError, match="block size"):
         quantize_blocks(np.zeros((2, 96), np.float32), Q.Q4_K)
     with pytest.raises(NotImplementedError):
-        quantize_blocks(np.zeros((2, 256), np.float32), Q.IQ4_NL)
+        quantize_blocks(np.zeros((2, 256), np.float32), Q.IQ2_XXS)
 
 
 def wan_like_tensors() -> dict[str, tuple[np.ndarray, Q]]:

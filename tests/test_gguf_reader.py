@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 import memmode_core
-from gguf_files import SUPPORTED_TYPES, quantize_blocks, reference_dequantize, write_gguf
+from gguf_files import IQ4_TYPES, SUPPORTED_TYPES, quantize_blocks, random_iq4_blocks, reference_dequantize, write_gguf
 from helpers import requires_cuda
 from memmode_core.plugin import PAYLOAD, CheckpointError, EncodedTensor, FileContents, StoredTensor
 from memmode_gguf import BLOCK_TYPES, CODECS, GgufReader, codec_for, dequantize
@@ -173,6 +173,23 @@ def test_dequantize_takes_any_bytes_of_whole_blocks(qtype):
     assert dequantize(blocks[:0], qtype.name).shape == (0, 512)
 
 
+@pytest.mark.parametrize("qtype", IQ4_TYPES, ids=lambda t: t.name)
+def test_i_quants_of_random_bytes_are_bit_equal(qtype, tmp_path):
+    """Blocks of random bytes (every code, every 6-bit scale of IQ4_XS, ``d`` of either sign, zeros and subnormals
+    among them), decoded directly and from a file of several rows of several blocks: gguf-py's values, every zero's
+    sign included."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    data = random_iq4_blocks(np.random.default_rng(17), 4096 // block * 12, qtype)
+    expected = torch.from_numpy(gguf.quants.dequantize(data, qtype))
+    assert_bits(dequantize(torch.from_numpy(data), qtype.name), expected, qtype.name)
+    path = tmp_path / "random.gguf"
+    write_raw(path, {"w": (data.reshape(12, 4096 // block * size), qtype)})
+    contents = read_and_compare(path)
+    assert (
+        contents.encoded["w"].shape == (12, 4096) and contents.encoded["w"].codec.name == f"gguf_{qtype.name.lower()}"
+    )
+
+
 @pytest.mark.parametrize("qtype", BLOCK_QTYPES, ids=lambda t: t.name)
 def test_codecs_decode_to_the_compute_dtype(qtype):
     x = normal(4, 512, seed=5)
@@ -274,14 +291,15 @@ def write_raw(path, tensors, fields=()) -> None:
 
 
 def test_a_type_it_cannot_decode_is_refused_naming_it(tmp_path):
-    path = tmp_path / "iq.gguf"
+    path = tmp_path / "tq.gguf"
     ok = quantize_blocks(normal(4, 256), Q.Q4_K)
-    write_raw(path, {"fine.weight": (ok, Q.Q4_K), "odd.weight": (np.zeros((4, 8 * 18), np.uint8), Q.IQ4_NL)})
+    size = gguf.GGML_QUANT_SIZES[Q.TQ1_0][1]
+    write_raw(path, {"fine.weight": (ok, Q.Q4_K), "odd.weight": (np.zeros((4, size), np.uint8), Q.TQ1_0)})
     with pytest.raises(CheckpointError) as refused:
         GgufReader().read(path)
     message = str(refused.value)
-    assert "iq.gguf" in message and "'odd.weight'" in message and "IQ4_NL" in message
-    assert all(name in message for name in ("F32", "F16", "BF16", "Q8_0", "Q4_K", "Q6_K"))
+    assert "tq.gguf" in message and "'odd.weight'" in message and "TQ1_0" in message
+    assert all(name in message for name in ("F32", "F16", "BF16", "Q8_0", "Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS"))
 
 
 def test_an_orig_shape_of_another_size_is_refused(tmp_path):

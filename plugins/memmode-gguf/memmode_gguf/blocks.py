@@ -2,13 +2,15 @@
 
 A block type stores a row of values as blocks: ``block`` values in ``size`` bytes, the bytes of a block being its
 scale(s) (little-endian float16 ``d``, and for the affine types a minimum ``m`` or ``dmin``) and its integer codes
-(:data:`BLOCK_TYPES`). Dequantizing is integer work on the bytes (shifts and masks into codes) followed by one or
-two float32 operations per value. Every float32 operation here is the one gguf-py does, on the same operands and
+(:data:`BLOCK_TYPES`); an i-quant's 4-bit code is the index of one of 16 integer levels (:data:`KVALUES_IQ4NL`).
+Dequantizing is integer work on the bytes (shifts and masks into codes, a table look-up into levels) followed by one
+or two float32 operations per value. Every float32 operation here is the one gguf-py does, on the same operands and
 in the same order:
 
-- a product of a float16-derived scale by small integers is exact in float32 (11 significant bits times at most
-  12), so only a final addition or subtraction (``d * q + m``, ``d * sc * q - dmin * m``) ever rounds, and it is
-  the same single operation as gguf-py's (a fused multiply-add rounds it identically, the product being exact);
+- a product of a float16-derived scale by small integers is exact in float32 (11 significant bits times at most 13:
+  IQ4_XS's ``(d * sc) * level`` is 11 + 6 + 7), so only a final addition or subtraction (``d * q + m``,
+  ``d * sc * q - dmin * m``) ever rounds, and it is the same single operation as gguf-py's (a fused multiply-add
+  rounds it identically, the product being exact);
 - the integers are converted before the operations gguf-py converts them before, so that even the sign of a zero
   (``d * 0`` with a negative ``d``) comes out as gguf-py's.
 
@@ -176,6 +178,46 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return q.view(n, 16, 16).float().mul_(dl).view(n, QK_K)
 
 
+# -- the non-linear 4-bit types: codes index a table of 16 levels ---------------------------------------------
+
+#: IQ4_NL's and IQ4_XS's 16 levels (llama.cpp's ``kvalues_iq4nl``), denser near zero where weights are: a 4-bit
+#: code is the index of its level, and the value is a scale times the level (exact in float32, levels being
+#: integers of at most 7 bits)
+KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+#: the levels as float32 on each device they were asked on: made once per device, not copied from the host at
+#: every call of a forward
+_LEVELS: dict[torch.device, torch.Tensor] = {}
+
+
+def _levels(codes: torch.Tensor) -> torch.Tensor:
+    """The float32 levels of ``codes`` (uint8, 0-15) in :data:`KVALUES_IQ4NL`, in their shape."""
+    table = _LEVELS.get(codes.device)
+    if table is None:
+        table = _LEVELS[codes.device] = torch.tensor(KVALUES_IQ4NL, dtype=torch.float32, device=codes.device)
+    return table[codes.int()]
+
+
+def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+    # d, qs[16] (as Q4_0's: element j < 16 in the low nibble of qs[j], j + 16 in its high nibble): d * level
+    d = _half(blocks, 0)
+    return _levels(_nibbles(blocks[:, 2:])).flatten(1).mul_(d)
+
+
+def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+    # d, scales_h (u16: bits 2j the top two of sub-block j's scale), scales_l[4] (byte i: scale 2i's low nibble low,
+    # 2i + 1's high), qs[128] (sub-block s of 32 as an IQ4_NL block: element k*16 + l in nibble k of
+    # qs[s*16 + l]): (d * (sc - 32)) * level per sub-block of 32
+    n = blocks.shape[0]
+    d = _half(blocks, 0)
+    low = _nibbles(blocks[:, 4:8]).transpose(1, 2).reshape(n, 8)
+    high = _fields(blocks[:, 2:4], 2, at=4).transpose(1, 2).reshape(n, 8)
+    sc = low.bitwise_or_(high).view(torch.int8).sub_(32)
+    dl = (d * sc.float()).unsqueeze(-1)
+    q = _levels(_nibbles(blocks[:, 8:].view(n, 8, 16))).view(n, 8, 32)
+    return q.mul_(dl).view(n, QK_K)
+
+
 #: every block type this module dequantizes, by GGML's name
 BLOCK_TYPES: dict[str, BlockType] = {
     t.name: t
@@ -190,6 +232,8 @@ BLOCK_TYPES: dict[str, BlockType] = {
         BlockType("Q4_K", QK_K, 144, _q4_k),
         BlockType("Q5_K", QK_K, 176, _q5_k),
         BlockType("Q6_K", QK_K, 210, _q6_k),
+        BlockType("IQ4_NL", 32, 18, _iq4_nl),
+        BlockType("IQ4_XS", QK_K, 136, _iq4_xs),
     )
 }
 
