@@ -8,7 +8,8 @@ ModelOpt's exports store the same ideas with different choices — which nibble 
 the block scales are tiled for cuBLAS — so the pieces are here once, each a pure tensor function that runs on
 any device (no library, no custom kernel), and the readers compose them:
 
-- :func:`unpack_e2m1` / :func:`e2m1_to_float`: two 4-bit codes per byte, and their values (:data:`E2M1_VALUES`);
+- :func:`unpack_nibbles` / :func:`unpack_e2m1` / :func:`e2m1_to_float`: two 4-bit codes per byte, and their
+  values (:data:`E2M1_VALUES`);
 - :func:`e8m0_to_float`: E8M0 exponents as float32 powers of two;
 - :func:`scale_blocks`: values times one scale per block of a row;
 - :func:`untile_block_scales` (and :func:`tiled_scale_shape`): a block-scale matrix back from the 128x4 tiled
@@ -52,15 +53,21 @@ TILE_ROWS, TILE_BLOCKS = 128, 4
 _TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def unpack_e2m1(packed: torch.Tensor, *, high_nibble_first: bool) -> torch.Tensor:
+def unpack_nibbles(packed: torch.Tensor, *, high_nibble_first: bool) -> torch.Tensor:
     """The 4-bit codes of ``packed`` (``uint8``, two codes a byte), as ``uint8`` codes 0-15: the last dimension
     doubles. ``high_nibble_first``: whether a byte's high nibble is the earlier of its two values (comfy-kitchen
-    packs that way) or its low nibble is (ModelOpt, and torch's ``float4_e2m1fn_x2``)."""
+    packs E2M1 that way) or its low nibble is (ModelOpt, torch's ``float4_e2m1fn_x2``, AWQ's uint4)."""
     if packed.dtype != torch.uint8:
-        raise TypeError(f"E2M1 codes are packed in uint8, got {packed.dtype}")
+        raise TypeError(f"4-bit codes are packed in uint8, got {packed.dtype}")
     high, low = packed >> 4, packed & 0x0F
     pair = (high, low) if high_nibble_first else (low, high)
     return torch.stack(pair, dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def unpack_e2m1(packed: torch.Tensor, *, high_nibble_first: bool) -> torch.Tensor:
+    """The E2M1 codes of ``packed`` (``uint8``, two codes a byte), as ``uint8`` codes 0-15 (:func:`unpack_nibbles`):
+    the last dimension doubles."""
+    return unpack_nibbles(packed, high_nibble_first=high_nibble_first)
 
 
 def e2m1_to_float(packed: torch.Tensor, *, high_nibble_first: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
