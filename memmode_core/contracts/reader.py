@@ -140,6 +140,9 @@ class QuantizedFolder:
     #: one stored tensor's value (a view of the file's pages): for the few small tensors a reader must look at
     #: (a bitsandbytes quant_state, a scale to check)
     read: Callable[[str], torch.Tensor]
+    #: the shapes of the model's tensors, by the model's (state-dict) names, from its config: for a format that
+    #: does not store a weight's shape (quanto's int4 rows); the model is built on the meta device on first use
+    shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 class Reader:
