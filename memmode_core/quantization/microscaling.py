@@ -82,8 +82,8 @@ def e8m0_to_float(exponents: torch.Tensor) -> torch.Tensor:
     ``2 ** (code - 127)``, built from the bits (an exact power of two).
 
     Code 0 gives 0.0, as comfy-kitchen decodes it (the MX specification reads 2**-127, a difference only for a
-    block whose values are all below 2**-118, which Comfy's quantizer writes as zeros); code 255 (NaN in the
-    specification) gives infinity — a reader refuses it before anything decodes it."""
+    block whose values are all below about 2**-118, 448 times 2**-127); code 255 (NaN in the
+    specification) gives infinity, as comfy-kitchen decodes it."""
     if exponents.dtype == getattr(torch, "float8_e8m0fnu", None):
         exponents = exponents.view(torch.uint8)
     if exponents.dtype != torch.uint8:
