@@ -109,8 +109,10 @@ def _random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype: Q, n
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = raw.reshape(-1, size)
     scale = np.frombuffer(np.float16(0.0005).tobytes(), dtype=np.uint8)
-    # the f16 scales' places in each block (d first for the 32-value types and Q4_K/Q5_K; last for Q2_K..Q6_K)
+    # the f16 scales' places in each block (d first for the 32-value types, Q4_K/Q5_K and the i-quants; last for
+    # Q2_K..Q6_K)
     where = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q5_0: [0], Q.Q4_1: [0, 2], Q.Q5_1: [0, 2], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2]}
+    where |= {Q.IQ4_NL: [0], Q.IQ4_XS: [0]}
     where |= {Q.Q2_K: [size - 4, size - 2], Q.Q3_K: [size - 2], Q.Q6_K: [size - 2]}
     for at in where[qtype]:
         blocks[:, at : at + 2] = scale

@@ -13,17 +13,18 @@ outputs stay finite). Nothing is downloaded. Sub-commands (each prints a table, 
   (sampled from ``/proc`` every 20 ms) are reported with the plan's table as memmode prints it, and each GGUF's
   size against the bf16 expert's. ``--quick``: a 2-block, 256-wide Wan in the tiny demo pipeline, in seconds.
 
-- ``forward``: one linear layer's forward per GGML type (``--types``, default ``Q8_0,Q4_K,Q6_K``), batch of
-  ``--tokens`` (512) tokens, compute dtype bfloat16 and float32, at ``--sizes`` (default 3072x3072 and 5120x13824,
-  out x in). The weight is one GGUF file's bytes (random valid blocks); the *same* bytes are fed to memmode's packed
-  layer (``QuantizedLinear.forward``, the layer ``memmode.load`` makes of a GGUF weight: ``attach_packed`` +
-  ``install_forward`` with memmode-gguf's codec; it decodes to float32, bit-equal to gguf-py, then casts) and to
-  diffusers' ``GGUFLinear`` (what ``from_single_file(..., quantization_config=GGUFQuantizationConfig(...))`` puts in
-  place of a linear; on the CPU its forward is ``forward_native``: ``dequantize_gguf_tensor`` in float16, then a
-  cast to the compute dtype). "dense" is ``F.linear`` with the weight already decoded: the floor both sit on.
-  Figures: ms per call, median (min–max) over interleaved rounds (every round runs each variant ``--calls`` times, in
-  a rotating order), and the per-round ratio memmode / diffusers; "max diff" is memmode's output against
-  diffusers', relative to the output's largest value (diffusers rounds the scales' products in float16).
+- ``forward``: one linear layer's forward per GGML type (``--types``, default ``Q8_0,Q4_K,Q6_K,IQ4_NL,IQ4_XS``),
+  batch of ``--tokens`` (512) tokens, compute dtype bfloat16 and float32, at ``--sizes`` (default 3072x3072 and
+  5120x13824, out x in). The weight is one GGUF file's bytes (random valid blocks); the *same* bytes are fed to
+  memmode's packed layer (``QuantizedLinear.forward``, the layer ``memmode.load`` makes of a GGUF weight:
+  ``attach_packed`` + ``install_forward`` with memmode-gguf's codec; it decodes to float32, bit-equal to gguf-py,
+  then casts) and to diffusers' ``GGUFLinear``
+  (what ``from_single_file(..., quantization_config=GGUFQuantizationConfig(...))`` puts in place of a linear; on the
+  CPU its forward is ``forward_native``: ``dequantize_gguf_tensor`` in float16, then a cast to the compute dtype).
+  "dense" is ``F.linear`` with the weight already decoded: the floor both sit on. Figures: ms per call, median
+  (min–max) over interleaved rounds (every round runs each variant ``--calls`` times, in a rotating order), and the
+  per-round ratio memmode / diffusers; "max diff" is memmode's output against diffusers', relative to the output's
+  largest value (diffusers rounds the scales' products in float16).
 
 - ``load``: a Wan 14B-shaped transformer (40 heads, 40 blocks, ffn 13824; ``--layers`` to shrink it: 2 blocks are
   a 1 GB file; ``--quick``: a 2-block, 256-wide one, a smoke run in seconds) as a ``Q8_0`` GGUF of random valid
@@ -49,7 +50,7 @@ outputs stay finite). Nothing is downloaded. Sub-commands (each prints a table, 
   and the per-round ratio to it; outputs are checked bit-equal to ``model_cpu_offload``'s.
 
     python benchmarks/community_checkpoints.py plan [--keep DIR] [--json]
-    python benchmarks/community_checkpoints.py forward [--types Q8_0,Q4_K,Q6_K] [--sizes 3072x3072,5120x13824]
+    python benchmarks/community_checkpoints.py forward [--types Q8_0,Q4_K,IQ4_XS] [--sizes 3072x3072,5120x13824]
     python benchmarks/community_checkpoints.py load [--layers 40] [--rounds 3] [--cache DIR]
     python benchmarks/community_checkpoints.py offload [--layers 30] [--rounds 10] [--cache DIR]
     python benchmarks/community_checkpoints.py SUBCOMMAND --quick      # small sizes: a smoke run in seconds
@@ -712,7 +713,7 @@ def main() -> None:
     plan.add_argument("--num-frames", type=int, default=81)
 
     forward = commands.add_parser("forward", help="one linear layer's dequantizing forward, memmode vs diffusers")
-    forward.add_argument("--types", default="Q8_0,Q4_K,Q6_K", help="GGML types, comma-separated")
+    forward.add_argument("--types", default="Q8_0,Q4_K,Q6_K,IQ4_NL,IQ4_XS", help="GGML types, comma-separated")
     forward.add_argument("--sizes", default=None, help="OUTxIN weights, comma-separated (3072x3072,5120x13824)")
     forward.add_argument("--tokens", type=int, default=None, help="tokens per call (512; --quick: 64)")
     forward.add_argument("--dtypes", default="bfloat16,float32", help="compute dtypes")

@@ -191,11 +191,12 @@ _LEVELS: dict[torch.device, torch.Tensor] = {}
 
 
 def _levels(codes: torch.Tensor) -> torch.Tensor:
-    """The float32 levels of ``codes`` (uint8, 0-15) in :data:`KVALUES_IQ4NL`, in their shape."""
+    """The float32 levels of ``codes`` (uint8, 0-15) in :data:`KVALUES_IQ4NL`, in their shape: one ``index_select``
+    by int32 indices (on the CPU twice as fast as indexing by them, which also takes int64 ones)."""
     table = _LEVELS.get(codes.device)
     if table is None:
         table = _LEVELS[codes.device] = torch.tensor(KVALUES_IQ4NL, dtype=torch.float32, device=codes.device)
-    return table[codes.int()]
+    return table.index_select(0, codes.reshape(-1).int()).view(codes.shape)
 
 
 def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
