@@ -48,7 +48,7 @@ the table of ``tests/layers.py``):
    ``budgets``, ``choosing``, ``planner`` (``plan``), ``measuring`` (what a storage costs, measured where it
    is not declared), ``residency``, ``timing``, ``trace``;
 4. ``builtin/``: the built-in plugins (the placements, the ``auto`` resolver, the ``ram`` storage, the
-   ``comfy_fp8`` reader);
+   ``comfy`` reader of ComfyUI's files);
 5. top level: ``applying`` (``prepare``, ``apply``: prepare -> pack -> execute; remove, convert),
    ``layer_packing`` (the stage that packs a plan's layers, for ``apply`` and ``load``), ``handover`` (a
    mode applied over another: what is taken off and put back), ``handle`` (the ``Handle``), ``plugin`` (the

@@ -332,7 +332,7 @@ def test_a_saved_gguf_pipeline_is_refused_under_a_quantizer_or_without_its_reade
 
 
 def test_a_comfy_fp8_pipeline_round_trips_through_save_quantized_in_one_format(tmp_path):
-    """A ComfyUI fp8 file holds one format: saved as version 1, read back by the ``comfy_fp8`` reader's codec."""
+    """A ComfyUI fp8 file holds one format: saved as version 1, read back by the ``comfy`` reader's codec."""
     from community_pipelines import comfy_fp8_pipeline
 
     comfy, form = comfy_fp8_pipeline(), "legacy_scaled"

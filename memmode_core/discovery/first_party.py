@@ -30,7 +30,10 @@ DISTRIBUTIONS: dict[tuple[str, str], str] = {
         )
     },
     ("storage", "ram"): CORE,
-    ("reader", "comfy_fp8"): CORE,
+    ("reader", "comfy"): CORE,
+    ("reader", "bitsandbytes"): CORE,
+    ("reader", "quanto"): CORE,
+    ("reader", "modelopt"): CORE,
 }
 
 #: the mode ``memmode run`` uses when none is named

@@ -81,7 +81,10 @@ def core_version() -> str:
 BUILTIN_PLUGINS = {
     "memmode-core.placements": "memmode_core.builtin.placements",
     "memmode-core.ram": "memmode_core.builtin.ram",
-    "memmode-core.comfy_fp8": "memmode_core.builtin.comfy_fp8",
+    "memmode-core.comfy": "memmode_core.builtin.comfy",
+    "memmode-core.bitsandbytes": "memmode_core.builtin.bitsandbytes",
+    "memmode-core.quanto": "memmode_core.builtin.quanto",
+    "memmode-core.modelopt": "memmode_core.builtin.modelopt",
 }
 
 

@@ -1,5 +1,5 @@
-"""The built-in ``comfy_fp8`` reader: which files it takes, what it says lies where, and the values its codec
-decodes from the file's own bytes — bit for bit the value ComfyUI's files mean (``weight.float() * scale``).
+"""The built-in ``comfy`` reader, its fp8 forms: which files it takes, what it says lies where, and the values its
+codec decodes from the file's own bytes — bit for bit the value ComfyUI's files mean (``weight.float() * scale``).
 
 Fixture files come from ``tests/comfy_files.py``; every bad input must be refused, typed, naming the tensor."""
 
@@ -25,14 +25,17 @@ from comfy_files import (
     write_plain,
     write_plain_fp8,
 )
-from memmode_core.builtin.comfy_fp8 import CODECS, ComfyFloat8Reader
+from memmode_core.builtin.comfy.codecs import FLOAT8_CODECS as CODECS
+from memmode_core.builtin.comfy.reader import ComfyReader
 from memmode_core.contracts.errors import CheckpointError
 from memmode_core.contracts.quantizer import PAYLOAD
 from memmode_core.contracts.reader import FileContents, StoredTensor
 
-READER = ComfyFloat8Reader()
+READER = ComfyReader()
 #: the tensors that are no weight of the model: they must appear nowhere in what the reader gives
-NOT_THE_MODELS = ("scaled_fp8", ".scale_input", ".input_scale", ".comfy_quant")
+NOT_THE_MODELS = ("scaled_fp8", ".comfy_quant")
+#: the activation scales: kept as a part of their layer (``weight_input_scale``), never a tensor of the model
+INPUT_SCALES = (".scale_input", ".input_scale")
 
 
 def reads(path: Path) -> bool:
@@ -68,7 +71,7 @@ def check_contents(path: Path, contents: FileContents, stored_q: dict, state: di
         assert torch.equal(tensor_at(path, payload), q.view(torch.uint8))
         expected = q.float() if scale is None else q.float() * scale
         if scale is None:
-            assert set(encoded.parts) == {PAYLOAD}
+            assert set(encoded.parts) - {"weight_input_scale"} == {PAYLOAD}
         else:
             part = contents.stored[encoded.parts["weight_scale"]]
             assert part.dtype == torch.float32 and part.shape == (1,)
@@ -82,6 +85,11 @@ def check_contents(path: Path, contents: FileContents, stored_q: dict, state: di
         assert torch.equal(tensor_at(path, contents.stored[key]), reference[key])
     for key in [*contents.stored, *contents.encoded]:
         assert not key.endswith(NOT_THE_MODELS), key
+        assert not key.endswith(INPUT_SCALES) or key in parts, key
+    for encoded in contents.encoded.values():
+        if "weight_input_scale" in encoded.parts:
+            assert encoded.parts["weight_input_scale"].endswith(INPUT_SCALES)
+            assert contents.stored[encoded.parts["weight_input_scale"]].shape == (1,)
 
 
 @pytest.fixture
@@ -114,11 +122,12 @@ def test_it_reads_every_fp8_form_and_no_other_file(tmp_path, state):
         assert not reads(tmp_path / name), name
 
 
-def test_a_metadata_file_with_other_formats_only_is_not_its(tmp_path, state):
+def test_a_metadata_file_in_any_format_is_its(tmp_path, state):
+    """A file whose metadata declares only formats other than fp8 is ComfyUI's too: read, or refused typed."""
     write_metadata_scaled(
         tmp_path / "m.safetensors", state, container=True, formats=dict.fromkeys(["0", "2"], {"format": "nvfp4"})
     )
-    assert not reads(tmp_path / "m.safetensors")
+    assert reads(tmp_path / "m.safetensors")
 
 
 # -- what it reads -------------------------------------------------------------------------------------------
@@ -182,7 +191,7 @@ def test_a_row_split_decodes_its_rows(tmp_path, state):
     contents = READER.read(path)
     encoded = contents.encoded["0.weight"]
     q, scale = stored_q["0.weight"]
-    payload, part = (tensor_at(path, contents.stored[k]) for k in encoded.parts.values())
+    payload, part = (tensor_at(path, contents.stored[encoded.parts[k]]) for k in (PAYLOAD, "weight_scale"))
     rows = encoded.codec.unpack({PAYLOAD: payload[8:16], "weight_scale": part}, torch.Size((8, 16)), torch.float32)
     assert torch.equal(rows, q[8:16].float() * scale)
     per_row = torch.rand(24, 1) + 0.5
@@ -270,10 +279,10 @@ def test_a_damaged_header_is_refused(tmp_path, state):
     refused(path, "not valid JSON")
 
 
-def test_a_format_it_does_not_decode_is_refused(tmp_path, state):
-    path = tmp_path / "nvfp4.safetensors"
-    write_metadata_scaled(path, state, formats={"2": {"format": "nvfp4"}})
-    refused(path, "'2'", "'nvfp4'")
+def test_a_format_comfyui_does_not_define_is_refused_as_unknown(tmp_path, state):
+    path = tmp_path / "blockwise.safetensors"
+    write_metadata_scaled(path, state, formats={"2": {"format": "int8_blockwise"}})
+    refused(path, "'2'", "'int8_blockwise' is not a format ComfyUI defines", "nvfp4")
 
 
 def test_a_declared_format_contradicting_the_dtype_is_refused(tmp_path, state):
@@ -302,7 +311,7 @@ def test_damaged_quantization_metadata_is_refused(tmp_path, state):
 def test_it_is_a_builtin_reader():
     import memmode_core
 
-    (row,) = [r for r in memmode_core.list_plugins() if r.kind == "reader" and r.name == "comfy_fp8"]
+    (row,) = [r for r in memmode_core.list_plugins() if r.kind == "reader" and r.name == "comfy"]
     assert row.distribution == "memmode-core" and row.available and row.description
 
 
