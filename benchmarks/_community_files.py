@@ -7,10 +7,14 @@ checkpoint's names, as city96's / QuantStack's files are, in a type mix like the
   to some ``ffn_down``), the rest of the matrices in the asked type.
 - :func:`write_gguf_file`: the file, either *sparse* (a real header, its data a hole: no disk, for ``plan``,
   which reads headers only) or filled with random valid blocks, written tensor by tensor (for ``load``).
+- :func:`comfy_specs` and :func:`write_comfy_file`: the same model as a ComfyUI mixed-precision safetensors file
+  (``int8_tensorwise`` or ``nvfp4`` layers declared in ``_quantization_metadata``, the rest bf16), written
+  tensor by tensor.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -117,3 +121,83 @@ def _random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype: Q, n
     for at in where[qtype]:
         blocks[:, at : at + 2] = scale
     return blocks.tobytes()
+
+
+# == ComfyUI mixed-precision files ================================================================================
+
+#: the formats :func:`write_comfy_file` writes, by the name ComfyUI's ``_quantization_metadata`` gives them
+COMFY_FORMATS = ("int8_tensorwise", "nvfp4")
+#: NVFP4's block of values sharing one E4M3 scale, and the tiles of cuBLAS' block-scale layout Comfy stores
+NVFP4_BLOCK = 16
+TILE_ROWS, TILE_BLOCKS = 128, 4
+
+
+def comfy_specs(shapes: dict[str, tuple[int, ...]], fmt: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """tensor name -> (safetensors dtype, shape) of a ComfyUI ``fmt`` file of a model of ``shapes`` (original
+    names): each large matrix a quantized layer (its weight and scales), the rest bfloat16."""
+    if fmt not in COMFY_FORMATS:
+        raise ValueError(f"{fmt!r}: the formats written are {COMFY_FORMATS}")
+    specs: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, shape in shapes.items():
+        elements = int(np.prod(shape)) if shape else 1
+        small = len(shape) != 2 or elements <= SMALL_ELEMENTS or any(h in name for h in HIGH_PRECISION)
+        if small or not name.endswith(".weight") or shape[1] % 32:
+            specs[name] = ("BF16", shape)
+            continue
+        layer = name.removesuffix(".weight")
+        rows, columns = shape
+        if fmt == "int8_tensorwise":
+            specs[name] = ("I8", shape)
+            specs[f"{layer}.weight_scale"] = ("F32", ())
+        else:
+            padded_rows = -(-rows // TILE_ROWS) * TILE_ROWS
+            padded_blocks = -(-(columns // NVFP4_BLOCK) // TILE_BLOCKS) * TILE_BLOCKS
+            specs[name] = ("U8", (rows, columns // 2))
+            specs[f"{layer}.weight_scale"] = ("F8_E4M3", (padded_rows, padded_blocks))
+            specs[f"{layer}.weight_scale_2"] = ("F32", ())
+    return specs
+
+
+def comfy_layers(specs: dict[str, tuple[str, tuple[int, ...]]], fmt: str) -> list[str]:
+    """The layers of ``specs`` stored in ``fmt`` (those with a ``weight_scale``)."""
+    return sorted(name.removesuffix(".weight_scale") for name in specs if name.endswith(".weight_scale"))
+
+
+_ITEMSIZE = {"BF16": 2, "F32": 4, "I8": 1, "U8": 1, "F8_E4M3": 1}
+
+
+def write_comfy_file(path: Path, specs: dict[str, tuple[str, tuple[int, ...]]], fmt: str, *, seed: int = 0) -> int:
+    """Write ``specs`` as ComfyUI writes a mixed-precision file (the layers declared in the header's
+    ``_quantization_metadata``), tensor by tensor — never more than one tensor in memory — with random values of
+    a trained model's size (weights about 0.02); its size in bytes."""
+    header: dict = {}
+    offset = 0
+    for name, (dtype, shape) in specs.items():
+        nbytes = int(np.prod(shape)) * _ITEMSIZE[dtype] if shape else _ITEMSIZE[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    layers = {layer: {"format": fmt} for layer in comfy_layers(specs, fmt)}
+    header["__metadata__"] = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    rng = np.random.default_rng(seed)
+    with open(path, "wb") as out:
+        out.write(len(text).to_bytes(8, "little") + text)
+        for name, (dtype, shape) in specs.items():
+            out.write(_comfy_values(rng, name, dtype, shape))
+    return os.path.getsize(path)
+
+
+def _comfy_values(rng: np.random.Generator, name: str, dtype: str, shape: tuple[int, ...]) -> bytes:
+    count = int(np.prod(shape)) if shape else 1
+    if dtype == "BF16":
+        values = rng.standard_normal(count, dtype=np.float32) * 0.02
+        return (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+    if dtype == "F32":  # a tensor's scale: an int8 code of 127 is 0.06; an nvfp4 code of 6 with block scale 1 is 0.018
+        return np.float32(0.0005 if name.endswith(".weight_scale") else 0.003).tobytes()
+    if dtype == "I8":
+        return rng.integers(-127, 128, count, dtype=np.int8).tobytes()
+    if dtype == "U8":  # two e2m1 codes a byte, any of the 16
+        return rng.integers(0, 256, count, dtype=np.uint8).tobytes()
+    # E4M3 block scales between 0.5 and 1.875: exponent bits 0110/0111, any mantissa (no NaN, no zero)
+    return rng.integers(0x30, 0x40, count, dtype=np.uint8).tobytes()

@@ -74,7 +74,7 @@ import threading
 import time
 from pathlib import Path
 
-from _community_files import original_wan_shapes, wan_gguf_specs, write_gguf_file
+from _community_files import comfy_specs, original_wan_shapes, wan_gguf_specs, write_comfy_file, write_gguf_file
 from _models import released_wan_config
 from load_into_mode import read_status
 
@@ -183,6 +183,45 @@ def bf16_bytes(config: dict) -> int:
     with torch.device("meta"):
         model = WanTransformer3DModel(**config)
     return sum(t.numel() * 2 for t in model.state_dict().values())
+
+
+def comfy_sizes(specs: dict) -> tuple[int, int]:
+    """(all the tensors' bytes, the largest block's bytes) of a ComfyUI file of ``specs``."""
+    itemsize = {"BF16": 2, "F32": 4, "I8": 1, "U8": 1, "F8_E4M3": 1}
+    total, blocks = 0, {}
+    for name, (dtype, shape) in specs.items():
+        nbytes = itemsize[dtype]
+        for d in shape:
+            nbytes *= d
+        total += nbytes
+        if name.startswith("blocks."):
+            index = name.split(".")[1]
+            blocks[index] = blocks.get(index, 0) + nbytes
+    return total, max(blocks.values())
+
+
+def cached_comfy(cache: Path, config: dict, fmt: str) -> tuple[Path, Path, dict]:
+    """``cache/wan-<fmt>-<hash>/``: the model's config folder and a ComfyUI ``fmt`` file with random values, made
+    once (reused when complete); (file, config folder, specs)."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    digest = hashlib.sha1(json.dumps([config, fmt], sort_keys=True).encode()).hexdigest()[:10]
+    base = cache / f"wan-{fmt}-{digest}"
+    specs = comfy_specs(original_wan_shapes(config), fmt)
+    file, folder = base / f"transformer-{fmt}.safetensors", base / "transformer"
+    if (base / "complete").is_file():
+        return file, folder, specs
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    with torch.device("meta"):
+        WanTransformer3DModel(**config).save_config(folder)
+    say(f"writing {file} (once) ...")
+    began = time.perf_counter()
+    nbytes = write_comfy_file(file, specs, fmt)
+    say(f"  {size(nbytes)} in {time.perf_counter() - began:.1f} s")
+    (base / "complete").write_text("ok\n")
+    return file, folder, specs
 
 
 def cached_gguf(cache: Path, config: dict, qtype: str) -> tuple[Path, Path, dict]:
@@ -523,10 +562,16 @@ def run_load(args: argparse.Namespace) -> None:
     rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
     warm_up = not args.quick if args.warm_up is None else args.warm_up
     cache = Path(args.cache)
-    file, folder, specs = cached_gguf(cache, config, "Q8_0")
-    file_bytes, group = gguf_sizes(specs)
+    comfy = args.format != "Q8_0"
+    if comfy:  # diffusers reads no ComfyUI mixed-precision file: memmode alone, its memory counted in groups
+        file, folder, specs = cached_comfy(cache, config, args.format)
+        file_bytes, group = comfy_sizes(specs)
+        variants = ["memmode"]
+    else:
+        file, folder, specs = cached_gguf(cache, config, "Q8_0")
+        file_bytes, group = gguf_sizes(specs)
+        variants = ["memmode", "diffusers"]
     scratch = Path(tempfile.mkdtemp(prefix="load-", dir=cache))
-    variants = ["memmode", "diffusers"]
     results: dict[str, list[dict]] = {v: [] for v in variants}
     diffs = []
     started = time.perf_counter()
@@ -548,14 +593,16 @@ def run_load(args: argparse.Namespace) -> None:
                 )
                 if not (warm_up and index == 0):
                     results[variant].append(result)
-            reference = outputs["diffusers"]
-            diffs.append(float((outputs["memmode"] - reference).abs().max() / reference.abs().max()))
+            if not comfy:
+                reference = outputs["diffusers"]
+                diffs.append(float((outputs["memmode"] - reference).abs().max() / reference.abs().max()))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     seconds = time.perf_counter() - started
     setup = {"layers": layers, "rounds": rounds, "warm_up": warm_up, "threads": args.threads}
     setup |= {"file_bytes": file_bytes, "group_bytes": group, "frames": args.frames}
-    setup |= {"height": args.height, "width": args.width, "max_diff": max(diffs)}
+    setup |= {"height": args.height, "width": args.width, "max_diff": max(diffs, default=None)}
+    setup |= {"format": args.format}
     if args.json:
         print(json.dumps({"setup": setup, "results": results}, indent=1))
         return
@@ -569,33 +616,41 @@ def run_load(args: argparse.Namespace) -> None:
 
     largest = max(r["peak_total"] - r["baseline_total"] for rs in results.values() for r in rs)
     scale, unit = (GIB, "GiB") if largest >= GIB else (MIB, "MiB")
+    kind = f"ComfyUI {args.format} safetensors" if comfy else "Q8_0 GGUF"
     print(
         f"\nWan-shaped transformer (hidden {config['num_attention_heads'] * config['attention_head_dim']}, ffn "
-        f"{config['ffn_dim']}), {layers} blocks, Q8_0 GGUF {size(file_bytes)} (random valid blocks, hot "
-        f"in the page cache); largest group (one block in Q8_0) {group / MIB:.1f} MiB; CPU, {args.threads} threads; "
+        f"{config['ffn_dim']}), {layers} blocks, {kind} {size(file_bytes)} (random values, hot in the page "
+        f"cache); largest group (one block as stored) {group / MIB:.1f} MiB; CPU, {args.threads} threads; "
         f"input {args.frames}x{args.height}x{args.width} latent, 16 text tokens; median (min–max) of {rounds} "
-        f"interleaved rounds{' after a warm-up' if warm_up else ''}; {seconds / 60:.1f} min\n"
+        f"{'interleaved ' if len(variants) > 1 else ''}rounds{' after a warm-up' if warm_up else ''}; "
+        f"{seconds / 60:.1f} min\n"
     )
     print(
         f"| variant | load s | first output s | × diffusers | peak RssAnon over baseline {unit} | × diffusers "
         f"| in groups | peak RssAnon+RssFile over baseline {unit} | × diffusers | in groups |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+    def ratio(variant: str, median: float, key: str) -> str:
+        if "diffusers" not in results:
+            return "–"
+        theirs = statistics.median(over("diffusers", key)) if key.startswith("peak") else med("diffusers", key)
+        return f"{median / theirs:.2f}"
+
     for variant in variants:
-        t = med(variant, "first_output_s") / med("diffusers", "first_output_s")
         anon, total = over(variant, "peak_anon"), over(variant, "peak_total")
-        a = statistics.median(anon) / statistics.median(over("diffusers", "peak_anon"))
-        b = statistics.median(total) / statistics.median(over("diffusers", "peak_total"))
         print(
             f"| {variant} | {spread([r['load_s'] for r in results[variant]])} "
-            f"| {spread([r['first_output_s'] for r in results[variant]])} | {t:.2f} | {spread(anon, scale=scale)} "
-            f"| {a:.2f} | {statistics.median(anon) / group:.1f} | {spread(total, scale=scale)} | {b:.2f} "
+            f"| {spread([r['first_output_s'] for r in results[variant]])} "
+            f"| {ratio(variant, med(variant, 'first_output_s'), 'first_output_s')} | {spread(anon, scale=scale)} "
+            f"| {ratio(variant, statistics.median(anon), 'peak_anon')} | {statistics.median(anon) / group:.1f} "
+            f"| {spread(total, scale=scale)} | {ratio(variant, statistics.median(total), 'peak_total')} "
             f"| {statistics.median(total) / group:.1f} |"
         )
     baseline = statistics.median(r["baseline_anon"] for rs in results.values() for r in rs)
+    against = f"memmode's output against diffusers' (max |diff| / max |diffusers|): {max(diffs):.1e}; " if diffs else ""
     print(
-        f"\nbaseline RssAnon of a worker after imports: {baseline / GIB:.2f} GiB; memmode's output against "
-        f"diffusers' (max |diff| / max |diffusers|): {max(diffs):.1e}; outputs finite: "
+        f"\nbaseline RssAnon of a worker after imports: {baseline / GIB:.2f} GiB; {against}outputs finite: "
         f"{all(r['finite'] for rs in results.values() for r in rs)}"
     )
 
@@ -720,7 +775,13 @@ def main() -> None:
     forward.add_argument("--rounds", type=int, default=None, help="interleaved rounds (10; --quick: 2)")
     forward.add_argument("--calls", type=int, default=None, help="calls per variant per round (3; --quick: 2)")
 
-    load = commands.add_parser("load", help="load a Wan 14B-shaped Q8_0 GGUF and run one forward")
+    load = commands.add_parser("load", help="load a Wan 14B-shaped Q8_0 GGUF (or ComfyUI file) and run one forward")
+    load.add_argument(
+        "--format",
+        default="Q8_0",
+        choices=("Q8_0", "int8_tensorwise", "nvfp4"),
+        help="Q8_0: a GGUF, memmode against diffusers; int8_tensorwise or nvfp4: a ComfyUI file, memmode alone",
+    )
     load.add_argument("--layers", type=int, default=40, help="transformer blocks (40: 14B; 2: a 1 GB file)")
     load.add_argument("--rounds", type=int, default=None, help="timed rounds (3; --quick: 1)")
     load.add_argument(
