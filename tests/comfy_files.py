@@ -1,5 +1,5 @@
-"""Fixture writers: float8 safetensors files in the forms ComfyUI's community reposts use, from a state dict of
-float weights, for the ``comfy_fp8`` reader's tests.
+"""Fixture writers: ComfyUI's safetensors files, from a state dict of float weights, for the ``comfy`` reader's tests
+— the float8 forms of the community's reposts, and the mixed-precision files of every format ComfyUI defines.
 
 Each writer quantizes the 2-D tensors (the linear weights: what ComfyUI's converters quantize) and keeps the
 others as they are, and returns what it stored for each quantized weight — the float8 tensor and the scale —
@@ -10,6 +10,9 @@ so that a test computes the value the file means (``q.float() * scale``) without
 - :func:`write_metadata_scaled`: ``<layer>.weight_scale`` and ``_quantization_metadata`` in the header
   (ComfyUI's QUANTIZATION.md), the weight as float8 or as its ``uint8`` container;
 - :func:`write_plain_fp8`: float8 casts without a scale;
+- :func:`write_comfy`: ComfyUI's mixed precision (nvfp4, mxfp8, int8, awq_w4a16, fp8 layers beside full-precision
+  ones), each layer quantized by comfy-kitchen's eager backend (:func:`comfy_quantize`) and stored as ComfyUI
+  saves it; :func:`dequantized` is comfy-kitchen's own dequantization, the reference;
 - bad inputs: ``scales=`` replaces chosen scales (empty, NaN), ``extra=`` adds tensors (a scale without its
   weight), :func:`truncate` cuts a file short and :func:`damage_header` breaks its JSON.
 """
@@ -159,3 +162,120 @@ def damage_header(path: Path) -> None:
     (length,) = struct.unpack("<Q", data[:8])
     data[8 + length // 2 : 8 + length // 2 + 4] = b"\x00]]{"
     path.write_bytes(bytes(data))
+
+
+# -- ComfyUI's mixed precision: every format, quantized by comfy-kitchen ---------------------------------------------
+
+#: the comfy-kitchen layout each ComfyUI format quantizes with (comfy/quant_ops.py's QUANT_ALGOS), and its options
+CK_LAYOUTS = {
+    "float8_e4m3fn": ("TensorCoreFP8Layout", {}),
+    "nvfp4": ("TensorCoreNVFP4Layout", {}),
+    "mxfp8": ("TensorCoreMXFP8Layout", {}),
+    "int8_tensorwise": ("TensorWiseINT8Layout", {}),
+}
+#: the formats whose parameters include an activation scale (ComfyUI writes it where the layer has one)
+WITH_INPUT_SCALE = ("float8_e4m3fn", "nvfp4", "mxfp8")
+
+
+def comfy_quantize(weight: torch.Tensor, config: Mapping) -> object:
+    """``weight`` quantized in the format ``config`` declares, by comfy-kitchen's eager backend (ComfyUI's own
+    kernels; ``comfy_kitchen.tensor.QuantizedTensor``): ``int8_tensorwise`` per row with ``"per_row": True`` and
+    rotated with ``"convrot": True`` (``convrot_groupsize``); ``awq_w4a16`` is calibrated offline (comfy-kitchen
+    does not quantize it), so its codes, scales and zero points are fitted here per group (``group_size``) and
+    wrapped in comfy-kitchen's layout. Computed in float32, so that ``dequantize()`` is float32 too."""
+    from comfy_kitchen.registry import registry
+    from comfy_kitchen.tensor import QuantizedTensor
+
+    weight = weight.float()
+    fmt = config["format"]
+    if fmt == "awq_w4a16":
+        return _awq(weight, int(config.get("group_size", 64)))
+    layout, options = CK_LAYOUTS[fmt]
+    options = dict(options)
+    if fmt == "int8_tensorwise" and (config.get("per_row") or config.get("convrot")):
+        options.update(per_channel=True, convrot=bool(config.get("convrot")))
+        options["convrot_groupsize"] = int(config.get("convrot_groupsize", 256))
+    with registry.use_backend("eager"):
+        return QuantizedTensor.from_float(weight, layout, **options)
+
+
+def _awq(weight: torch.Tensor, group: int) -> object:
+    """AWQ W4A16 codes of ``weight``: per group of ``group`` input columns and row, the range split in 15 steps,
+    ``(code - 8) * scale + zero`` its values (scale and zero in bfloat16, as the community's files have them)."""
+    from comfy_kitchen.tensor import QuantizedTensor, TensorCoreAWQW4A16Layout
+
+    rows, columns = weight.shape
+    groups = weight.reshape(rows, columns // group, group)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / 15).clamp_min(1e-8).to(torch.bfloat16)
+    zero = (low + 8 * scale.float()).to(torch.bfloat16)
+    codes = ((groups - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1) + 8).round().clamp(0, 15)
+    codes = codes.reshape(rows, columns).to(torch.uint8)
+    qdata = (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(torch.int8)
+    params = TensorCoreAWQW4A16Layout.Params(
+        scale=scale.t().contiguous(),
+        orig_dtype=torch.float32,
+        orig_shape=(rows, columns),
+        zeros=zero.t().contiguous(),
+        group_size=group,
+    )
+    return QuantizedTensor(qdata, "TensorCoreAWQW4A16Layout", params)
+
+
+def write_comfy(
+    path: Path,
+    state: Mapping[str, torch.Tensor],
+    layers: Mapping[str, Mapping],
+    *,
+    declare: str = "markers",
+    input_scale: bool = True,
+    e8m0_as_uint8: bool = False,
+    replace: Mapping[str, torch.Tensor | None] | None = None,
+) -> dict[str, object]:
+    """A ComfyUI mixed-precision file of ``state``: each weight of ``layers`` (weight key -> the layer's config,
+    ``{"format": ...}``) quantized by :func:`comfy_quantize` and stored as ComfyUI saves a quantized layer (its
+    ``QuantizedTensor.state_dict``: ``<layer>.weight``, ``<layer>.weight_scale``, ...), the others as they are.
+    ``declare``: ``"markers"`` (a ``<layer>.comfy_quant`` tensor each, what ComfyUI's own save writes) or
+    ``"metadata"`` (``_quantization_metadata``, what the converters write). ``input_scale``: an activation scale
+    for the formats that have one; ``e8m0_as_uint8``: mxfp8's scales as uint8 bytes (ComfyUI reads both);
+    ``replace``: tensors stored instead (None drops one). Returns weight key -> its quantized tensor."""
+    tensors: dict[str, torch.Tensor] = {}
+    quantized: dict[str, object] = {}
+    declared: dict[str, object] = {}
+    for key, value in state.items():
+        if key not in layers:
+            tensors[key] = value
+            continue
+        config = dict(layers[key])
+        layer = key.removesuffix(".weight")
+        qt = comfy_quantize(value, config)
+        quantized[key] = qt
+        for name, tensor in qt.state_dict(key).items():
+            if e8m0_as_uint8 and tensor.dtype == getattr(torch, "float8_e8m0fnu", None):
+                tensor = tensor.view(torch.uint8)
+            tensors[name] = tensor.contiguous()
+        if input_scale and config["format"] in WITH_INPUT_SCALE:
+            tensors[f"{layer}.input_scale"] = torch.tensor(1.0)
+        saved = {k: v for k, v in config.items() if k != "per_row"}
+        if declare == "markers":
+            tensors[f"{layer}.comfy_quant"] = comfy_quant_marker(saved)
+        else:
+            declared[layer] = saved
+    for key, tensor in (replace or {}).items():
+        if tensor is None:
+            tensors.pop(key)
+        else:
+            tensors[key] = tensor
+    metadata = None
+    if declare == "metadata":
+        metadata = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": declared})}
+    save_file(tensors, str(path), metadata=metadata)
+    return quantized
+
+
+def dequantized(qt: object) -> torch.Tensor:
+    """comfy-kitchen's own dequantization of a quantized tensor (its eager backend), in float32."""
+    from comfy_kitchen.registry import registry
+
+    with registry.use_backend("eager"):
+        return qt.dequantize()

@@ -99,7 +99,8 @@ class ComfyReader(Reader):
         try:
             with open(path, "rb") as handle:
                 reads = _declared_layers(path, file.metadata, records, handle)
-                reads.update(_undeclared_float8(path, records, set(reads), handle))
+                taken = {key for read in reads.values() for key in read.parts}
+                reads.update(_undeclared_float8(path, records, taken, handle))
         except OSError as exc:
             raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
         parts = {key: part for read in reads.values() for key, part in read.parts.items()}
@@ -257,13 +258,14 @@ def _weight_of(path: Path, layer: str, records: Mapping[str, TensorRecord], wher
 
 
 def _undeclared_float8(
-    path: Path, records: Mapping[str, TensorRecord], declared: set[str], handle: BinaryIO
+    path: Path, records: Mapping[str, TensorRecord], taken: set[str], handle: BinaryIO
 ) -> dict[str, Read]:
-    """Float8 weights no declaration names: with a legacy scale beside them (``scale_weight``, or ``weight_scale``
-    without metadata), or plain casts."""
+    """Float8 weights no declaration names (``taken``: the tensors of the declared layers, an nvfp4 layer's fp8
+    block scales among them): with a legacy scale beside them (``scale_weight``, or ``weight_scale`` without
+    metadata), or plain casts."""
     reads = {}
     for key, record in records.items():
-        if record.dtype not in codecs.FLOAT8 or key in declared or _marker(key):
+        if record.dtype not in codecs.FLOAT8 or key in taken or _marker(key):
             continue
         prefix = key.removesuffix(".weight")
         scales = [prefix + suffix for suffix in LEGACY_SCALES if prefix + suffix in records]
