@@ -9,6 +9,8 @@ One road per component, in the order ``load`` takes it:
   folder's checkpoint, saved quantized by memmode or not (``CheckpointWeights``), or one file;
 - :mod:`~memmode_core.loading.single_file`: a component's weights given as one file (GGUF, ComfyUI fp8, the
   original checkpoint's names), read by a reader plugin or as safetensors;
+- :mod:`~memmode_core.loading.quantized_folders`: a model's folder a library saved quantized (its config's
+  ``quantization_config``), read by the reader of its method into the same road as one file, or refused by name;
 - :mod:`~memmode_core.loading.original_keys`: which rows of a file's tensors each tensor of the model is, from
   diffusers' own single-file conversion, traced;
 - :mod:`~memmode_core.loading.skeleton`: models built from config with no weight allocated;

@@ -7,8 +7,10 @@ given for components from the placement's options, :func:`open_components` reads
 :meth:`Components.assemble` puts the pipeline together — so that what is refused (a truncated shard, a file of
 another architecture, a format no installed quantizer or reader reads) is refused for both before a weight is
 bound. A model is read from its subfolder's checkpoint (saved quantized by memmode or not), by its own library
-where only the library can convert its names, or from one file given in its place
-(:mod:`memmode_core.loading.single_file`).
+where only the library can convert its names, from one file given in its place
+(:mod:`memmode_core.loading.single_file`), or, where its folder was saved quantized by a library (its config's
+``quantization_config``), by the reader of that library's format (:mod:`memmode_core.loading.quantized_folders`):
+the last two take one road from the reader's tensors on.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from memmode_core.contracts.targets import MODULE_COMPONENT, takes_timestep
 from memmode_core.files import Checkpoint
 from memmode_core.loading.binding import Binding, binding_for, model_tensors
 from memmode_core.loading.dtypes import pipeline_dtype_keyword, resolve_dtype
-from memmode_core.loading.single_file import open_weights, weights_for_model
+from memmode_core.loading.quantized_folders import open_quantized_folder, quantization_config
+from memmode_core.loading.single_file import OpenedFile, open_weights, weights_for_model
 from memmode_core.loading.skeleton import Skeleton, build, is_weight_module_class, model_class, pipeline_index
 from memmode_core.loading.sources import WeightSource, checkpoint_weights
 from memmode_core.quantization.making import make_placeholders
@@ -143,7 +146,13 @@ def open_components(
     loads = []
     for name, sub, cls in entries:
         if name in files:
-            loads.append(_file_load(name, sub, cls, files[name], torch_dtype, plugins, quantizing, weight_dtype))
+            opened = open_weights(files[name], plugins)
+            loads.append(_opened_load(name, sub, cls, opened, torch_dtype, quantizing, weight_dtype))
+            continue
+        quantized = quantization_config(sub)
+        if quantized is not None:
+            opened = open_quantized_folder(sub, name, cls, quantized, plugins, variant)
+            loads.append(_opened_load(name, sub, cls, opened, torch_dtype, quantizing, weight_dtype))
             continue
         checkpoint = Checkpoint.open(sub, variant=variant)
         weights = checkpoint_weights(checkpoint, plugins, quantizing.quantizer)
@@ -165,20 +174,20 @@ def open_components(
     return Components(folder, index, loads, torch_dtype)
 
 
-def _file_load(
+def _opened_load(
     name: str,
     config_folder: Path,
     cls: type,
-    file: Path,
+    opened: OpenedFile,
     torch_dtype,
-    plugins,
     quantizing: QuantizerTargets,
     weight_dtype: torch.dtype | None,
 ) -> ComponentLoad:
-    """A component given as one file: its header read by the reader that reads it, the model built from
-    ``config_folder``'s config, the file's names mapped to the model's and its encoded layers made packed. A
-    quantizer of the mode that would take the component is refused here, before anything is bound."""
-    opened = open_weights(file, plugins)
+    """A component whose weights a reader read (one file given in its place, or its folder saved quantized by a
+    library): the model built from ``config_folder``'s config, the reader's names mapped to the
+    model's and its encoded layers made packed. A quantizer of the mode that would take the component is refused
+    here, before anything is bound."""
+    file = opened.checkpoint.where
     dtype = resolve_dtype(torch_dtype, cls, opened, name)
     skeleton = build(cls, config_folder, dtype, name)
     weights = weights_for_model(opened, skeleton, dict(getattr(skeleton.module, "config", None) or {}), str(file))

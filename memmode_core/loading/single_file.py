@@ -54,6 +54,19 @@ class OpenedFile:
     #: the reader plugin's name, or "safetensors" for core's own reading
     reader: str
 
+    @classmethod
+    def of(cls, checkpoint: Checkpoint, encoded: Mapping[str, EncodedTensor], reader: str) -> OpenedFile:
+        """What a reader found (a file's, or a quantized folder's: :mod:`~memmode_core.loading.quantized_folders`),
+        checked: every part of an encoded tensor is a stored tensor it gave."""
+        for tensor in encoded.values():
+            absent = [key for key in tensor.parts.values() if key not in checkpoint]
+            if absent:
+                raise CheckpointError(
+                    f"{checkpoint.where}: the {reader} reader encodes {tensor.key!r} from {absent[0]!r}, "
+                    f"which it did not find in the file"
+                )
+        return cls(checkpoint, dict(encoded), reader)
+
     def part_keys(self) -> set[str]:
         """The stored tensors that are parts of an encoded one (not tensors of the model themselves)."""
         return {key for tensor in self.encoded.values() for key in tensor.parts.values()}
@@ -87,14 +100,7 @@ def open_weights(path: Path, plugins) -> OpenedFile:
         return OpenedFile(Checkpoint.open(path), {}, "safetensors")
     contents = reader.read(path)
     file = CheckpointFile.of_records(path, contents.stored.values(), contents.metadata, contents.size)
-    for tensor in contents.encoded.values():
-        absent = [key for key in tensor.parts.values() if key not in file.records]
-        if absent:
-            raise CheckpointError(
-                f"{path}: the {reader.name} reader encodes {tensor.key!r} from {absent[0]!r}, "
-                f"which it did not find in the file"
-            )
-    return OpenedFile(Checkpoint([file], path), dict(contents.encoded), reader.name)
+    return OpenedFile.of(Checkpoint([file], path), contents.encoded, reader.name)
 
 
 def _reader_of_file(path: Path, head: bytes, plugins) -> Reader | None:

@@ -37,6 +37,9 @@ from torch import nn
 
 from memmode_core.contracts.errors import CheckpointError, MemmodeError, ModelBuildError
 
+#: the key of a model config under which a quantizing library says how it saved the weights
+QUANTIZATION_CONFIG = "quantization_config"
+
 _INIT_FUNCTIONS = (
     "uniform_",
     "normal_",
@@ -192,7 +195,9 @@ def _is_transformers(cls: type) -> bool:
 def _diffusers_skeleton(cls: type, folder: Path, torch_dtype: torch.dtype | None) -> Skeleton:
     if not (torch_dtype is None or isinstance(torch_dtype, torch.dtype)):
         raise TypeError(f"a diffusers skeleton is built in a dtype or None, not {torch_dtype!r}")
-    config = cls.load_config(folder)
+    # a folder a library saved quantized: memmode reads its format (loading/quantized_folders), the model is the
+    # plain one it is decoded into, so the config's quantization_config is not the model's to act on
+    config = {key: value for key, value in cls.load_config(folder).items() if key != QUANTIZATION_CONFIG}
     with parameters_on_meta(), default_dtype(torch_dtype):
         module = cls.from_config(config)
     module.eval()
@@ -217,6 +222,9 @@ def _transformers_skeleton(cls: type, folder: Path, torch_dtype: torch.dtype | N
     transformers.logging.set_verbosity_error()
     try:
         kwargs = {"device_map": "meta"}
+        config = _without_quantization(cls, folder)
+        if config is not None:
+            kwargs["config"] = config
         if torch_dtype is not None:
             kwargs["dtype"] = torch_dtype  # "auto" too: transformers' own rule (the config's dtype, else the weights')
         module, kernelize_when_bound = _transformers_on_meta(cls, folder, kwargs)
@@ -238,6 +246,21 @@ def _transformers_skeleton(cls: type, folder: Path, torch_dtype: torch.dtype | N
     module.eval()
     dtypes = {key: t.dtype for key, t in module.state_dict(keep_vars=True).items() if t.is_floating_point()}
     return Skeleton(module, "transformers", dtypes, kernelize_when_bound)
+
+
+def _without_quantization(cls: type, folder: Path):
+    """The transformers config of ``folder`` without its ``quantization_config`` (see :func:`_diffusers_skeleton`),
+    or None where it has none (``from_pretrained`` reads the config itself)."""
+    try:
+        saved = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict) or QUANTIZATION_CONFIG not in saved:
+        return None
+    config = cls.config_class.from_pretrained(folder)
+    if hasattr(config, QUANTIZATION_CONFIG):
+        delattr(config, QUANTIZATION_CONFIG)
+    return config
 
 
 def _transformers_on_meta(cls: type, folder: Path, kwargs: dict) -> tuple[nn.Module, bool]:
