@@ -43,6 +43,7 @@ from collections.abc import Mapping
 
 import torch
 
+from memmode_core.contracts.inner_tensors import flatten, is_wrapper
 from memmode_core.contracts.options import Option, Options
 from memmode_core.contracts.storage_cost import StorageCost
 
@@ -155,7 +156,12 @@ def placeholder(tensor: torch.Tensor) -> torch.Tensor:
     and an in-place write to it raises, instead of computing with plausible numbers. Each one is
     remembered (weakly) by the address of its element, so that a placeholder passed to a
     computation can be recognised for what it is (:func:`is_known_placeholder`).
+
+    A wrapper subclass (a library's quantized weight) rests as itself built over placeholders of its inner tensors.
     """
+    if is_wrapper(tensor):
+        tree, leaves = flatten(tensor)
+        return tree.rebuild({path: placeholder(leaf) for path, leaf in leaves.items()})
     if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
         fill: float | int | bool = float("nan")
     elif tensor.dtype == torch.bool:
@@ -171,7 +177,10 @@ def is_placeholder(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a :func:`placeholder` (a broadcast single element), not real data.
 
     A tensor of one element (or none) looks the same broadcast or not: it is a placeholder only if
-    :func:`placeholder` made it (a bias of one channel, a mixing factor, a scalar parameter)."""
+    :func:`placeholder` made it (a bias of one channel, a mixing factor, a scalar parameter). A wrapper subclass is
+    one when all its inner tensors are."""
+    if is_wrapper(tensor):
+        return all(is_placeholder(leaf) for leaf in flatten(tensor)[1].values())
     if not all(stride == 0 for stride in tensor.stride()):
         return False
     if tensor.numel() > 1:

@@ -20,11 +20,29 @@ import torch
 from torch import nn
 
 from memmode_core.contracts.group_specs import GroupSpec, Policy
+from memmode_core.contracts.inner_tensors import is_wrapper, stored_bytes
 from memmode_core.contracts.storage import Tensors
 from memmode_core.engine.standins.classes import PLAIN_CLASS
 
 #: engine code reading what a resting stand-in holds, not the value it serves
 _RAW = torch._C.DisableTorchFunctionSubclass
+
+
+def set_data(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """Give the registered ``tensor`` the data ``value``, keeping the object (its identity, class, attributes and
+    ``requires_grad``): ``tensor.data = value``.
+
+    A wrapper subclass (a library's quantized weight, :mod:`memmode_core.contracts.inner_tensors`) holds its values
+    in its inner tensors, which ``.data =`` leaves as they were: it changes the wrapper's own metadata only (shape,
+    dtype, device). So it also takes the inner tensors of ``value``, by the attribute names its flatten protocol
+    gives. Not ``torch.utils.swap_tensors`` (what ``nn.Module.to`` does for these tensors): that refuses a tensor
+    an autograd graph still holds (a forward run without ``no_grad``), which is every call's."""
+    with _RAW():
+        tensor.data = value
+    if is_wrapper(tensor):
+        names, _ = value.__tensor_flatten__()
+        for name in names:
+            setattr(tensor, name, getattr(value, name))
 
 
 @dataclass(eq=False)
@@ -148,7 +166,7 @@ class Group:
             plain = PLAIN_CLASS.get(type(tensor))
             if plain is not None:
                 tensor.__class__ = plain
-            tensor.data = tensors[slot.name]
+            set_data(tensor, tensors[slot.name])
 
     def onload(self, tensors: Tensors) -> None:
         """Assign the onloaded tensors, remembering their addresses for :meth:`offload_at_rest`."""
@@ -156,7 +174,7 @@ class Group:
             tensor.__class__ = plain
         for slot in self.slots:
             data = tensors[slot.name]
-            slot.tensor.data = data
+            set_data(slot.tensor, data)
             slot.live_ptr = data.data_ptr()
 
     def wake(self) -> None:
@@ -180,7 +198,7 @@ class Group:
             if slot.tensor.data_ptr() != slot.live_ptr:
                 replaced.append(slot)
             else:
-                slot.tensor.data = self.at_rest[slot.name]
+                set_data(slot.tensor, self.at_rest[slot.name])
                 if slot.served is not None:
                     slot.tensor.__class__ = slot.served
         return replaced
@@ -196,7 +214,7 @@ class Group:
             if plain is not None:
                 tensor.__class__ = plain
             slot.served = None
-            tensor.data = data
+            set_data(tensor, data)
             slot.rest_ptr = data.data_ptr()
         self.stand_ins = []
 
@@ -277,7 +295,7 @@ def _take_slots(groups: list[Group], components: dict[str, nn.Module]) -> list[G
                 if holder is None:
                     taken[id(tensor)] = group
                     group.slots.append(Slot(f"{prefix}.{attr}" if prefix else attr, tensor, is_buffer, module, attr))
-                    group.nbytes += tensor.numel() * tensor.element_size()
+                    group.nbytes += stored_bytes(tensor)
                 elif holder is not group:
                     raise RuntimeError(
                         f"{prefix}.{attr} is tied to a tensor of group {holder.key} since the groups were claimed, and "

@@ -42,9 +42,11 @@ from torch import nn
 
 from memmode_core.contracts.errors import IncompatibleModeError, RestoreError
 from memmode_core.contracts.group_specs import Policy
-from memmode_core.contracts.storage import StorageSession, data_class, has_own_bytes, placeholder
+from memmode_core.contracts.inner_tensors import unstorable
+from memmode_core.contracts.storage import StorageSession, placeholder
 from memmode_core.engine import watch
 from memmode_core.engine.changes import Changes
+from memmode_core.engine.flattened import FlattenedSession
 from memmode_core.engine.forwards import Forwards
 from memmode_core.engine.groups import Group, Part, bind_groups
 from memmode_core.engine.ledger import Ledger
@@ -83,7 +85,7 @@ class Runtime:
             components,
             bind_groups(list(groups), components),
             device,
-            session,
+            FlattenedSession(session) if session is not None else None,
             ledger,
             storage_name=storage or "its storage",
         )
@@ -111,7 +113,9 @@ class Runtime:
 
     @property
     def session(self) -> StorageSession | None:
-        return self.state.session
+        """The storage's own session (the engine's parts talk to it through a
+        :class:`~memmode_core.engine.flattened.FlattenedSession`, which hands it plain tensors only)."""
+        return self.state.session.session if self.state.session is not None else None
 
     @property
     def ledger(self) -> Ledger:
@@ -212,21 +216,22 @@ class Runtime:
         watch.watch(self)
 
     def _refuse_without_bytes(self, stored: list[Group]) -> None:
-        """A tensor with no bytes of its own (a ``DTensor`` shard of FSDP2 or tensor parallelism, a library's
-        wrapped tensor) can rest only where nothing is copied: under a storage that copies a resting weight's
-        bytes (to a file, a slab, another device), it is refused before anything is stored or released."""
+        """A tensor whose values are not bytes memmode can copy (a ``DTensor`` shard of FSDP2 or tensor parallelism,
+        a wrapper subclass without torch's flatten protocol: :func:`~memmode_core.contracts.inner_tensors.unstorable`)
+        can rest only where nothing is copied: under a storage that copies a resting weight's bytes (to a file, a
+        slab, another device), it is refused before anything is stored or released. A library's quantized tensor
+        that implements the protocol is stored by its inner tensors (:mod:`~memmode_core.engine.flattened`)."""
         if self.state.session.zero_copy(self.state.device):
             return
         for group in stored:
             for slot in group.slots:
-                if not has_own_bytes(slot.tensor):
+                why = unstorable(slot.tensor)
+                if why is not None:
                     raise IncompatibleModeError(
-                        f"{group.key}: {slot.name} is a {data_class(slot.tensor).__name__} (sharded by FSDP2 or "
-                        f"tensor parallelism, or a library's wrapped tensor), and storage "
-                        f"{self.state.storage_name!r} copies a resting weight's bytes, which such a tensor does not "
-                        f"hold in one place. Leave it in place with storage='ram' on a CPU device, leave its component "
-                        f"out with unplaced=[...], or offload it with the sharding library's own option (FSDP2's "
-                        f"CPUOffloadPolicy)"
+                        f"{group.key}: {slot.name} is {why}, and storage {self.state.storage_name!r} copies a resting "
+                        f"weight's bytes, which such a tensor does not hold in one place. Leave it in place with "
+                        f"storage='ram' on a CPU device, leave its component out with unplaced=[...], or offload it "
+                        f"with the sharding library's own option (FSDP2's CPUOffloadPolicy)"
                     )
 
     def attach(

@@ -34,18 +34,19 @@ from torch import nn
 
 from memmode_core.contracts.errors import StandInReadError
 from memmode_core.contracts.group_specs import Policy
+from memmode_core.contracts.inner_tensors import stored_bytes
 from memmode_core.contracts.storage import is_placeholder
-from memmode_core.engine.groups import Group, Slot
+from memmode_core.engine.groups import Group, Slot, set_data
 from memmode_core.engine.moving import Moving
 from memmode_core.engine.standins.classes import (
     PLAIN_CLASS,
-    SERVED_CLASS,
     StandInReader,
     StandInSource,
     can_serve,
     forget,
     rest_lost,
     rest_served,
+    served_class,
 )
 from memmode_core.engine.standins.slots import LostSource, SlotSource
 from memmode_core.engine.state import EngineState
@@ -89,7 +90,7 @@ class Serving:
                 slot.served = None
                 continue
             plain = PLAIN_CLASS.get(type(slot.tensor), type(slot.tensor))
-            slot.plain, slot.served = plain, SERVED_CLASS[plain]
+            slot.plain, slot.served = plain, served_class(plain)
             group.stand_ins.append((slot.tensor, plain, slot.served))
             name = slot.name if qualify else f"{group.component}.{slot.name}"
             where = "offloaded to " + self.state.storage_name
@@ -214,7 +215,7 @@ class Serving:
         value = self.read_stored(source.group, slot.name).clone()
         forget(slot.tensor)
         with _DISABLE():
-            slot.tensor.data = value
+            set_data(slot.tensor, value)
         self.state.mark_changed(source.group.component)
 
 
@@ -225,5 +226,4 @@ def _source_in(serving_ref: weakref.ref, key: int, tensor: torch.Tensor) -> Slot
 
 
 def slot_bytes(slot: Slot) -> int:
-    with _DISABLE():
-        return slot.tensor.numel() * slot.tensor.element_size()
+    return stored_bytes(slot.tensor)

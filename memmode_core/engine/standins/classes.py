@@ -28,12 +28,16 @@ A call looks its hook up as a module global: nothing more per call.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
+
+from memmode_core.contracts.inner_tensors import STANDS_FOR, flatten, is_wrapper, is_wrapper_class
 
 _DISABLE = torch._C.DisableTorchFunctionSubclass
 
@@ -212,9 +216,81 @@ _RESTING: dict[int, Callable[[torch.Tensor], StandInSource | None]] = {}
 _LOST = "_memmode_lost"
 
 
+def served_class(cls: type) -> type | None:
+    """The class a resting tensor of class ``cls`` takes (None: it rests as it is, never swapped).
+
+    A parameter's class of another library — diffusers' ``GGUFParameter`` (bytes of its own, and attributes such
+    as its ``quant_type``), a wrapper subclass that flattens into inner tensors (torchao's and quanto's quantized
+    weights) — gets one made once (:func:`_standing_for`)."""
+    served = SERVED_CLASS.get(cls)
+    if served is not None or cls in PLAIN_CLASS or issubclass(cls, _Serves):
+        return served
+    if any(base.__name__ == "DTensor" for base in cls.__mro__):
+        return None
+    if not (issubclass(cls, nn.Parameter) or is_wrapper_class(cls)):
+        return None
+    served = SERVED_CLASS[cls] = _standing_for(cls, _Serves, "Served")
+    PLAIN_CLASS[served] = cls
+    return served
+
+
+#: (a wrapper subclass's class, a lazy stand-in class) -> the lazy stand-in class of that wrapper class
+_LAZY_CLASS: dict[tuple[type, type], type] = {}
+
+
+def _standing_for(cls: type, base: type, prefix: str) -> type:
+    """A class that stands in for ``cls`` (``base`` first: the stand-in's ``__torch_function__``, then ``cls``), so
+    the object keeps its attributes and ``isinstance``. For a wrapper subclass: the library's ``__torch_dispatch__``
+    sees its own class (torchao keys its tables by the exact class, and torch checks that an alias it returns has
+    its input's class), a library that builds a tensor of ``type(self)`` builds one of its own class, and every
+    public method the library defines (``dequantize()``, quanto's ``save_to_state_dict``) runs on the value, as a
+    torch function would: a method reading the inner tensors directly would read the placeholders."""
+    namespace: dict[str, Any] = {"__module__": __name__, "__qualname__": f"{prefix}{cls.__name__}", STANDS_FOR: cls}
+
+    def __new__(stand_in_cls, *args, **kwargs):  # noqa: N807 - type(p)(...) builds the library's own class
+        return cls(*args, **kwargs)
+
+    namespace["__new__"] = __new__
+    if is_wrapper_class(cls):
+
+        def __torch_dispatch__(stand_in_cls, func, types, args=(), kwargs=None):  # noqa: N807
+            args, kwargs = pytree.tree_map_only(stand_in_cls, raw, (args, kwargs or {}))
+            return cls.__torch_dispatch__(func, tuple(cls if t is stand_in_cls else t for t in types), args, kwargs)
+
+        namespace["__torch_dispatch__"] = classmethod(__torch_dispatch__)
+        for name in _library_methods(cls):
+            namespace[name] = _on_the_value(name)
+    return type(f"{prefix}{cls.__name__}", (base, cls), namespace)
+
+
+def _library_methods(cls: type) -> set[str]:
+    """The public methods ``cls`` and its bases define, other than torch's own."""
+    names = set()
+    for klass in cls.__mro__:
+        if klass.__module__.split(".")[0] == "torch" or klass is object:
+            continue
+        names.update(n for n, attr in vars(klass).items() if not n.startswith("_") and inspect.isfunction(attr))
+    return names
+
+
+def _on_the_value(name: str) -> Callable:
+    def call(tensor, *args, **kwargs):
+        return getattr(tensor, name)(*args, **kwargs)
+
+    call.__name__ = name
+
+    def method(self, *args, **kwargs):
+        return _dispatch(call, (self, *args), kwargs)
+
+    method.__name__ = name
+    return method
+
+
 def can_serve(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s class can be swapped for a served one while it rests (plain parameters and buffers)."""
-    return type(tensor) in SERVED_CLASS or type(tensor) in PLAIN_CLASS
+    """Whether ``tensor``'s class can be swapped for a served one while it rests: plain parameters and buffers, and
+    a library's parameter classes (:func:`served_class`)."""
+    cls = type(tensor)
+    return cls in PLAIN_CLASS or served_class(cls) is not None
 
 
 def rest_served(tensor: torch.Tensor, source: Callable[[torch.Tensor], StandInSource | None]) -> None:
@@ -222,9 +298,9 @@ def rest_served(tensor: torch.Tensor, source: Callable[[torch.Tensor], StandInSo
     becomes the served one."""
     _RESTING[id(tensor)] = source
     tensor.__dict__.pop(_LOST, None)
-    cls = type(tensor)
-    if cls in SERVED_CLASS:
-        tensor.__class__ = SERVED_CLASS[cls]
+    served = served_class(type(tensor))
+    if served is not None:
+        tensor.__class__ = served
 
 
 def rest_lost(tensor: torch.Tensor, source: StandInSource) -> None:
@@ -232,9 +308,9 @@ def rest_lost(tensor: torch.Tensor, source: StandInSource) -> None:
     refuses it, for as long as the tensor lives."""
     _RESTING.pop(id(tensor), None)
     tensor.__dict__[_LOST] = source
-    cls = type(tensor)
-    if cls in SERVED_CLASS:
-        tensor.__class__ = SERVED_CLASS[cls]
+    served = served_class(type(tensor))
+    if served is not None:
+        tensor.__class__ = served
 
 
 def wake(tensor: torch.Tensor) -> None:
@@ -270,7 +346,19 @@ def is_stand_in(value: object) -> bool:
 
 
 def lazy(raw: torch.Tensor, source: StandInSource, cls: type[StandIn] = StandIn) -> StandIn:
-    """A lazy stand-in of ``source`` over ``raw`` (a tensor with the value's metadata and no real values)."""
+    """A lazy stand-in of ``source`` over ``raw`` (a tensor with the value's metadata and no real values). Over a
+    wrapper subclass (a library's quantized weight) it is that object, its class one standing for the library's
+    that is also ``cls`` (a wrapper's tensor is its Python object: it has no other to make)."""
+    if is_wrapper(raw):
+        plain = vars(type(raw)).get(STANDS_FOR, type(raw))
+        if not issubclass(cls, plain):
+            key = (plain, cls)
+            if key not in _LAZY_CLASS:
+                _LAZY_CLASS[key] = _standing_for(plain, cls, "Lazy")
+            cls = _LAZY_CLASS[key]
+        raw.__class__ = cls
+        raw._memmode_source = source
+        return raw
     with _DISABLE():
         stand_in = raw.as_subclass(cls)
     stand_in._memmode_source = source
@@ -308,6 +396,10 @@ def raw_access(method):
 
 
 def raw(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor a stand-in wraps, as a plain tensor (metadata only; never its values)."""
+    """The tensor a stand-in wraps, as a plain tensor (metadata only; never its values). A wrapper subclass's is one
+    of its library's own class over the same inner tensors."""
+    if is_wrapper(tensor):
+        tree, leaves = flatten(tensor)
+        return tree.rebuild(leaves)
     with _DISABLE():
         return tensor.data if isinstance(tensor, nn.Parameter) else tensor.as_subclass(torch.Tensor)

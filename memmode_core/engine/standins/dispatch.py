@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from memmode_core.contracts.inner_tensors import is_wrapper, leaves
 from memmode_core.engine.standins.classes import (
     ServedView,
     StandIn,
@@ -300,8 +301,12 @@ def _read(func, name: str, args: tuple, kwargs: dict):
         return value
 
     plain_args, plain_kwargs = pytree.tree_map(resolve, (args, kwargs))
-    with _DISABLE():
+    if any(is_wrapper(v) for v in values.values()):
+        # a library's quantized tensor: its own __torch_function__ computes with it (no stand-in is left in the call)
         result = func(*plain_args, **plain_kwargs)
+    else:
+        with _DISABLE():
+            result = func(*plain_args, **plain_kwargs)
     if served:
         result = _guard_aliases(result, served, args)
     return result
@@ -335,7 +340,12 @@ def _unchanged_by(func, leaf: torch.Tensor, args: tuple, kwargs: dict) -> bool:
 
 
 def _guard_aliases(result, served: list[torch.Tensor], args: tuple):
-    pointers = {v.untyped_storage().data_ptr() for v in served if v.layout == torch.strided and not v.is_meta}
+    pointers = {
+        leaf.untyped_storage().data_ptr()
+        for v in served
+        for leaf in leaves(v)
+        if leaf.layout == torch.strided and not leaf.is_meta
+    }
     sources = [source_of(a) for a in args if is_stand_in(a)]
     source = next((s for s in sources if s is not None), None)
 
@@ -343,6 +353,7 @@ def _guard_aliases(result, served: list[torch.Tensor], args: tuple):
         if (
             isinstance(value, torch.Tensor)
             and not is_stand_in(value)
+            and not is_wrapper(value)
             and value.layout == torch.strided
             and not value.is_meta
             and value.untyped_storage().data_ptr() in pointers

@@ -25,9 +25,17 @@ from typing import Any, Protocol
 import torch
 
 from memmode_core.contracts.errors import OffloadedWeightReadError
+from memmode_core.contracts.inner_tensors import is_wrapper
 from memmode_core.contracts.storage import is_placeholder
 from memmode_core.engine.groups import Group, Slot
-from memmode_core.engine.standins.classes import PLAIN_CLASS, StandInReader, StandInSource, forget, is_stand_in
+from memmode_core.engine.standins.classes import (
+    PLAIN_CLASS,
+    StandInReader,
+    StandInSource,
+    forget,
+    is_stand_in,
+    raw,
+)
 from memmode_core.engine.standins.values import value_of
 from memmode_core.engine.state import EngineState
 
@@ -86,7 +94,9 @@ class SlotSource(StandInSource):
             if at_rest is not None and not is_placeholder(at_rest):
                 for part in self.group.parts:  # a mapped file truncated since is a typed error, never a SIGBUS
                     state.session.check(part.key)
-                return tensor  # its data holds the values (a host copy, a mapping): read where it is
+                # its data holds the values (a host copy, a mapping): read where it is; a library's wrapper subclass
+                # as its own class over the same inner tensors (its dispatch is its own, not the stand-in's)
+                return raw(tensor) if is_wrapper(tensor) else tensor
         return None
 
     def value(self, reader: StandInReader) -> torch.Tensor:
