@@ -31,7 +31,6 @@ DISTRIBUTIONS: dict[tuple[str, str], str] = {
     },
     ("storage", "ram"): CORE,
     ("reader", "comfy"): CORE,
-    ("reader", "modelopt"): CORE,
     ("reader", "bitsandbytes"): CORE,
     ("reader", "quanto"): CORE,
     ("reader", "modelopt"): CORE,

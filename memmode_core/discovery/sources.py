@@ -82,7 +82,6 @@ BUILTIN_PLUGINS = {
     "memmode-core.placements": "memmode_core.builtin.placements",
     "memmode-core.ram": "memmode_core.builtin.ram",
     "memmode-core.comfy": "memmode_core.builtin.comfy",
-    "memmode-core.modelopt": "memmode_core.builtin.modelopt",
     "memmode-core.bitsandbytes": "memmode_core.builtin.bitsandbytes",
     "memmode-core.quanto": "memmode_core.builtin.quanto",
     "memmode-core.modelopt": "memmode_core.builtin.modelopt",
