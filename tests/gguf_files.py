@@ -291,11 +291,19 @@ _REFERENCE_QUANTIZERS = {
 # files
 
 
-def stored_type(name: str, shape: tuple[int, ...], qtype: Q, keep_f32: Iterable[str] = ()) -> Q:
+def stored_type(
+    name: str, shape: tuple[int, ...], qtype: Q, keep_f32: Iterable[str] = (), keep_f16: Iterable[str] = ()
+) -> Q:
     """The type city96's converter stores a float32 tensor in when asked for ``qtype``: F32 for one-dimensional
     tensors, for tensors of at most :data:`SMALL_TENSOR_ELEMENTS` elements, for more than 4 dimensions (its
     ``fix_5d_tensors.py`` adds those back as F32) and for names containing one of ``keep_f32`` (its ``keys_hiprec``,
-    e.g. Wan's ``.modulation``); ``qtype`` otherwise."""
+    e.g. Wan's ``.modulation``); ``qtype`` otherwise.
+
+    ``keep_f16``: tensors of 2 to 4 dimensions whose names contain one of these stay F16, whatever their size, as
+    the converter's F16 file holds them and llama-quantize leaves them (the embeddings city96's patch keeps out of
+    the quantization): a file with F16 embeddings beside F32 norms, even made from a tiny model."""
+    if 1 < len(shape) <= 4 and any(part in name for part in keep_f16):
+        return Q.F16
     if len(shape) <= 1 or int(np.prod(shape)) <= SMALL_TENSOR_ELEMENTS or len(shape) > 4:
         return Q.F32
     if any(part in name for part in keep_f32):
@@ -311,13 +319,15 @@ def write_gguf(
     metadata: Mapping[str, object] | None = None,
     reshape_rows_to: int | None = None,
     keep_f32: Iterable[str] = (),
+    keep_f16: Iterable[str] = (),
 ) -> dict[str, Q]:
     """Write ``tensors`` (name: (float32 values in torch's shape, the type asked for)) to a GGUF file at ``path``
     the way city96's ComfyUI-GGUF converter does, and return the type each tensor was stored in.
 
     - ``general.architecture`` is ``arch`` and ``general.quantization_version`` gguf's; ``metadata`` adds further
       keys (str, bool, int as INT32, float as FLOAT32, or a list of those as an array).
-    - A tensor is stored in :func:`stored_type` (F32 for 1-D, small, 5-D and ``keep_f32`` tensors), quantized by
+    - A tensor is stored in :func:`stored_type` (F32 for 1-D, small, 5-D and ``keep_f32`` tensors, F16 for
+      ``keep_f16`` ones), quantized by
       :func:`quantize_blocks` and written as its uint8 bytes with ``raw_dtype`` (gguf-py derives the element shape).
     - ``reshape_rows_to`` (city96 uses 256, for the architectures that set ``shape_fix``: SD1, SDXL): a tensor of
       2 to 4 dimensions, at least :data:`REARRANGE_MIN_ELEMENTS` elements, a multiple of ``reshape_rows_to`` in
@@ -332,7 +342,7 @@ def write_gguf(
     stored: dict[str, Q] = {}
     for name, (values, asked) in tensors.items():
         values = np.asarray(values, dtype=np.float32)
-        qtype = stored_type(name, values.shape, asked, keep_f32)
+        qtype = stored_type(name, values.shape, asked, keep_f32, keep_f16)
         n = values.size
         if (
             reshape_rows_to is not None

@@ -284,8 +284,9 @@ class Substitution:
 
 def community_file(path: Path) -> None:
     """A community GGUF file a page names under /models/: the tiny Wan 2.2 pipeline's transformer (``transformer_2``
-    for a file named ``low_noise``), under the original checkpoint's names, its matrices Q8_0, written the way
-    city96's converter writes them."""
+    for a file named ``low_noise``), under the original checkpoint's names, written the way city96's converter
+    writes them: its matrices Q8_0, its embeddings F16 (left unquantized), its norms, biases, modulation and small
+    tensors F32."""
     from gguf import GGMLQuantizationType as Q
 
     from gguf_files import write_gguf
@@ -294,7 +295,30 @@ def community_file(path: Path) -> None:
     pipe = tiny_pipelines.make_pipeline("wan22")
     state = (pipe.transformer_2 if "low_noise" in path.name else pipe.transformer).state_dict()
     original = to_original(wan_plan(list(state)), state)
-    write_gguf(path, {key: (value.float().numpy(), Q.Q8_0) for key, value in original.items()}, arch="wan")
+    tensors = {key: (value.float().numpy(), Q.Q8_0) for key, value in original.items()}
+    write_gguf(path, tensors, arch="wan", keep_f32=(".modulation",), keep_f16=("embedding",))
+
+
+def test_the_bare_file_example_builds_one_dtype(tmp_path, monkeypatch, tiny_models):
+    """docs/community-checkpoints.md's bare model file, run as written (no torch_dtype) on a city96-style file (F16
+    embeddings, F32 norms, Q8_0 matrices): every floating parameter and buffer is in one dtype, but those of the
+    modules the class keeps in float32, and its first forward runs."""
+    from community_pipelines import wan_inputs
+
+    page = ROOT / "docs" / "community-checkpoints.md"
+    (block,) = [b for b in blocks_of(page) if runnable(b) and "config=" in b.text and "handle.target" in b.text]
+    substitution = Substitution(monkeypatch, tmp_path, tiny_models)
+    namespace = substitution.namespace(block.text)
+    run_python(block, substitution, namespace)
+    transformer = namespace["transformer"]
+    keep = tuple(type(transformer)._keep_in_fp32_modules or ())
+    tensors = [*transformer.named_parameters(), *transformer.named_buffers()]
+    dtypes = {t.dtype for n, t in tensors if t.is_floating_point() and not any(k in n.split(".") for k in keep)}
+    assert dtypes == {torch.float32}, dtypes
+    with torch.no_grad():
+        out = transformer(**wan_inputs())[0]
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    namespace["handle"].remove()
 
 
 def _tiny_call(call):

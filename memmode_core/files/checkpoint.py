@@ -20,6 +20,7 @@ which the kernel can evict and re-read, is the only copy.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -274,14 +275,20 @@ class Checkpoint:
         return sum(r.nbytes for r in self.records())
 
     def floating_dtype(
-        self, skip_modules: tuple[str, ...] = (), *, leaving_out: Collection[str] = ()
+        self, skip_modules: tuple[str, ...] = (), *, leaving_out: Collection[str] = (), widest: bool = False
     ) -> torch.dtype | None:
-        """The dtype most of the checkpoint's floating bytes are in (what ``torch_dtype="auto"`` loads it
-        in), or None when it holds no tensor in a dtype a model is built in. Packed tensors (float8, bytes)
-        do not count: a quantized checkpoint's norms and biases are in the dtype it was saved from. Nor do
-        tensors of the modules named in ``skip_modules`` (a model's ``_keep_in_fp32_modules``: float32 in
-        any checkpoint, they say nothing of the dtype it was saved in), nor the tensors named in ``leaving_out``
-        (the parts of a single file's encoded tensors: a float32 scale is no norm)."""
+        """What ``torch_dtype="auto"`` loads the checkpoint in: the dtype of its floating tensors, or None when it
+        holds no tensor in a dtype a model is built in. Where they are in several dtypes, either the one most of
+        their bytes are in (a folder a library saved from a model in one dtype, whose stray tensors and quantization
+        scales are converted to it, rather than the whole model widened), or, with ``widest``, the narrowest dtype
+        that holds each of them exactly (a community file's mix, F16 tensors beside F32 norms, loads in float32:
+        nothing is rounded).
+
+        Packed tensors (float8, bytes) do not count: a quantized checkpoint's norms and biases are in the dtype it
+        was saved from. Nor do tensors of the modules named in ``skip_modules`` (a model's
+        ``_keep_in_fp32_modules``: float32 in any checkpoint, they say nothing of the dtype it was saved in), nor
+        the tensors named in ``leaving_out`` (the parts of a single file's encoded tensors: a float32 scale is no
+        norm)."""
         totals: dict[torch.dtype, int] = {}
         for record in self.records():
             if record.key in leaving_out:
@@ -290,6 +297,8 @@ class Checkpoint:
                 continue
             if record.dtype in BUILD_DTYPES:
                 totals[record.dtype] = totals.get(record.dtype, 0) + record.nbytes
+        if widest and totals:
+            return functools.reduce(torch.promote_types, sorted(totals, key=BUILD_DTYPES.index))
         return max(totals, key=lambda d: (totals[d], BUILD_DTYPES.index(d)), default=None)
 
     def release(self) -> None:

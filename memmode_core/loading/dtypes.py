@@ -41,9 +41,13 @@ def one_dtype(torch_dtype, dtype):
 
 
 def resolve_dtype(torch_dtype, cls: type, checkpoint: Checkpoint, name: str):
-    """``"auto"``: the dtype most of the component's checkpoint bytes are in, so that nothing is converted
-    (a bfloat16 checkpoint built in diffusers' default float32 converts every tensor, twice its size, into a
-    staging file). Transformers applies its own ``"auto"`` (the config's dtype, else the weights')."""
+    """``"auto"``: the dtype of the component's checkpoint, so that nothing is converted (a bfloat16 checkpoint
+    built in diffusers' default float32 converts every tensor, twice its size, into a staging file). Where its
+    tensors mix dtypes (outside the class's ``_keep_in_fp32_modules``), the checkpoint says which one
+    (:meth:`Checkpoint.floating_dtype`: a folder the dtype most of its bytes are in, a single file the widest of
+    its plain tensors'), and binding converts the others to it: the model has one floating dtype, but for the
+    modules its class keeps in float32. Transformers applies its own ``"auto"`` (the config's dtype, else the
+    weights')."""
     if torch_dtype != "auto":
         return torch_dtype
     if is_transformers_class(cls):
@@ -51,7 +55,8 @@ def resolve_dtype(torch_dtype, cls: type, checkpoint: Checkpoint, name: str):
     dtype = checkpoint.floating_dtype(tuple(getattr(cls, "_keep_in_fp32_modules", None) or ()))
     if dtype is not None:
         logger.info(
-            "memmode: %s is loaded in %s, its checkpoint's dtype (torch_dtype='auto')",
+            "memmode: %s is loaded in %s, its checkpoint's dtype (torch_dtype='auto'; every tensor in another "
+            "dtype is converted to it, but the modules the class keeps in float32)",
             name,
             str(dtype).removeprefix("torch."),
         )

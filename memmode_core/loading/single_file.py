@@ -82,10 +82,10 @@ class OpenedFile:
         return shapes
 
     def floating_dtype(self, skip_modules: tuple[str, ...] = ()) -> torch.dtype | None:
-        """What ``torch_dtype="auto"`` loads the model in: the checkpoint's rule, on the file's plain tensors (an
-        encoded tensor's parts do not count: a GGUF's norms and biases are float32, so its model computes in
-        float32 unless told)."""
-        return self.checkpoint.floating_dtype(skip_modules, leaving_out=self.part_keys())
+        """What ``torch_dtype="auto"`` loads the model in: the dtype of the file's plain tensors (an encoded tensor's
+        parts do not count), and where they mix, the widest of them: a city96 GGUF keeps norms and biases F32 beside
+        F16 tensors it did not quantize, so its model computes in float32 unless told, rounding nothing."""
+        return self.checkpoint.floating_dtype(skip_modules, leaving_out=self.part_keys(), widest=True)
 
 
 def open_weights(path: Path, plugins) -> OpenedFile:
