@@ -50,7 +50,7 @@ E8M0_BIAS = 127
 #: the tile of the cuBLAS block-scale layout: 128 rows by 4 block columns
 TILE_ROWS, TILE_BLOCKS = 128, 4
 
-_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_TABLES: dict[tuple[torch.device, torch.dtype, bool], torch.Tensor] = {}
 
 
 def unpack_nibbles(packed: torch.Tensor, *, high_nibble_first: bool) -> torch.Tensor:
@@ -72,9 +72,16 @@ def unpack_e2m1(packed: torch.Tensor, *, high_nibble_first: bool) -> torch.Tenso
 
 def e2m1_to_float(packed: torch.Tensor, *, high_nibble_first: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values of the E2M1 codes packed two a byte in ``packed``, in ``dtype`` (every E2M1 value is exact in
-    every float dtype): the last dimension doubles."""
-    codes = unpack_e2m1(packed, high_nibble_first=high_nibble_first)
-    return _table(codes.device, dtype)[codes.to(torch.int32)]
+    every float dtype): the last dimension doubles. Looked up a byte at a time, in a table of the 256 pairs of
+    values a byte can hold (half the lookups of one per code, and no unpacked codes in between)."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"E2M1 codes are packed in uint8, got {packed.dtype}")
+    table = _pair_table(packed.device, dtype, high_nibble_first)
+    if table.element_size() == 4:  # a pair of float32 is one int64: a gather of scalars, the fastest on CPUs
+        pairs = table.view(torch.int64).reshape(256).index_select(0, packed.flatten().to(torch.int32))
+        return pairs.view(dtype).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    pairs = table.index_select(0, packed.flatten().to(torch.int32))
+    return pairs.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
 def e8m0_to_float(exponents: torch.Tensor) -> torch.Tensor:
@@ -92,16 +99,20 @@ def e8m0_to_float(exponents: torch.Tensor) -> torch.Tensor:
     return torch.where(exponents == 0, torch.zeros_like(bits), bits).view(torch.float32)
 
 
-def scale_blocks(values: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
+def scale_blocks(
+    values: torch.Tensor, scales: torch.Tensor, block_size: int, *, in_place: bool = False
+) -> torch.Tensor:
     """``values`` (``[rows, columns]``) times one scale per block of ``block_size`` consecutive values of a row:
     ``scales`` is ``[rows, columns // block_size]``. The product is computed in the promoted dtype of the two
-    (float32 for float32 operands), one multiplication per value."""
+    (float32 for float32 operands), one multiplication per value. ``in_place``: into ``values`` (a contiguous
+    tensor the caller just made, of the product's dtype), saving the allocation of a weight-sized tensor."""
     rows, columns = values.shape
     if columns % block_size or tuple(scales.shape) != (rows, columns // block_size):
         raise ValueError(
             f"{list(scales.shape)} block scales do not fit [{rows}, {columns}] values in blocks of {block_size}"
         )
-    blocks = values.reshape(rows, columns // block_size, block_size) * scales.unsqueeze(-1)
+    blocks = values.view(rows, columns // block_size, block_size) if in_place else values.reshape(rows, -1, block_size)
+    blocks = blocks.mul_(scales.unsqueeze(-1)) if in_place else blocks * scales.unsqueeze(-1)
     return blocks.reshape(rows, columns)
 
 
@@ -131,9 +142,14 @@ def untile_block_scales(tiled: torch.Tensor, rows: int, blocks: int) -> torch.Te
     return tiles.reshape(padded_rows, padded_blocks)[:rows, :blocks]
 
 
-def _table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    key = (device, dtype)
+def _pair_table(device: torch.device, dtype: torch.dtype, high_nibble_first: bool) -> torch.Tensor:
+    """``[256, 2]``: the two E2M1 values of each byte, in the order they come."""
+    key = (device, dtype, high_nibble_first)
     table = _TABLES.get(key)
     if table is None:
-        table = _TABLES[key] = torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
+        values = torch.tensor(E2M1_VALUES, dtype=dtype)
+        table = values[
+            unpack_nibbles(torch.arange(256, dtype=torch.uint8)[:, None], high_nibble_first=high_nibble_first).long()
+        ]
+        table = _TABLES[key] = table.to(device)
     return table

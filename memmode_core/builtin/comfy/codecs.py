@@ -84,7 +84,7 @@ class ComfyNVFP4(ComfyCodec):
         values = e2m1_to_float(packed[PAYLOAD], high_nibble_first=True)
         blocks = untile_block_scales(packed[SCALE], rows, columns // NVFP4_BLOCK)
         scales = packed[TENSOR_SCALE].to(torch.float32).reshape(()) * blocks.view(torch.float8_e4m3fn).float()
-        return scale_blocks(values, scales, NVFP4_BLOCK).to(dtype)
+        return scale_blocks(values, scales, NVFP4_BLOCK, in_place=True).to(dtype)
 
 
 class ComfyMXFP8(ComfyCodec):
@@ -98,7 +98,7 @@ class ComfyMXFP8(ComfyCodec):
         rows, columns = shape
         values = packed[PAYLOAD].view(torch.float8_e4m3fn).to(torch.float32).reshape(rows, columns)
         exponents = untile_block_scales(packed[SCALE], rows, columns // MXFP8_BLOCK)
-        return scale_blocks(values, e8m0_to_float(exponents.contiguous()), MXFP8_BLOCK).to(dtype)
+        return scale_blocks(values, e8m0_to_float(exponents.contiguous()), MXFP8_BLOCK, in_place=True).to(dtype)
 
 
 class ComfyInt8(ComfyCodec):
