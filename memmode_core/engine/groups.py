@@ -36,7 +36,8 @@ def set_data(tensor: torch.Tensor, value: torch.Tensor) -> None:
     in its inner tensors, which ``.data =`` leaves as they were: it changes the wrapper's own metadata only (shape,
     dtype, device). So it also takes the inner tensors of ``value``, by the attribute names its flatten protocol
     gives. Not ``torch.utils.swap_tensors`` (what ``nn.Module.to`` does for these tensors): that refuses a tensor
-    an autograd graph still holds (a forward run without ``no_grad``), which is every call's."""
+    an autograd graph still holds (a forward run without ``no_grad``), which is every call's. ``.data =`` takes a
+    wrapper from one dense device to another (CPU, CUDA, ...: ``TensorImpl::has_compatible_shallow_copy_type``)."""
     with _RAW():
         tensor.data = value
     if is_wrapper(tensor):

@@ -30,8 +30,9 @@ from types import MappingProxyType
 import torch
 
 from memmode_core.contracts.group_specs import Policy
+from memmode_core.contracts.inner_tensors import leaves, map_leaves
 from memmode_core.contracts.storage import Tensors
-from memmode_core.engine.groups import Group
+from memmode_core.engine.groups import Group, set_data
 from memmode_core.engine.hooks import not_traced
 from memmode_core.engine.ledger import clock
 from memmode_core.engine.state import EngineState
@@ -84,7 +85,10 @@ class Moving:
         """Put a group kept on the device (``Policy.RESIDENT``) there, once."""
         start = clock()
         with self.streams.label(group.key):
-            group.assign({n: self.streams.to_device(t, self.state.device) for n, t in group.tensors().items()})
+            device = self.state.device
+            group.assign(
+                {n: map_leaves(t, lambda x: self.streams.to_device(x, device)) for n, t in group.tensors().items()}
+            )
         group.resident = True
         self.state.ledger.onloaded(group.nbytes, clock() - start)
 
@@ -98,7 +102,8 @@ class Moving:
                 stream = streams.current_stream(self.state.device)
                 streams.wait(stream, event)
                 for slot in group.slots:  # allocated on the copy stream, read on this one
-                    streams.record_stream(slot.tensor.data, stream)
+                    for leaf in leaves(slot.tensor.data):
+                        streams.record_stream(leaf, stream)
                 group.ready_event = None
         else:
             if group.component != self.active:
@@ -162,7 +167,7 @@ class Moving:
             if replaced:  # kept, in ordinary memory; the component's next call stores them (see changed())
                 for slot in replaced:
                     if not self.streams.is_host(slot.tensor.device):
-                        slot.tensor.data = self.streams.to_host(slot.tensor.data)
+                        set_data(slot.tensor, map_leaves(slot.tensor.data, self.streams.to_host))
                 self.state.mark_changed(group.component)
         group.resident = False
         group.ready_event = None
@@ -204,7 +209,7 @@ class Moving:
         """Give ``component``'s resident groups their tensors as they are now, in ordinary memory, without storing
         anything (``refresh()``: a group resident now may have been edited on the device)."""
         for group in list(self._resident[component]):
-            group.assign({n: self.streams.to_host(t) for n, t in group.tensors().items()})
+            group.assign({n: map_leaves(t, self.streams.to_host) for n, t in group.tensors().items()})
             group.resident = False
             group.ready_event = None
             del self._resident[component][group]

@@ -42,7 +42,7 @@ from torch import nn
 
 from memmode_core.contracts.errors import IncompatibleModeError, RestoreError
 from memmode_core.contracts.group_specs import Policy
-from memmode_core.contracts.inner_tensors import unstorable
+from memmode_core.contracts.inner_tensors import map_leaves, unstorable
 from memmode_core.contracts.storage import StorageSession, placeholder
 from memmode_core.engine import watch
 from memmode_core.engine.changes import Changes
@@ -285,7 +285,7 @@ class Runtime:
         for group in state.groups:
             try:
                 if group.policy is Policy.RESIDENT:
-                    group.assign({n: streams.to_host(t) for n, t in group.tensors().items()})
+                    group.assign({n: map_leaves(t, streams.to_host) for n, t in group.tensors().items()})
                 else:
                     restored = self.changes.restore(group)
                     restored.update(replaced_since(group, restored, streams, zero_copy=self.moving.zero_copy))
