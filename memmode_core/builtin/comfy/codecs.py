@@ -140,18 +140,19 @@ class ComfyAWQ(ComfyCodec):
         zeros = packed[ZEROS].reshape(-1, rows).t().to(torch.float32)
         groups = scales.shape[1]
         blocks = codes.reshape(rows, groups, columns // groups).to(torch.float32)
-        values = (blocks - 8.0) * scales.unsqueeze(-1) + zeros.unsqueeze(-1)
+        values = blocks.sub_(8.0).mul_(scales.unsqueeze(-1)).add_(zeros.unsqueeze(-1))
         return values.reshape(rows, columns).to(dtype)
 
 
 def _times_scale(values: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """``values`` times a float scale of one element (the whole tensor's) or one per row, in float32."""
+    """``values`` (float32, a tensor the codec just made: multiplied in place) times a float scale of one element
+    (the whole tensor's) or one per row."""
     if scale is None:
         return values
     scale = scale.to(device=values.device, dtype=torch.float32)
     # one element: the whole tensor's; else one per row (of a row split, the split's rows)
     scale = scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1, *([1] * (values.dim() - 1)))
-    return values * scale
+    return values.mul_(scale)
 
 
 def regular_hadamard(size: int, device: torch.device) -> torch.Tensor:
