@@ -1,0 +1,136 @@
+"""Quantized diffusers folders made in code for tests, the way users get them: the tiny Wan 2.2 pipeline of the
+community-file suites (two 256-wide transformers) saved with ``save_pretrained``, its two transformers then quantized
+by NVIDIA's Model Optimizer on the CPU (``mtq.quantize`` with a calibration forward) and each written by modelopt's
+own ``export_hf_checkpoint`` into its folder — what NVIDIA publishes its Wan 2.2 A14B checkpoints as. The text
+encoder and the VAE stay plain: a pipeline where only some components are quantized.
+
+One folder per algorithm of :data:`ALGORITHMS` (modelopt's preset configs: FP8 per tensor, FP8 per channel, FP8 in
+128x128 blocks, NVFP4), made once per session (``modelopt_folder(name)``), with the reference: each quantized weight
+as modelopt's own ``FP8QTensor`` / ``NVFP4QTensor.dequantize`` gives it in float32 (``modelopt_dequantize``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+from safetensors import safe_open
+
+from community_pipelines import FAMILY, wan_inputs, wide_wan_pipeline
+from tiny_pipelines import run
+
+mtq = pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt writes the ModelOpt fixtures")
+
+#: fixture name -> modelopt's preset config of it
+ALGORITHMS = {
+    "fp8": "FP8_DEFAULT_CFG",
+    "fp8_per_channel": "FP8_PER_CHANNEL_PER_TOKEN_CFG",
+    "fp8_blockwise": "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG",
+    "nvfp4": "NVFP4_DEFAULT_CFG",
+}
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+#: the components modelopt quantizes
+QUANTIZED = ("transformer", "transformer_2")
+#: FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG's blocks, NVFP4's
+FP8_BLOCK, NVFP4_BLOCK = 128, 16
+
+
+class ModelOptFolder:
+    """A pipeline folder whose ``transformer`` modelopt exported quantized with one algorithm."""
+
+    def __init__(self, name: str, base: Path) -> None:
+        from modelopt.torch.export import export_hf_checkpoint
+
+        self.name = name
+        self.folder = Path(tempfile.mkdtemp(prefix=f"memmode-modelopt-{name}-"))
+        atexit.register(shutil.rmtree, self.folder, True)
+        shutil.copytree(base, self.folder, dirs_exist_ok=True)
+        for component in QUANTIZED:
+            model = copy.deepcopy(getattr(_base_pipeline(), component))
+            mtq.quantize(model, copy.deepcopy(getattr(mtq, ALGORITHMS[name])), _calibrate)
+            shutil.rmtree(self.folder / component)
+            export_hf_checkpoint(model, export_dir=self.folder / component)
+        with safe_open(self.folder / "transformer" / WEIGHTS, "pt") as file:
+            keys = list(file.keys())
+        #: the layers modelopt quantized (those with a weight scale; the same in both transformers)
+        self.layers = sorted(k.removesuffix(".weight_scale") for k in keys if k.endswith(".weight_scale"))
+
+    def tensors(self, component: str = "transformer") -> dict[str, torch.Tensor]:
+        with safe_open(self.folder / component / WEIGHTS, "pt") as file:
+            return {key: file.get_tensor(key) for key in file.keys()}
+
+    def reference(self) -> torch.Tensor:
+        """The pipeline's output with the transformers holding modelopt's own dequantization of each quantized
+        weight (float32) and the export's other tensors: the independent reference."""
+        pipe = DiffusionPipeline.from_pretrained(_base_folder(), torch_dtype=torch.float32)
+        pipe.set_progress_bar_config(disable=True)
+        for component in QUANTIZED:
+            tensors, model = self.tensors(component), getattr(pipe, component)
+            state = model.state_dict()
+            for key in state:
+                layer = key.removesuffix(".weight")
+                state[key] = modelopt_dequantize(tensors, layer) if layer in self.layers else tensors[key]
+            model.load_state_dict(state, strict=True)
+        return run(pipe, FAMILY)
+
+
+def modelopt_dequantize(tensors: dict[str, torch.Tensor], layer: str) -> torch.Tensor:
+    """``layer``'s weight as modelopt dequantizes it, in float32 (its ``QTensor`` classes)."""
+    from modelopt.torch.quantization.qtensor import FP8QTensor, NVFP4QTensor
+
+    weight, scale = tensors[f"{layer}.weight"], tensors[f"{layer}.weight_scale"]
+    if weight.dtype == torch.float8_e4m3fn:
+        rows, columns = weight.shape
+        qtensor = FP8QTensor(weight.shape, torch.float32, weight)
+        if scale.numel() == 1 or scale.numel() == rows:
+            return qtensor.dequantize(dtype=torch.float32, scale=scale.reshape(-1, 1) if scale.numel() > 1 else scale)
+        grid = (-(-rows // FP8_BLOCK), -(-columns // FP8_BLOCK))
+        blocks = {-1: FP8_BLOCK, -2: FP8_BLOCK}
+        return qtensor.dequantize(dtype=torch.float32, scale=scale.reshape(grid), block_sizes=blocks)
+    shape = torch.Size((weight.shape[0], weight.shape[1] * 2))
+    return NVFP4QTensor(shape, torch.float32, weight).dequantize(
+        dtype=torch.float32,
+        scale=scale,
+        double_scale=tensors[f"{layer}.weight_scale_2"],
+        block_sizes={-1: NVFP4_BLOCK},
+    )
+
+
+def _calibrate(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        model(**wan_inputs())
+
+
+_BASE: list[Path] = []
+_PIPE: list = []
+
+
+def _base_pipeline():
+    if not _PIPE:
+        _PIPE.append(wide_wan_pipeline())
+    return _PIPE[0]
+
+
+def _base_folder() -> Path:
+    if not _BASE:
+        folder = Path(tempfile.mkdtemp(prefix="memmode-modelopt-base-"))
+        atexit.register(shutil.rmtree, folder, True)
+        _base_pipeline().save_pretrained(folder)
+        _BASE.append(folder)
+    return _BASE[0]
+
+
+_MADE: dict[str, ModelOptFolder] = {}
+
+
+def modelopt_folder(name: str) -> ModelOptFolder:
+    """The session's folder of algorithm ``name`` (made on first use)."""
+    if name not in _MADE:
+        _MADE[name] = ModelOptFolder(name, _base_folder())
+    return _MADE[name]
