@@ -51,6 +51,7 @@ from memmode_core.contracts.hookspecs import hookimpl
 from memmode_core.contracts.quantizer import PAYLOAD, Quantizer
 from memmode_core.contracts.reader import EncodedTensor, FileContents, QuantizedFolder, Reader, StoredTensor
 from memmode_core.contracts.versions import KIT_VERSION
+from memmode_core.quantization.microscaling import unpack_nibbles
 
 QUANT_METHOD = "bitsandbytes"
 #: the levels of each 4-bit quant type, as bitsandbytes' ``get_4bit_type`` lists them (code order); it divides
@@ -71,16 +72,25 @@ SOURCE_DTYPES = ("bfloat16", "float16", "float32")
 STATE = ".quant_state.bitsandbytes__"
 #: a layer's JSON state is a few hundred bytes; anything much longer is not one
 MAX_STATE_BYTES = 1 << 16
+#: values a 4-bit weight is decoded in at a time: a multiple of every block size (and even: whole bytes of codes)
+CHUNK = 1 << 22
 #: what ``int8_vectorwise_dequant`` multiplies by: the float32 nearest 1 / 127, written as bitsandbytes does
 INV_127 = 7.874015718698502e-3
 
 
-@functools.cache
+#: each quant type's levels as float32 on each device they were asked on: made once per device, not copied from
+#: the host at every call (never derived from a layer's tensors)
+_LEVELS: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
 def levels(quant_type: str, device: torch.device) -> torch.Tensor:
     """The 16 float32 levels of ``quant_type`` on ``device``: bitsandbytes' table, divided by its largest
-    magnitude in float32 as ``get_4bit_type`` does (one small tensor per device, never derived from a layer)."""
-    table = torch.tensor(LEVELS[quant_type], dtype=torch.float32)
-    return table.div_(table.abs().max()).to(device)
+    magnitude in float32 as ``get_4bit_type`` does."""
+    table = _LEVELS.get((quant_type, device))
+    if table is None:
+        table = torch.tensor(LEVELS[quant_type], dtype=torch.float32)
+        table = _LEVELS[quant_type, device] = table.div_(table.abs().max()).to(device)
+    return table
 
 
 def blockwise(values: torch.Tensor, scales: torch.Tensor, blocksize: int) -> torch.Tensor:
@@ -119,18 +129,26 @@ class BnbFourBit(Quantizer):
         )
 
     def unpack(self, packed: Mapping[str, torch.Tensor], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """The weight, :data:`CHUNK` values at a time into the result: a large layer's int32 codes and float32
+        values (9 bytes a weight) are never all alive at once, only the result and one chunk's."""
         codes = packed[PAYLOAD].reshape(-1)
-        count = math.prod(shape)
-        # two codes a byte, the first in the high nibble; an odd count leaves the last low nibble unused
-        nibbles = torch.stack((codes >> 4, codes & 15), dim=1).view(-1)[:count]
-        values = levels(self.quant_type, codes.device)[nibbles.long()]
-        absmax = packed["weight_absmax"]
+        count, blocksize = math.prod(shape), self.blocksize
+        absmax = packed["weight_absmax"].reshape(-1)
         if self.nested_blocksize:
             # dequantize_blockwise of the absmax codes (float32), then the offset added in float32
-            nested = packed["weight_nested_quant_map"][absmax.reshape(-1).long()]
+            nested = packed["weight_nested_quant_map"].index_select(0, absmax.int())
             absmax = blockwise(nested, packed["weight_nested_absmax"].reshape(-1), self.nested_blocksize)
             absmax = absmax + self.nested_offset
-        return blockwise(values, absmax.reshape(-1), self.blocksize).view(shape).to(dtype)
+        table = levels(self.quant_type, codes.device)
+        out = torch.empty(count, dtype=dtype, device=codes.device)
+        for start in range(0, count, CHUNK):
+            stop = min(start + CHUNK, count)
+            # two codes a byte, the first in the high nibble; an odd count leaves the last low nibble unused
+            part = codes[start // 2 : (stop + 1) // 2]
+            nibbles = unpack_nibbles(part, high_nibble_first=True)[: stop - start]
+            values = table.index_select(0, nibbles.int())
+            out[start:stop] = blockwise(values, absmax[start // blocksize : -(-stop // blocksize)], blocksize)
+        return out.view(shape)
 
 
 class BnbInt8(Quantizer):
