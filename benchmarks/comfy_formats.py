@@ -20,6 +20,7 @@ The median and the spread (min-max) of ``--rounds`` calls each are printed, and 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -121,8 +122,6 @@ def main() -> None:
             config, layout = FORMATS[fmt]
             qt = quantized(weight, layout)
             path = Path(folder) / "layer.safetensors"
-            import json
-
             tensors = {k: v.contiguous() for k, v in qt.state_dict("layer.weight").items()}
             tensors["layer.comfy_quant"] = torch.tensor(list(json.dumps(config).encode()), dtype=torch.uint8)
             save_file(tensors, str(path))
