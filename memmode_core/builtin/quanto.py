@@ -143,8 +143,10 @@ class QuantoReader(Reader):
         for key in records:
             if key.endswith(".weight._scale"):
                 weight = key.removesuffix("._scale")
-                layer = _bits_layer if weights in BITS else _bytes_layer
-                encoded[weight], parts = layer(folder, weight, CODECS[weights])
+                if weights in BITS:
+                    encoded[weight], parts = _bits_layer(folder, weight, BITS[weights])
+                else:
+                    encoded[weight], parts = _bytes_layer(folder, weight, BYTES[weights])
                 used.update(parts)
         for key in records:
             if ".weight._" in key and key not in used:
@@ -176,8 +178,7 @@ def _scales(folder: QuantizedFolder, weight: str, names: tuple[str, ...], rows: 
     return found
 
 
-def _bytes_layer(folder: QuantizedFolder, weight: str, codec: Quantizer) -> tuple[EncodedTensor, dict]:
-    assert isinstance(codec, QuantoBytes)
+def _bytes_layer(folder: QuantizedFolder, weight: str, codec: QuantoBytes) -> tuple[EncodedTensor, dict]:
     key = f"{weight}._data"
     data = folder.stored.get(key)
     if data is None or data.dtype != codec.codes or len(data.shape) != 2:
@@ -196,8 +197,7 @@ def _bytes_layer(folder: QuantizedFolder, weight: str, codec: Quantizer) -> tupl
     return EncodedTensor(weight, data.shape, scale.dtype, codec, keys), {key: payload, scale.key: scale}
 
 
-def _bits_layer(folder: QuantizedFolder, weight: str, codec: Quantizer) -> tuple[EncodedTensor, dict]:
-    assert isinstance(codec, QuantoBits)
+def _bits_layer(folder: QuantizedFolder, weight: str, codec: QuantoBits) -> tuple[EncodedTensor, dict]:
     key = f"{weight}._data._data"
     data, scale = folder.stored.get(key), folder.stored[f"{weight}._scale"]
     shape = folder.shapes.get(weight)
@@ -209,7 +209,16 @@ def _bits_layer(folder: QuantizedFolder, weight: str, codec: Quantizer) -> tuple
     rows = scale.shape[0] if scale.shape else 0
     count = math.prod(shape)
     values_per_byte = 8 // codec.bits
-    if data is None or data.dtype != torch.uint8 or len(data.shape) != 2 or not rows or count % rows:
+    # a code row is a row of the weight, or a group of whole rows' consecutive values (quanto's group_size
+    # divides in_features): either way its length divides the weight's rows
+    if (
+        data is None
+        or data.dtype != torch.uint8
+        or len(data.shape) != 2
+        or not rows
+        or count % rows
+        or shape[-1] % (count // rows)
+    ):
         has = "missing" if data is None else f"{data.dtype} of shape {list(data.shape)}"
         raise CheckpointError(
             f"{folder.where}: tensor {key!r} is {has}, with a scale of shape {list(scale.shape)}; quanto packs "
@@ -229,7 +238,7 @@ def _bits_layer(folder: QuantizedFolder, weight: str, codec: Quantizer) -> tuple
 
 def _expect_shape(folder: QuantizedFolder, weight: str, shape: tuple[int, ...], key: str) -> None:
     expected = folder.shapes.get(weight)
-    if folder.shapes and expected is not None and tuple(expected) != tuple(shape):
+    if expected is not None and tuple(expected) != tuple(shape):
         raise CheckpointError(
             f"{folder.where}: tensor {key!r} has shape {list(shape)}; the model's {weight!r} is {list(expected)}"
         )
