@@ -7,12 +7,18 @@ encoder and the VAE stay plain: a pipeline where only some components are quanti
 One folder per algorithm of :data:`ALGORITHMS` (modelopt's preset configs: FP8 per tensor, FP8 per channel, FP8 in
 128x128 blocks, NVFP4), made once per session (``modelopt_folder(name)``), with the reference: each quantized weight
 as modelopt's own ``FP8QTensor`` / ``NVFP4QTensor.dequantize`` gives it in float32 (``modelopt_dequantize``).
+
+A transformers component quantized so (``fp8_text_encoder_folder``): modelopt 0.47's export of a transformers model
+fails on the CPU (it passes a dtype where a device goes), so the UMT5 text encoder's linear layers are written in the
+format that export defines — each weight quantized by modelopt's own ``FP8QTensor.quantize`` (per tensor), its
+``weight_scale`` beside it, ``quant_algo`` FP8 in config.json — under transformers' names, the tied embedding once.
 """
 
 from __future__ import annotations
 
 import atexit
 import copy
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -52,7 +58,7 @@ class ModelOptFolder:
         atexit.register(shutil.rmtree, self.folder, True)
         shutil.copytree(base, self.folder, dirs_exist_ok=True)
         for component in QUANTIZED:
-            model = copy.deepcopy(getattr(_base_pipeline(), component))
+            model = copy.deepcopy(getattr(base_pipeline(), component))
             mtq.quantize(model, copy.deepcopy(getattr(mtq, ALGORITHMS[name])), _calibrate)
             shutil.rmtree(self.folder / component)
             export_hf_checkpoint(model, export_dir=self.folder / component)
@@ -111,7 +117,8 @@ _BASE: list[Path] = []
 _PIPE: list = []
 
 
-def _base_pipeline():
+def base_pipeline():
+    """The tiny Wan 2.2 pipeline the folders are made from (its weights as saved in the base folder), made once."""
     if not _PIPE:
         _PIPE.append(wide_wan_pipeline())
     return _PIPE[0]
@@ -121,7 +128,7 @@ def _base_folder() -> Path:
     if not _BASE:
         folder = Path(tempfile.mkdtemp(prefix="memmode-modelopt-base-"))
         atexit.register(shutil.rmtree, folder, True)
-        _base_pipeline().save_pretrained(folder)
+        base_pipeline().save_pretrained(folder)
         _BASE.append(folder)
     return _BASE[0]
 
@@ -134,3 +141,39 @@ def modelopt_folder(name: str) -> ModelOptFolder:
     if name not in _MADE:
         _MADE[name] = ModelOptFolder(name, _base_folder())
     return _MADE[name]
+
+
+_TEXT: list[Path] = []
+
+
+def fp8_text_encoder_folder() -> Path:
+    """The FP8 folder with its text encoder quantized too (see the module docstring), made once."""
+    from modelopt.torch.quantization.qtensor import FP8QTensor
+    from safetensors.torch import save_file
+
+    if not _TEXT:
+        folder = Path(tempfile.mkdtemp(prefix="memmode-modelopt-text-encoder-"))
+        atexit.register(shutil.rmtree, folder, True)
+        shutil.copytree(modelopt_folder("fp8").folder, folder, dirs_exist_ok=True)
+        encoder = base_pipeline().text_encoder
+        tensors = {}
+        with safe_open(folder / "text_encoder" / "model.safetensors", "pt") as file:
+            metadata = file.metadata()
+            for key in file.keys():
+                tensors[key] = file.get_tensor(key)
+        for path, module in encoder.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                qtensor, scale = FP8QTensor.quantize(module.weight.detach().float())
+                tensors[f"{path}.weight"] = qtensor._quantized_data
+                tensors[f"{path}.weight_scale"] = scale.float().reshape(())
+        save_file(tensors, folder / "text_encoder" / "model.safetensors", metadata=metadata)
+        config_path = folder / "text_encoder" / "config.json"
+        config = json.loads(config_path.read_text())
+        config["quantization_config"] = {
+            "quant_method": "modelopt",
+            "quant_algo": "FP8",
+            "producer": {"name": "modelopt", "version": "0.47.0"},
+        }
+        config_path.write_text(json.dumps(config))
+        _TEXT.append(folder)
+    return _TEXT[0]

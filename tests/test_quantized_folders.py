@@ -20,6 +20,7 @@ What ``load`` must give:
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -27,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 import memmode_core as memmode
@@ -42,7 +44,15 @@ from memmode_core.loading.quantized_folders import (
     quantization_config,
     reader_of_method,
 )
-from quantized_folders import ALGORITHMS, QUANTIZED, ModelOptFolder, modelopt_dequantize, modelopt_folder
+from quantized_folders import (
+    ALGORITHMS,
+    QUANTIZED,
+    ModelOptFolder,
+    base_pipeline,
+    fp8_text_encoder_folder,
+    modelopt_dequantize,
+    modelopt_folder,
+)
 from tiny_pipelines import run
 
 ALL = list(ALGORITHMS)
@@ -180,6 +190,33 @@ def test_plan_prices_the_folder_packed():
     handle.remove()
     entry = next(e for e in memmode.plan(skeleton, device="cpu") if e.mode == "model_full_load")
     assert entry.peak_device_bytes == loaded
+
+
+def test_a_transformers_component_is_read_through_its_reader_too():
+    """A quantized UMT5 text encoder (transformers' names, its embedding tied and saved once): built without acting on
+    the quantization_config, its linear layers packed, the tied embedding bound once, the encoder's output that of
+    the weights modelopt's dequantization gives."""
+    folder = fp8_text_encoder_folder()
+    handle = load(folder, "model_full_load")
+    encoder = handle.target.text_encoder
+    layers = packed_layers(encoder)
+    assert layers and set(layers.values()) == {"modelopt_fp8"}
+    assert encoder.shared.weight is encoder.encoder.embed_tokens.weight
+    with safe_open(folder / "text_encoder" / "model.safetensors", "pt") as file:
+        tensors = {key: file.get_tensor(key) for key in file.keys()}
+    reference = copy.deepcopy(base_pipeline().text_encoder)
+    state = reference.state_dict()
+    for key in state:
+        layer = key.removesuffix(".weight")
+        state[key] = (
+            modelopt_dequantize(tensors, layer) if layer in layers else tensors.get(key, tensors["shared.weight"])
+        )
+    reference.load_state_dict(state)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        got, expected = encoder(ids)[0], reference(ids)[0]
+    assert_reassociated(got, expected, length=64, depth=12, what="text encoder")
+    handle.remove()
 
 
 # -- every placement x storage ----------------------------------------------------------------------------------

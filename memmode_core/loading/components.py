@@ -190,7 +190,7 @@ def _opened_load(
     file = opened.checkpoint.where
     dtype = resolve_dtype(torch_dtype, cls, opened, name)
     skeleton = build(cls, config_folder, dtype, name)
-    weights = weights_for_model(opened, skeleton, dict(getattr(skeleton.module, "config", None) or {}), str(file))
+    weights = weights_for_model(opened, skeleton, _config_of(skeleton.module), str(file))
     if weights.packed and quantizing.takes(name, skeleton.module):
         raise encoded_by_a_file(quantizing.quantizer, name, [layer.codec.format_name for layer in weights.packed])
     make_placeholders(skeleton.module, weights.packed, where=weights.where, weight_dtype=weight_dtype)
@@ -205,6 +205,14 @@ def _opened_load(
             weights.unused[0],
         )
     return item
+
+
+def _config_of(module) -> dict:
+    """A model's config as a mapping: a diffusers config is one, a transformers config says it (``to_dict``)."""
+    config = getattr(module, "config", None)
+    if config is None:
+        return {}
+    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
 
 
 def component_files(path: Path, config, options: dict) -> tuple[Path, dict[str, Path], dict]:

@@ -35,6 +35,7 @@ from memmode_core.contracts.reader import EncodedTensor, Reader
 from memmode_core.discovery.first_party import DISTRIBUTIONS
 from memmode_core.files import Checkpoint
 from memmode_core.files.checkpoint import CheckpointFile
+from memmode_core.loading.binding import model_tensors
 from memmode_core.loading.original_keys import Rows, diffusers_names
 from memmode_core.loading.skeleton import Skeleton
 from memmode_core.quantization.making import PackedSpec
@@ -257,8 +258,9 @@ def weights_for_model(opened: OpenedFile, skeleton: Skeleton, config: Mapping, w
     layer whose weight is encoded planned to rest packed."""
     module = skeleton.module
     model_tensors = module.state_dict(keep_vars=True)
+    shapes = opened.tensor_shapes()
     try:
-        renamed = diffusers_names(type(module), config, opened.tensor_shapes(), list(model_tensors))
+        renamed = diffusers_names(type(module), config, shapes, _names_to_find(module, shapes))
     except CheckpointError as exc:
         raise CheckpointError(f"{where}: {exc}") from exc.__cause__
     linear = {f"{path}.weight": path for path, sub in module.named_modules() if isinstance(sub, nn.Linear) and path}
@@ -278,6 +280,16 @@ def weights_for_model(opened: OpenedFile, skeleton: Skeleton, config: Mapping, w
             dtype = next(s.dtype for s in sources if s is not None)
             tensors[key] = FileTensor(key, tuple(target.shape), dtype, tuple(target.pieces), decoded=True)
     return WeightsFile(opened, tensors, tuple(packed), tuple(sorted(renamed.unused)))
+
+
+def _names_to_find(module: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """The model's tensor names the file must hold: a tied tensor (a transformers encoder's ``shared`` and
+    ``encoder.embed_tokens`` weights, saved once) under the name the file holds it by, else under all of them."""
+    names = []
+    for tensor in model_tensors(module):
+        held = [key for key in tensor.keys if key in shapes]
+        names += held[:1] or tensor.keys
+    return names
 
 
 def _one_dtype(opened: OpenedFile, pieces) -> torch.dtype:
