@@ -135,7 +135,10 @@ class ModelOptReader(Reader):
     """Reads model folders ModelOpt exported quantized (see the module docstring)."""
 
     name = "modelopt"
-    description = "NVIDIA ModelOpt folders (FP8 per tensor, per channel, blockwise; NVFP4): layers rest packed"
+    description = (
+        "folders NVIDIA ModelOpt exported (export_hf_checkpoint: FP8 per tensor, per channel, 128x128 blocks; NVFP4): "
+        "the quantized weights rest packed, decoded per forward as modelopt dequantizes them"
+    )
     quant_methods = ("modelopt",)
 
     def read_folder(self, folder: QuantizedFolder) -> FileContents:
@@ -143,17 +146,15 @@ class ModelOptReader(Reader):
         algo = _algorithm(config, folder)
         layers = {key.removesuffix(f".{SCALE}") for key in folder.stored if key.endswith(f".{SCALE}")}
         encoded: dict[str, EncodedTensor] = {}
-        stored: dict[str, StoredTensor] = {}
-        parts: set[str] = set()
+        stored: dict[str, StoredTensor] = {}  # the parts of encoded weights (float8 viewed as uint8), then the rest
         for layer in sorted(layers):
             layer_algo = _layer_algorithm(config, algo, layer, folder)
-            tensor, records = _layer(folder, layer, layer_algo, _group_size(config, layer))
+            tensor, parts = _layer(folder, layer, layer_algo, _group_size(config, layer))
             encoded[tensor.key] = tensor
-            stored.update(records)
-            parts.update(records)
-        quantized = {f"{layer}{suffix}" for layer in layers for suffix in ACTIVATION_SUFFIXES}
+            stored.update(parts)
+        activations = {f"{layer}{suffix}" for layer in layers for suffix in ACTIVATION_SUFFIXES}
         for key, record in folder.stored.items():
-            if key not in parts and key not in quantized and key not in stored:
+            if key not in stored and key not in activations:
                 stored[key] = record
         return FileContents(stored, encoded, metadata={"quant_algo": algo})
 
