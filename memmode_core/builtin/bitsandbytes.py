@@ -51,7 +51,6 @@ from memmode_core.contracts.hookspecs import hookimpl
 from memmode_core.contracts.quantizer import PAYLOAD, Quantizer
 from memmode_core.contracts.reader import EncodedTensor, FileContents, QuantizedFolder, Reader, StoredTensor
 from memmode_core.contracts.versions import KIT_VERSION
-from memmode_core.quantization.microscaling import unpack_nibbles
 
 QUANT_METHOD = "bitsandbytes"
 #: the levels of each 4-bit quant type, as bitsandbytes' ``get_4bit_type`` lists them (code order); it divides
@@ -81,6 +80,7 @@ INV_127 = 7.874015718698502e-3
 #: each quant type's levels as float32 on each device they were asked on: made once per device, not copied from
 #: the host at every call (never derived from a layer's tensors)
 _LEVELS: dict[tuple[str, torch.device], torch.Tensor] = {}
+_PAIRS: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
 def levels(quant_type: str, device: torch.device) -> torch.Tensor:
@@ -93,14 +93,33 @@ def levels(quant_type: str, device: torch.device) -> torch.Tensor:
     return table
 
 
-def blockwise(values: torch.Tensor, scales: torch.Tensor, blocksize: int) -> torch.Tensor:
-    """Each of ``values`` (float32, flat) times the scale of its block of ``blocksize``, in float32: the last block
-    may be short (bitsandbytes' ``_dequantize_blockwise_compute`` and ``_dequantize_4bit_compute``)."""
+def level_pairs(quant_type: str, device: torch.device) -> torch.Tensor:
+    """The two levels each of the 256 bytes holds (the high nibble's first: bitsandbytes' order), a pair of float32
+    as one int64: one gather a byte gives both values (as core's ``e2m1_to_float`` looks E2M1 pairs up)."""
+    table = _PAIRS.get((quant_type, device))
+    if table is None:
+        single, byte = levels(quant_type, torch.device("cpu")), torch.arange(256)
+        pairs = torch.stack((single[byte >> 4], single[byte & 15]), dim=1).contiguous()
+        table = _PAIRS[quant_type, device] = pairs.view(torch.int64).reshape(256).to(device)
+    return table
+
+
+def blockwise(
+    values: torch.Tensor, scales: torch.Tensor, blocksize: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Each of ``values`` (float32, flat) times the scale of its block of ``blocksize``, in float32, the last block
+    possibly short (bitsandbytes' ``_dequantize_blockwise_compute`` and ``_dequantize_4bit_compute``); into ``out``
+    (flat, any float dtype: each product rounded once to it) when given."""
     count = values.numel()
-    padded = scales.numel() * blocksize
-    if padded != count:
-        values = torch.nn.functional.pad(values, (0, padded - count))
-    return (values.view(-1, blocksize) * scales.view(-1, 1)).view(-1)[:count]
+    if out is None:
+        out = torch.empty_like(values)
+    full = count // blocksize * blocksize
+    torch.mul(
+        values[:full].view(-1, blocksize), scales[: full // blocksize].view(-1, 1), out=out[:full].view(-1, blocksize)
+    )
+    if full < count:
+        torch.mul(values[full:], scales[full // blocksize], out=out[full:])
+    return out
 
 
 class BnbFourBit(Quantizer):
@@ -129,8 +148,8 @@ class BnbFourBit(Quantizer):
         )
 
     def unpack(self, packed: Mapping[str, torch.Tensor], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """The weight, :data:`CHUNK` values at a time into the result: a large layer's int32 codes and float32
-        values (9 bytes a weight) are never all alive at once, only the result and one chunk's."""
+        """The weight, :data:`CHUNK` values at a time into the result: a large layer's int32 indices and float32
+        values are never all alive at once, only the result and one chunk's."""
         codes = packed[PAYLOAD].reshape(-1)
         count, blocksize = math.prod(shape), self.blocksize
         absmax = packed["weight_absmax"].reshape(-1)
@@ -139,15 +158,14 @@ class BnbFourBit(Quantizer):
             nested = packed["weight_nested_quant_map"].index_select(0, absmax.int())
             absmax = blockwise(nested, packed["weight_nested_absmax"].reshape(-1), self.nested_blocksize)
             absmax = absmax + self.nested_offset
-        table = levels(self.quant_type, codes.device)
+        pairs = level_pairs(self.quant_type, codes.device)
         out = torch.empty(count, dtype=dtype, device=codes.device)
         for start in range(0, count, CHUNK):
             stop = min(start + CHUNK, count)
-            # two codes a byte, the first in the high nibble; an odd count leaves the last low nibble unused
+            # each byte's two values at once; an odd count leaves the last byte's second value unused
             part = codes[start // 2 : (stop + 1) // 2]
-            nibbles = unpack_nibbles(part, high_nibble_first=True)[: stop - start]
-            values = table.index_select(0, nibbles.int())
-            out[start:stop] = blockwise(values, absmax[start // blocksize : -(-stop // blocksize)], blocksize)
+            values = pairs.index_select(0, part.int()).view(torch.float32)[: stop - start]
+            blockwise(values, absmax[start // blocksize : -(-stop // blocksize)], blocksize, out=out[start:stop])
         return out.view(shape)
 
 
