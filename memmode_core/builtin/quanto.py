@@ -1,7 +1,8 @@
 """The ``quanto`` reader: model folders diffusers saved from a model quantized with ``QuantoConfig``.
 
 ``save_pretrained`` of such a model writes ``"quantization_config": {"quant_method": "quanto", "weights_dtype":
-"int8" | "float8" | "int4" | "int2", "modules_to_not_convert": ...}`` into the component's ``config.json``, and each
+"int8" | "float8" | "int4" | "int2", "modules_to_not_convert": ...}`` into the component's ``config.json``
+(transformers' ``QuantoConfig`` names it ``weights``, and may name ``activations``: refused), and each
 ``QLinear`` flattens its weight (optimum-quanto's ``QTensor.save_to_state_dict``) beside its two activation scales:
 
 - **int8 and float8** (``WeightQBytesTensor``): ``<layer>.weight._data`` the codes in the weight's shape
