@@ -210,6 +210,30 @@ def test_every_codec_decodes_on_the_meta_device(tmp_path):
         assert value.device.type == "meta" and value.shape == encoded.shape and value.dtype == torch.bfloat16, key
 
 
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_a_large_weight_decodes_band_by_band_to_the_bits_of_the_whole_decode(tmp_path, name, monkeypatch):
+    """A layer of many bands (bands of 256 values here: 2 rows of 128) decodes into the compute dtype band by band;
+    each value is the one the whole float32 decode rounds once to."""
+    from memmode_core.quantization import row_bands
+
+    config, _ = FORMATS[name]
+    torch.manual_seed(5)
+    path = tmp_path / f"{name}.safetensors"
+    write_comfy(path, {"w.weight": torch.randn(384, 128) * 0.05}, {"w.weight": config})
+    contents = READER.read(path)
+    whole = decode(path, contents, "w.weight", torch.float32)
+    codec = type(contents.encoded["w.weight"].codec)
+    bands = []
+    monkeypatch.setattr(row_bands, "BAND_VALUES", 256)
+    monkeypatch.setattr(
+        codec,
+        "decode",
+        lambda self, parts, shape, rows, real=codec.decode: bands.append(rows) or real(self, parts, shape, rows),
+    )
+    assert_bit_equal(decode(path, contents, "w.weight", torch.bfloat16), whole.to(torch.bfloat16), f"{name} banded")
+    assert len(bands) == 192, "two rows a band"
+
+
 # -- what it refuses ----------------------------------------------------------------------------------------------
 
 

@@ -1,10 +1,12 @@
 """The codecs of ComfyUI's weight formats: each decodes one layer's stored tensors, on whatever device they are,
 into the weight they mean — the value comfy-kitchen's eager backend (ComfyUI's own kernels) dequantizes them to.
 
-Every codec computes in float32 and rounds once to the compute dtype. In float32 the result is comfy-kitchen's
-dequantization bit for bit (the same products, in the same order); in bfloat16 or float16 it is that value
-rounded once, where comfy-kitchen multiplies in the narrow dtype itself (nvfp4's scales, awq's groups), so the two
-may differ by a rounding there — memmode's is the closer to the file's value.
+Every codec computes in float32 and rounds once to the compute dtype, a band of rows at a time into the result
+(:func:`~memmode_core.quantization.row_bands.decode_by_rows`: a whole layer's float32 values are never alive
+beside it; each codec's :meth:`ComfyCodec.decode` gives the float32 values of some rows). In float32 the result
+is comfy-kitchen's dequantization bit for bit (the same products, in the same order); in bfloat16 or float16 it
+is that value rounded once, where comfy-kitchen multiplies in the narrow dtype itself (nvfp4's scales, awq's
+groups), so the two may differ by a rounding there — memmode's is the closer to the file's value.
 
 The parts a codec reads are the file's bytes as stored, viewed as an integer dtype where the file has a float8
 type (a packed layer's payload and buffers keep their bytes through every placement, and no cast of the model
@@ -28,6 +30,7 @@ from memmode_core.quantization.microscaling import (
     unpack_nibbles,
     untile_block_scales,
 )
+from memmode_core.quantization.row_bands import decode_by_rows
 
 SCALE = "weight_scale"
 #: nvfp4's scale of the whole tensor (Comfy's ``weight_scale_2``)
@@ -45,7 +48,10 @@ CONVROT_GROUPS = tuple(4**k for k in range(1, 7))
 
 
 class ComfyCodec(Quantizer):
-    """A codec of weights read from ComfyUI files: it decodes, and never packs a weight itself."""
+    """A codec of weights read from ComfyUI files: it decodes, and never packs a weight itself.
+
+    A format writes :meth:`decode` (the float32 values of a band of rows) and, where some part must be read whole
+    first (block scales in the tiled layout), :meth:`prepare`; :meth:`unpack` decodes band by band."""
 
     packs = False
     description = ""
@@ -53,6 +59,18 @@ class ComfyCodec(Quantizer):
     def __init__(self, name: str, description: str) -> None:
         self.name = self.format = name
         self.description = description
+
+    def unpack(self, packed: Mapping[str, torch.Tensor], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        parts = self.prepare(packed, shape)
+        return decode_by_rows(shape, dtype, lambda rows: self.decode(parts, shape, rows))
+
+    def prepare(self, packed: Mapping[str, torch.Tensor], shape: torch.Size) -> Mapping[str, torch.Tensor]:
+        """The parts as :meth:`decode` reads them: as stored, unless a format's are laid out across rows."""
+        return packed
+
+    def decode(self, parts: Mapping[str, torch.Tensor], shape: torch.Size, rows: slice) -> torch.Tensor:
+        """The float32 values of the weight's rows ``rows`` (``[rows, *shape[1:]]``), made fresh."""
+        raise NotImplementedError
 
 
 class ComfyFloat8(ComfyCodec):
@@ -66,9 +84,9 @@ class ComfyFloat8(ComfyCodec):
         )
         self.fp8 = fp8
 
-    def unpack(self, packed: Mapping[str, torch.Tensor], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        values = packed[PAYLOAD].view(self.fp8).to(torch.float32).reshape(shape)
-        return _times_scale(values, packed.get(SCALE)).to(dtype)
+    def decode(self, parts: Mapping[str, torch.Tensor], shape: torch.Size, rows: slice) -> torch.Tensor:
+        values = parts[PAYLOAD].view(self.fp8).reshape(shape)[rows].to(torch.float32)
+        return _times_scale(values, parts.get(SCALE), rows)
 
 
 class ComfyNVFP4(ComfyCodec):
@@ -79,12 +97,15 @@ class ComfyNVFP4(ComfyCodec):
     def __init__(self) -> None:
         super().__init__("comfy_nvfp4", "ComfyUI NVFP4 weights: E2M1 codes, fp8 block scales of 16, a tensor scale")
 
-    def unpack(self, packed: Mapping[str, torch.Tensor], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    def prepare(self, packed: Mapping[str, torch.Tensor], shape: torch.Size) -> Mapping[str, torch.Tensor]:
         rows, columns = shape
-        values = e2m1_to_float(packed[PAYLOAD], high_nibble_first=True)
         blocks = untile_block_scales(packed[SCALE], rows, columns // NVFP4_BLOCK)
         scales = packed[TENSOR_SCALE].to(torch.float32).reshape(()) * blocks.view(torch.float8_e4m3fn).float()
-        return scale_blocks(values, scales, NVFP4_BLOCK, in_place=True).to(dtype)
+        return {PAYLOAD: packed[PAYLOAD].reshape(rows, columns // 2), SCALE: scales}
+
+    def decode(self, parts: Mapping[str, torch.Tensor], shape: torch.Size, rows: slice) -> torch.Tensor:
+        values = e2m1_to_float(parts[PAYLOAD][rows], high_nibble_first=True)
+        return scale_blocks(values, parts[SCALE][rows], NVFP4_BLOCK, in_place=True)
 
 
 class ComfyMXFP8(ComfyCodec):
@@ -94,11 +115,14 @@ class ComfyMXFP8(ComfyCodec):
     def __init__(self) -> None:
         super().__init__("comfy_mxfp8", "ComfyUI MXFP8 weights: fp8 E4M3 values, E8M0 block scales of 32")
 
-    def unpack(self, packed: Mapping[str, torch.Tensor], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    def prepare(self, packed: Mapping[str, torch.Tensor], shape: torch.Size) -> Mapping[str, torch.Tensor]:
         rows, columns = shape
-        values = packed[PAYLOAD].view(torch.float8_e4m3fn).to(torch.float32).reshape(rows, columns)
         exponents = untile_block_scales(packed[SCALE], rows, columns // MXFP8_BLOCK)
-        return scale_blocks(values, e8m0_to_float(exponents.contiguous()), MXFP8_BLOCK, in_place=True).to(dtype)
+        return {PAYLOAD: packed[PAYLOAD].reshape(rows, columns), SCALE: e8m0_to_float(exponents.contiguous())}
+
+    def decode(self, parts: Mapping[str, torch.Tensor], shape: torch.Size, rows: slice) -> torch.Tensor:
+        values = parts[PAYLOAD][rows].view(torch.float8_e4m3fn).to(torch.float32)
+        return scale_blocks(values, parts[SCALE][rows], MXFP8_BLOCK, in_place=True)
 
 
 class ComfyInt8(ComfyCodec):
@@ -117,11 +141,11 @@ class ComfyInt8(ComfyCodec):
             )
         self.convrot_groupsize = convrot_groupsize
 
-    def unpack(self, packed: Mapping[str, torch.Tensor], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        values = _times_scale(packed[PAYLOAD].to(torch.float32).reshape(shape), packed[SCALE])
+    def decode(self, parts: Mapping[str, torch.Tensor], shape: torch.Size, rows: slice) -> torch.Tensor:
+        values = _times_scale(parts[PAYLOAD].reshape(shape)[rows].to(torch.float32), parts[SCALE], rows)
         if self.convrot_groupsize is not None:
             values = rotate_groups(values, self.convrot_groupsize)
-        return values.to(dtype)
+        return values
 
 
 class ComfyAWQ(ComfyCodec):
@@ -133,26 +157,31 @@ class ComfyAWQ(ComfyCodec):
     def __init__(self) -> None:
         super().__init__("comfy_awq_w4a16", "ComfyUI AWQ W4A16 weights: uint4 codes, a scale and zero per group")
 
-    def unpack(self, packed: Mapping[str, torch.Tensor], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    def prepare(self, packed: Mapping[str, torch.Tensor], shape: torch.Size) -> Mapping[str, torch.Tensor]:
         rows, columns = shape
-        codes = unpack_nibbles(packed[PAYLOAD].view(torch.uint8), high_nibble_first=False)
-        scales = packed[SCALE].reshape(-1, rows).t().to(torch.float32)  # [rows, groups]
-        zeros = packed[ZEROS].reshape(-1, rows).t().to(torch.float32)
-        groups = scales.shape[1]
-        blocks = codes.reshape(rows, groups, columns // groups).to(torch.float32)
-        values = blocks.sub_(8.0).mul_(scales.unsqueeze(-1)).add_(zeros.unsqueeze(-1))
-        return values.reshape(rows, columns).to(dtype)
+        return {
+            PAYLOAD: packed[PAYLOAD].view(torch.uint8).reshape(rows, columns // 2),
+            SCALE: packed[SCALE].reshape(-1, rows).t().to(torch.float32),  # [rows, groups]
+            ZEROS: packed[ZEROS].reshape(-1, rows).t().to(torch.float32),
+        }
+
+    def decode(self, parts: Mapping[str, torch.Tensor], shape: torch.Size, rows: slice) -> torch.Tensor:
+        codes = unpack_nibbles(parts[PAYLOAD][rows], high_nibble_first=False)
+        scales, zeros = parts[SCALE][rows], parts[ZEROS][rows]
+        band, groups = scales.shape
+        blocks = codes.reshape(band, groups, shape[1] // groups).to(torch.float32)
+        return blocks.sub_(8.0).mul_(scales.unsqueeze(-1)).add_(zeros.unsqueeze(-1)).reshape(band, shape[1])
 
 
-def _times_scale(values: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """``values`` (float32, a tensor the codec just made: multiplied in place) times a float scale of one element
-    (the whole tensor's) or one per row."""
+def _times_scale(values: torch.Tensor, scale: torch.Tensor | None, rows: slice) -> torch.Tensor:
+    """``values`` (float32, the rows ``rows`` the codec just made: multiplied in place) times a float scale of one
+    element (the whole tensor's) or one per row (of a row split, the split's rows)."""
     if scale is None:
         return values
     scale = scale.to(device=values.device, dtype=torch.float32)
-    # one element: the whole tensor's; else one per row (of a row split, the split's rows)
-    scale = scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1, *([1] * (values.dim() - 1)))
-    return values.mul_(scale)
+    if scale.numel() == 1:
+        return values.mul_(scale.reshape(()))
+    return values.mul_(scale.reshape(-1)[rows].reshape(-1, *([1] * (values.dim() - 1))))
 
 
 def regular_hadamard(size: int, device: torch.device) -> torch.Tensor:
