@@ -1,9 +1,9 @@
 """The ``quanto`` reader: model folders diffusers saved from a model quantized with ``QuantoConfig``.
 
 ``save_pretrained`` of such a model writes ``"quantization_config": {"quant_method": "quanto", "weights_dtype":
-"int8" | "float8" | "int4" | "int2", "modules_to_not_convert": ...}`` into the component's ``config.json``
-(transformers' ``QuantoConfig`` names it ``weights``, and may name ``activations``: refused), and each
-``QLinear`` flattens its weight (optimum-quanto's ``QTensor.save_to_state_dict``) beside its two activation scales:
+"int8" | "float8" | "int4" | "int2", "modules_to_not_convert": ...}`` into the component's ``config.json`` (a
+transformers model quantized with quanto cannot be saved), and each ``QLinear`` flattens its weight
+(optimum-quanto's ``QTensor.save_to_state_dict``) beside its two activation scales:
 
 - **int8 and float8** (``WeightQBytesTensor``): ``<layer>.weight._data`` the codes in the weight's shape
   (``int8``, or ``float8_e4m3fn``), ``<layer>.weight._scale`` one scale per row (``[out, 1]``, the model's dtype);
@@ -126,17 +126,11 @@ class QuantoReader(Reader):
 
     def read_folder(self, folder: QuantizedFolder) -> FileContents:
         config = folder.quantization_config
-        weights = config.get("weights_dtype", config.get("weights"))
+        weights = config.get("weights_dtype")
         if weights not in CODECS:
             raise CheckpointError(
                 f"{folder.where}: quantization_config names weights_dtype {weights!r}; the quanto reader decodes "
                 f"{', '.join(CODECS)}"
-            )
-        if config.get("activations") not in (None, "none"):
-            raise CheckpointError(
-                f"{folder.where}: quantization_config quantizes activations ({config['activations']!r}), whose "
-                f"forward quanto computes in its own kernels; memmode reads weight-only quanto folders (load it "
-                f"with diffusers' from_pretrained)"
             )
         records = folder.stored
         encoded: dict[str, EncodedTensor] = {}
