@@ -23,6 +23,13 @@ one job each (lowest first; each imports only those before it):
 - ``saved``: the saved format (a quantized checkpoint's metadata);
 - ``streaming``: packing one layer at a time into a file that is mapped back.
 
+And two toolboxes that codecs of files decode with (readers' codecs import them; they import nothing of core):
+
+- ``microscaling``: E2M1 codes two a byte, E8M0 exponents, scales per block of a row and cuBLAS' tiled block-scale
+  layout — the shared decoding of ComfyUI's and ModelOpt's NVFP4 and MXFP8;
+- ``row_bands``: decoding a large weight a band of rows at a time into the compute dtype
+  (``decode_by_rows``), so a forward's decode never holds a whole layer in float32.
+
 Callers import from this package. Beside the engine, above the contracts: it imports the engine's stand-ins
 (``engine/standins/``), whose quantized stand-in reads the packed record (``packed``): no cycle, a test checks.
 """
