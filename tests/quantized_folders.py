@@ -5,8 +5,9 @@ own ``export_hf_checkpoint`` into its folder — what NVIDIA publishes its Wan 2
 encoder and the VAE stay plain: a pipeline where only some components are quantized.
 
 One folder per algorithm of :data:`ALGORITHMS` (modelopt's preset configs: FP8 per tensor, FP8 per channel, FP8 in
-128x128 blocks, NVFP4), made once per session (``modelopt_folder(name)``), with the reference: each quantized weight
-as modelopt's own ``FP8QTensor`` / ``NVFP4QTensor.dequantize`` gives it in float32 (``modelopt_dequantize``).
+128x128 blocks, NVFP4; the FP8 one written in shards), made once per session (``modelopt_folder(name)``), with the
+reference: each quantized weight as modelopt's own ``FP8QTensor`` / ``NVFP4QTensor.dequantize`` gives it in float32
+(``modelopt_dequantize``).
 
 A transformers component quantized so (``fp8_text_encoder_folder``): modelopt 0.47's export of a transformers model
 fails on the CPU (it passes a dtype where a device goes), so the UMT5 text encoder's linear layers are written in the
@@ -40,7 +41,8 @@ ALGORITHMS = {
     "fp8_blockwise": "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG",
     "nvfp4": "NVFP4_DEFAULT_CFG",
 }
-WEIGHTS = "diffusion_pytorch_model.safetensors"
+#: the algorithm whose export is sharded (diffusers' index and shards, as a large model's is), and its shard size
+SHARDED, SHARD_SIZE = "fp8", "300KB"
 #: the components modelopt quantizes
 QUANTIZED = ("transformer", "transformer_2")
 #: FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG's blocks, NVFP4's
@@ -61,15 +63,21 @@ class ModelOptFolder:
             model = copy.deepcopy(getattr(base_pipeline(), component))
             mtq.quantize(model, copy.deepcopy(getattr(mtq, ALGORITHMS[name])), _calibrate)
             shutil.rmtree(self.folder / component)
-            export_hf_checkpoint(model, export_dir=self.folder / component)
-        with safe_open(self.folder / "transformer" / WEIGHTS, "pt") as file:
-            keys = list(file.keys())
+            shards = {"max_shard_size": SHARD_SIZE} if name == SHARDED else {}
+            export_hf_checkpoint(model, export_dir=self.folder / component, **shards)
         #: the layers modelopt quantized (those with a weight scale; the same in both transformers)
-        self.layers = sorted(k.removesuffix(".weight_scale") for k in keys if k.endswith(".weight_scale"))
+        self.layers = sorted(k.removesuffix(".weight_scale") for k in self.tensors() if k.endswith(".weight_scale"))
+
+    def shards(self, component: str = "transformer") -> list[Path]:
+        """The component's safetensors files (one, or the shards its index names)."""
+        return sorted((self.folder / component).glob("*.safetensors"))
 
     def tensors(self, component: str = "transformer") -> dict[str, torch.Tensor]:
-        with safe_open(self.folder / component / WEIGHTS, "pt") as file:
-            return {key: file.get_tensor(key) for key in file.keys()}
+        tensors = {}
+        for shard in self.shards(component):
+            with safe_open(shard, "pt") as file:
+                tensors.update((key, file.get_tensor(key)) for key in file.keys())
+        return tensors
 
     def reference(self) -> torch.Tensor:
         """The pipeline's output with the transformers holding modelopt's own dequantization of each quantized

@@ -47,6 +47,7 @@ from memmode_core.loading.quantized_folders import (
 from quantized_folders import (
     ALGORITHMS,
     QUANTIZED,
+    SHARDED,
     ModelOptFolder,
     base_pipeline,
     fp8_text_encoder_folder,
@@ -126,6 +127,7 @@ def test_the_fixture_is_modelopts_export(name):
     assert len(made.layers) > 20 and all(tensors[f"{layer}.weight"].dtype == payload for layer in made.layers)
     if name == "fp8_blockwise":  # 2x2 blocks of a 256x256 weight, as modelopt keeps its amax
         assert tensors["blocks.0.attn1.to_q.weight_scale"].shape == (2, 1, 2, 1)
+    assert len(made.shards()) > 1 if name == SHARDED else len(made.shards()) == 1
 
 
 # -- decoding ----------------------------------------------------------------------------------------------------
@@ -219,6 +221,22 @@ def test_a_transformers_component_is_read_through_its_reader_too():
     handle.remove()
 
 
+def test_auto_prices_the_folder_packed_and_its_choice_gives_the_full_load_output():
+    """The pipeline fits at its packed size (not at full precision): ``auto`` chooses a full load only if it prices
+    the folder packed; with a third of that, an offloading mode, to the same output."""
+    made = modelopt_folder(GRID)
+    full = load(made.folder, "model_full_load")
+    models = [c for c in full.target.components.values() if isinstance(c, torch.nn.Module)]
+    loaded = sum(t.numel() * t.element_size() for m in models for t in [*m.parameters(), *m.buffers()])
+    full.remove()
+    for budget in (loaded, loaded // 3):
+        handle = load(made.folder, "auto", vram_budget=budget)
+        assert (handle.mode == "model_full_load") == (budget == loaded), handle.mode
+        handle.target.set_progress_bar_config(disable=True)
+        assert_bit_equal(run(handle.target, FAMILY), full_load_output(made), f"auto: {handle.mode}")
+        handle.remove()
+
+
 # -- every placement x storage ----------------------------------------------------------------------------------
 
 
@@ -282,7 +300,8 @@ def test_a_method_memmode_does_not_read_is_refused_with_the_reason(method, tmp_p
     folder = _copy(modelopt_folder("fp8"), tmp_path)
     _edit_config(folder, quant_method=method)
     if method == "torchao":
-        (folder / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
+        for shard in (folder / "transformer").glob("diffusion_pytorch_model*"):
+            shard.unlink()
         (folder / "transformer" / "diffusion_pytorch_model.bin").write_bytes(b"pickled torchao tensors")
     with pytest.raises(CheckpointError, match=f"saved quantized with {method}") as refused:
         load(folder, "model_full_load")
@@ -340,10 +359,13 @@ def test_a_truncated_shard_is_refused_naming_it(tmp_path, bound):
 def test_a_damaged_scale_is_refused_naming_the_tensor(name, change, match, tmp_path, bound):
     made = modelopt_folder(name)
     folder = _copy(made, tmp_path)
-    tensors = made.tensors()
     key = "blocks.0.attn1.to_q.weight_scale"
-    tensors[key] = change(tensors[key])
-    save_file(tensors, folder / "transformer" / "diffusion_pytorch_model.safetensors", metadata={"format": "pt"})
+    for shard in made.shards():  # the shard that holds the scale, written again with it changed
+        with safe_open(shard, "pt") as file:
+            if key in file.keys():
+                tensors = {k: file.get_tensor(k) for k in file.keys()}
+                tensors[key] = change(tensors[key])
+                save_file(tensors, folder / "transformer" / shard.name, metadata=file.metadata())
     with pytest.raises(CheckpointError, match=match) as refused:
         load(folder, "model_full_load")
     assert key in str(refused.value) and str(folder / "transformer") in str(refused.value)
