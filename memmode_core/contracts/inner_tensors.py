@@ -54,16 +54,25 @@ def is_wrapper_class(cls: type) -> bool:
 
 
 @dataclass(frozen=True)
+class Opaque:
+    """An inner attribute the flatten protocol names that is not a tensor (torch lets a subclass name opaque
+    objects, a ``DTensor`` its device mesh): kept as it is."""
+
+    value: object
+
+
+@dataclass(frozen=True)
 class Tree:
     """How a wrapper subclass is made of its inner tensors: enough to build it again over other leaves.
 
-    ``children``: inner attribute name -> its own tree (an inner subclass) or None (a plain leaf)."""
+    ``children``: inner attribute name -> its own tree (an inner subclass), None (a plain leaf) or an
+    :class:`Opaque` object."""
 
     cls: type
     context: object
     size: torch.Size
     stride: tuple[int, ...]
-    children: tuple[tuple[str, Tree | None], ...]
+    children: tuple[tuple[str, Tree | Opaque | None], ...]
 
     def paths(self, prefix: str = "") -> Iterator[str]:
         """The paths of the leaves, in order (``qdata``, ``_data:_data`` for quanto's packed 4-bit data)."""
@@ -71,7 +80,7 @@ class Tree:
             path = f"{prefix}{SEPARATOR}{name}" if prefix else name
             if child is None:
                 yield path
-            else:
+            elif isinstance(child, Tree):
                 yield from child.paths(path)
 
     def rebuild(self, leaves: Mapping[str, torch.Tensor], prefix: str = "") -> torch.Tensor:
@@ -79,7 +88,12 @@ class Tree:
         inner = {}
         for name, child in self.children:
             path = f"{prefix}{SEPARATOR}{name}" if prefix else name
-            inner[name] = leaves[path] if child is None else child.rebuild(leaves, path)
+            if child is None:
+                inner[name] = leaves[path]
+            elif isinstance(child, Tree):
+                inner[name] = child.rebuild(leaves, path)
+            else:
+                inner[name] = child.value
         return self.cls.__tensor_unflatten__(inner, self.context, self.size, self.stride)
 
 
@@ -87,11 +101,13 @@ def flatten(tensor: torch.Tensor) -> tuple[Tree, dict[str, torch.Tensor]]:
     """A wrapper subclass's tree and its leaves by path (the leaves are the tensor's own inner tensors: nothing is
     copied)."""
     names, context = tensor.__tensor_flatten__()
-    children: list[tuple[str, Tree | None]] = []
+    children: list[tuple[str, Tree | Opaque | None]] = []
     leaves: dict[str, torch.Tensor] = {}
     for name in names:
         inner = getattr(tensor, name)
-        if is_wrapper(inner):
+        if not isinstance(inner, torch.Tensor):
+            children.append((name, Opaque(inner)))
+        elif is_wrapper(inner):
             tree, below = flatten(inner)
             children.append((name, tree))
             leaves.update({f"{name}{SEPARATOR}{path}": leaf for path, leaf in below.items()})
@@ -122,6 +138,8 @@ def stored_bytes(tensor: torch.Tensor) -> int:
     """The bytes a storage keeps of ``tensor`` and an onload moves: its leaves' (a wrapper subclass's
     ``numel() * element_size()`` is its dequantized size, four times an int8 weight's bytes)."""
     with _DISABLE():
+        if unstorable(tensor) is not None:  # its own size, as it is counted where it stays in place
+            return tensor.numel() * tensor.element_size()
         return sum(leaf.numel() * leaf.element_size() for leaf in leaves(tensor))
 
 

@@ -10,7 +10,11 @@ and builds it again over whatever the storage hands back: at rest (a host copy, 
 the length of the session (why not in the file: :mod:`~memmode_core.contracts.inner_tensors`).
 
 Groups without a subclass pass through unchanged; the registered parameter keeps its identity, class and
-``requires_grad`` (the slot takes the rebuilt tensor's contents: :func:`memmode_core.engine.groups.set_data`).
+``requires_grad`` (the slot takes the rebuilt tensor's contents: :func:`memmode_core.engine.groups.set_data`). A
+tensor that cannot be stored (:func:`~memmode_core.contracts.inner_tensors.unstorable`: a ``DTensor``'s leaf is one
+rank's shard, not its value) passes through as it is: a storage that keeps it in place (``ram`` on a CPU device)
+keeps it, one that copies bytes refuses it before anything is released (the engine's check before it stores, the
+group files' own at ``put``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections.abc import Mapping
 
 import torch
 
-from memmode_core.contracts.inner_tensors import SEPARATOR, Tree, flatten, is_wrapper
+from memmode_core.contracts.inner_tensors import SEPARATOR, Tree, flatten, is_wrapper, unstorable
 from memmode_core.contracts.storage import StorageSession, Tensors
 
 
@@ -43,7 +47,7 @@ class FlattenedSession(StorageSession):
         flat: Tensors = {}
         flat_readable = set()
         for name, tensor in tensors.items():
-            if is_wrapper(tensor):
+            if is_wrapper(tensor) and unstorable(tensor) is None:
                 tree, leaves = flatten(tensor)
                 trees[name] = tree
                 for path, leaf in leaves.items():

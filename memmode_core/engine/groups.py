@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from memmode_core.contracts.group_specs import GroupSpec, Policy
-from memmode_core.contracts.inner_tensors import is_wrapper, stored_bytes
+from memmode_core.contracts.inner_tensors import is_wrapper, stored_bytes, unstorable
 from memmode_core.contracts.storage import Tensors
 from memmode_core.engine.standins.classes import PLAIN_CLASS
 
@@ -40,7 +40,7 @@ def set_data(tensor: torch.Tensor, value: torch.Tensor) -> None:
     wrapper from one dense device to another (CPU, CUDA, ...: ``TensorImpl::has_compatible_shallow_copy_type``)."""
     with _RAW():
         tensor.data = value
-    if is_wrapper(tensor):
+    if is_wrapper(tensor) and unstorable(tensor) is None:  # a DTensor stays FSDP2's to manage
         names, _ = value.__tensor_flatten__()
         for name in names:
             setattr(tensor, name, getattr(value, name))

@@ -189,7 +189,9 @@ class Runtime:
                     session.reserve(missing)
                 for group in stored:
                     group.parts = [Part(group.key, tuple(s.name for s in group.slots))]
-                    group.at_rest = session.put(group.key, group.tensors(), group.readable)
+                    given = group.tensors()
+                    group.at_rest = session.put(group.key, given, group.readable)
+                    self._refuse_copied(group, given)
                     unservable = self.serving.unservable(group, group.at_rest)
                     if unservable is not None:
                         raise IncompatibleModeError(
@@ -220,19 +222,32 @@ class Runtime:
         a wrapper subclass without torch's flatten protocol: :func:`~memmode_core.contracts.inner_tensors.unstorable`)
         can rest only where nothing is copied: under a storage that copies a resting weight's bytes (to a file, a
         slab, another device), it is refused before anything is stored or released. A library's quantized tensor
-        that implements the protocol is stored by its inner tensors (:mod:`~memmode_core.engine.flattened`)."""
+        that implements the protocol is stored by its inner tensors (:mod:`~memmode_core.engine.flattened`).
+
+        A storage whose onloads copy nothing may still have copied at ``put`` (``mmap`` on the CPU wrote the file it
+        maps): that one is refused after its ``put``, still before anything is released (:meth:`_refuse_copied`)."""
         if self.state.session.zero_copy(self.state.device):
             return
         for group in stored:
             for slot in group.slots:
                 why = unstorable(slot.tensor)
                 if why is not None:
-                    raise IncompatibleModeError(
-                        f"{group.key}: {slot.name} is {why}, and storage {self.state.storage_name!r} copies a resting "
-                        f"weight's bytes, which such a tensor does not hold in one place. Leave it in place with "
-                        f"storage='ram' on a CPU device, leave its component out with unplaced=[...], or offload it "
-                        f"with the sharding library's own option (FSDP2's CPUOffloadPolicy)"
-                    )
+                    raise self._cannot_store(group, slot.name, why)
+
+    def _refuse_copied(self, group: Group, given: dict[str, torch.Tensor]) -> None:
+        """After ``put``: a tensor that cannot be stored must rest as the very tensor it was (``ram`` on the CPU)."""
+        for slot in group.slots:
+            why = unstorable(slot.tensor)
+            if why is not None and group.at_rest.get(slot.name) is not given[slot.name]:
+                raise self._cannot_store(group, slot.name, why)
+
+    def _cannot_store(self, group: Group, name: str, why: str) -> IncompatibleModeError:
+        return IncompatibleModeError(
+            f"{group.key}: {name} is {why}, and storage {self.state.storage_name!r} copies a resting weight's bytes, "
+            f"which such a tensor does not hold in one place. Leave it in place with storage='ram' on a CPU device, "
+            f"leave its component out with unplaced=[...], or offload it with the sharding library's own option "
+            f"(FSDP2's CPUOffloadPolicy)"
+        )
 
     def attach(
         self, on_detach: Callable[[], None], *, mode: str, quantized: Callable[[nn.Module], bool] | None = None

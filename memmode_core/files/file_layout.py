@@ -29,6 +29,7 @@ from functools import cached_property
 import torch
 
 from memmode_core.contracts.errors import IncompatibleModeError
+from memmode_core.contracts.inner_tensors import unstorable
 from memmode_core.contracts.packing import Entry, pack, packed_size
 from memmode_core.contracts.storage import Tensors, data_class, has_own_bytes
 
@@ -123,15 +124,16 @@ class FileLayout:
 def host_tensors(tensors: Tensors) -> Tensors:
     """The tensors as contiguous CPU tensors whose memory is their plain bytes (a copy only if needed).
 
-    A wrapper tensor subclass (a ``DTensor`` sharded by FSDP2 or tensor parallelism, a library's quantized
-    tensor) has no bytes of its own to write: its ``data_ptr`` is not its values', and reading there crashes
-    the process. It is refused, typed, before a byte is read."""
+    A wrapper tensor subclass has no bytes of its own to write: its ``data_ptr`` is not its values', and reading
+    there crashes the process. A library's quantized tensor never gets here (the engine hands a storage its inner
+    tensors: :mod:`memmode_core.engine.flattened`); one that cannot be stored so (a ``DTensor`` sharded by FSDP2 or
+    tensor parallelism, a subclass without the flatten protocol) is refused, typed, before a byte is read."""
     out = {}
     for name, tensor in tensors.items():
-        if not has_own_bytes(tensor):
+        why = unstorable(tensor) or (None if has_own_bytes(tensor) else f"a {data_class(tensor).__name__}")
+        if why is not None:
             raise IncompatibleModeError(
-                f"{name} is a {data_class(tensor).__name__}, whose values are not the bytes of one tensor (a "
-                f"sharded or wrapped tensor): it cannot be written to a group file"
+                f"{name} is {why}, whose values are not the bytes of one tensor: it cannot be written to a group file"
             )
         t = tensor.detach()
         if t.device.type != "cpu":

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from memmode_core.contracts.errors import OffloadedWeightReadError, OffloadedWeightWriteError
+from memmode_core.contracts.inner_tensors import map_leaves
 from memmode_core.engine.standins.classes import PLAIN_CLASS, ServedView, StandIn, StandInReader, is_stand_in, source_of
 
 _DISABLE = torch._C.DisableTorchFunctionSubclass
@@ -60,7 +61,7 @@ def registered_value(value: object) -> torch.Tensor | None:
     of its value, in memory of its own. None for anything else (registered as it is)."""
     if not isinstance(value, (StandIn, ServedView)):
         return None
-    copied = value_of(value, "register").detach().clone()
+    copied = map_leaves(value_of(value, "register").detach(), torch.clone)
     with _DISABLE():
         if isinstance(value, nn.Parameter):
             return nn.Parameter(copied, requires_grad=value.requires_grad)
@@ -83,7 +84,7 @@ def plain_copy(tensor: torch.Tensor, memo):
         return memo[id(tensor)]
     value = value_of(tensor, "__deepcopy__")
     with _DISABLE():
-        copied = value.detach().clone()
+        copied = map_leaves(value.detach(), torch.clone)  # a library's quantized tensor: its class, its inner copies
         result = (
             nn.Parameter(copied, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else copied
         )
