@@ -35,6 +35,7 @@ import memmode_core as memmode
 from community_pipelines import FAMILY, PLACEMENTS, STORAGES, WIDE_WAN_CALL, packed_layers
 from helpers import assert_bit_equal, assert_reassociated, placement_id
 from memmode_core import CheckpointError, IncompatibleModeError
+from memmode_core.builtin.modelopt import ModelOptReader
 from memmode_core.discovery.plugins import current
 from memmode_core.loading import load as load_module
 from memmode_core.loading.quantized_folders import (
@@ -147,6 +148,24 @@ def test_each_weight_decodes_as_modelopt_dequantizes_it(name):
         assert_bit_equal(got, modelopt_dequantize(tensors, key.removesuffix(".weight")), key)
         # in a narrower dtype: that value, rounded once
         assert torch.equal(encoded.codec.unpack(parts, torch.Size(encoded.shape), torch.bfloat16), got.bfloat16())
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (200, 300), (130, 257)], ids=lambda shape: "x".join(map(str, shape)))
+def test_blockwise_fp8_decodes_as_modelopt_dequantizes_it_whatever_the_shape(shape):
+    """Random values quantized by modelopt's own ``FP8QTensor.quantize`` in 128x128 blocks, the last ones cut short
+    where the shape is not a multiple of the block: decoded bit for bit as modelopt dequantizes them."""
+    from modelopt.torch.quantization.qtensor import FP8QTensor
+
+    rows, columns = shape
+    blocks = {-1: 128, -2: 128}
+    qtensor, scale = FP8QTensor.quantize(
+        torch.randn(shape, generator=torch.Generator().manual_seed(rows)), None, None, blocks
+    )
+    grid = (-(-rows // 128), -(-columns // 128))
+    expected = qtensor.dequantize(dtype=torch.float32, scale=scale.reshape(grid), block_sizes=blocks)
+    codec = ModelOptReader().codecs()["modelopt_fp8_block128"]
+    parts = {"weight_packed": qtensor._quantized_data.view(torch.uint8), "weight_scale": scale}
+    assert_bit_equal(codec.unpack(parts, torch.Size(shape), torch.float32), expected, f"{shape}")
 
 
 def _transformer_class():

@@ -88,17 +88,28 @@ class ModelOptFloat8(Quantizer):
         )
 
     def unpack(self, packed: Mapping[str, torch.Tensor], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        # a fresh float32 tensor (the dtype changes), multiplied in place: one weight-sized allocation
         values = packed[PAYLOAD].view(torch.float8_e4m3fn).to(torch.float32).reshape(shape)
         scale = packed[SCALE].to(device=values.device, dtype=torch.float32)
         if self.block is not None and scale.numel() > 1:
-            rows, columns = values.shape
-            scale = scale.reshape(-(-rows // self.block), -(-columns // self.block))
-            scale = scale.repeat_interleave(self.block, 0).repeat_interleave(self.block, 1)[:rows, :columns]
+            _times_square_blocks(values, scale, self.block)
         elif scale.numel() == 1:
-            scale = scale.reshape(())
+            values.mul_(scale.reshape(()))
         else:  # one per row (of a row split, the split's rows)
-            scale = scale.reshape(-1, *([1] * (values.dim() - 1)))
-        return (values * scale).to(dtype)
+            values.mul_(scale.reshape(-1, *([1] * (values.dim() - 1))))
+        return values.to(dtype)
+
+
+def _times_square_blocks(values: torch.Tensor, scale: torch.Tensor, block: int) -> None:
+    """``values`` (``[rows, columns]``) times one scale per ``block x block`` block, in place, the last blocks cut
+    short: each value multiplied once by its block's scale, as modelopt's dequantization does."""
+    rows, columns = values.shape
+    grid_rows, grid_columns = -(-rows // block), -(-columns // block)
+    scale = scale.reshape(grid_rows, grid_columns)
+    if rows % block == 0 and columns % block == 0:  # whole blocks: a broadcast over a view, nothing expanded
+        values.view(grid_rows, block, grid_columns, block).mul_(scale[:, None, :, None])
+        return
+    values.mul_(scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :columns])
 
 
 class ModelOptNVFP4(Quantizer):
