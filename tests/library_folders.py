@@ -36,6 +36,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+import transformers
 from diffusers import BitsAndBytesConfig, QuantoConfig, WanTransformer3DModel
 from safetensors import safe_open
 
@@ -61,6 +62,16 @@ METHODS: dict[str, Callable[[], object]] = {
 #: float32; quanto's scales keep the model's dtype); a pipeline folder is quantized in float32, the pipeline's own
 DTYPE = torch.bfloat16
 WEIGHTS = "diffusion_pytorch_model.safetensors"
+#: a transformers model's checkpoint
+TRANSFORMERS_WEIGHTS = "model.safetensors"
+#: the methods a transformers component (the pipeline's UMT5 text encoder) is quantized with, by transformers' own
+#: ``BitsAndBytesConfig`` (its quantizer runs on the CPU as it is); transformers cannot save a quanto model
+TEXT_ENCODER_METHODS: dict[str, Callable[[], object]] = {
+    "bnb_int8": lambda: transformers.BitsAndBytesConfig(load_in_8bit=True),
+    "bnb_nf4_double": lambda: transformers.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True
+    ),
+}
 
 
 def _folder(prefix: str) -> Path:
@@ -125,9 +136,31 @@ def pipeline_folder(method: str) -> Path:
     return folder
 
 
+@functools.cache
+def text_encoder_folder(method: str) -> Path:
+    """The Wan 2.2 pipeline's folder with only its text encoder (UMT5) quantized with ``method`` by transformers'
+    ``from_pretrained`` and saved by its ``save_pretrained``, in float32: made once a session."""
+    folder = _folder(f"memmode-{method}-text-encoder-pipeline-")
+    wide_wan_pipeline().save_pretrained(folder)
+    model = transformers.UMT5EncoderModel.from_pretrained(
+        folder / "text_encoder",
+        quantization_config=TEXT_ENCODER_METHODS[method](),
+        dtype=torch.float32,
+        device_map="cpu",
+    )
+    shutil.rmtree(folder / "text_encoder")
+    model.save_pretrained(folder / "text_encoder")
+    return folder
+
+
+def checkpoint(folder: Path) -> Path:
+    """A model folder's one-file checkpoint: diffusers' or transformers' name."""
+    return folder / WEIGHTS if (folder / WEIGHTS).is_file() else folder / TRANSFORMERS_WEIGHTS
+
+
 def tensors(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a model folder's (one-file) checkpoint."""
-    with safe_open(folder / WEIGHTS, "pt") as file:
+    with safe_open(checkpoint(folder), "pt") as file:
         return {key: file.get_tensor(key) for key in file.keys()}
 
 
