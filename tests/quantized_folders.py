@@ -9,6 +9,11 @@ One folder per algorithm of :data:`ALGORITHMS` (modelopt's preset configs: FP8 p
 reference: each quantized weight as modelopt's own ``FP8QTensor`` / ``NVFP4QTensor.dequantize`` gives it in float32
 (``modelopt_dequantize``).
 
+diffusers' own road (``diffusers_modelopt_folder``): ``from_pretrained(quantization_config=NVIDIAModelOptConfig(...))``
+then ``save_pretrained`` — no export — which writes modelopt's quantizer state (``_amax``), not quantized weights.
+diffusers 0.42 builds its default modelopt config from a table modelopt 0.47 keeps as a list, so the fixture gives it
+``modelopt_config`` (FP8 weights, per tensor) as its docs allow.
+
 A transformers component quantized so (``fp8_text_encoder_folder``): modelopt 0.47's export of a transformers model
 fails on the CPU (it passes a dtype where a device goes), so the UMT5 text encoder's linear layers are written in the
 format that export defines — each weight quantized by modelopt's own ``FP8QTensor.quantize`` (per tensor), its
@@ -185,3 +190,23 @@ def fp8_text_encoder_folder() -> Path:
         config_path.write_text(json.dumps(config))
         _TEXT.append(folder)
     return _TEXT[0]
+
+
+_DIFFUSERS: list[Path] = []
+
+
+def diffusers_modelopt_folder() -> Path:
+    """The pipeline with its transformer quantized by diffusers' NVIDIAModelOptConfig, saved by save_pretrained."""
+    from diffusers import NVIDIAModelOptConfig, WanTransformer3DModel
+
+    if not _DIFFUSERS:
+        folder = Path(tempfile.mkdtemp(prefix="memmode-modelopt-diffusers-"))
+        atexit.register(shutil.rmtree, folder, True)
+        shutil.copytree(_base_folder(), folder, dirs_exist_ok=True)
+        weights_only = {"*weight_quantizer": {"num_bits": (4, 3), "axis": None}, "*input_quantizer": {"enable": False}}
+        config = NVIDIAModelOptConfig(quant_type="FP8", modelopt_config={"quant_cfg": weights_only, "algorithm": "max"})
+        model = WanTransformer3DModel.from_pretrained(folder / "transformer", quantization_config=config)
+        shutil.rmtree(folder / "transformer")
+        model.save_pretrained(folder / "transformer")
+        _DIFFUSERS.append(folder)
+    return _DIFFUSERS[0]

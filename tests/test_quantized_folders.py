@@ -51,6 +51,7 @@ from quantized_folders import (
     SHARDED,
     ModelOptFolder,
     base_pipeline,
+    diffusers_modelopt_folder,
     fp8_text_encoder_folder,
     modelopt_dequantize,
     modelopt_folder,
@@ -345,13 +346,14 @@ def test_every_method_diffusers_knows_is_read_or_refused_by_name(method, tmp_pat
         assert method in reader.quant_methods or config["quant_method"] in reader.quant_methods
 
 
-def test_a_folder_diffusers_saved_without_modelopts_export_is_refused(tmp_path, bound):
-    """diffusers' ``NVIDIAModelOptConfig`` saves the weights unquantized with modelopt's ``_amax``: only modelopt's
-    fake quantization makes the weights the model computes with."""
-    folder = _copy(modelopt_folder("fp8"), tmp_path)
-    _edit_config(folder, quant_method="modelopt", quant_type="FP8", modelopt_config={})
-    with pytest.raises(CheckpointError, match="NVIDIAModelOptConfig.*export_hf_checkpoint"):
+def test_a_folder_diffusers_saved_without_modelopts_export_is_refused(bound):
+    """diffusers' ``save_pretrained`` of a model quantized with ``NVIDIAModelOptConfig`` writes modelopt's quantizer
+    state (``_amax``), which only modelopt's own layers make weights of."""
+    folder = diffusers_modelopt_folder()
+    assert quantization_config(folder / "transformer")["quant_type"] == "FP8"
+    with pytest.raises(CheckpointError, match="NVIDIAModelOptConfig.*export_hf_checkpoint") as refused:
         load(folder, "model_full_load")
+    assert str(folder / "transformer") in str(refused.value)
     assert bound == [], "refused after binding"
 
 

@@ -22,8 +22,9 @@ The float8 bytes are bound viewed as ``uint8`` (a packed layer's parts keep thei
 What is refused, naming the folder and the tensor, before anything is bound: an algorithm not read here (AWQ's and
 SVDQuant's activation pre-scales, INT4/INT8, MXFP4/MXFP8, W4A8), a scale of the wrong shape or dtype, a scale that
 is not finite (the per-tensor, per-channel, blockwise and tensor scales are read to check; NVFP4's block scales,
-1/16 of the weight, are not), and a folder diffusers' ``NVIDIAModelOptConfig`` saved without modelopt's export
-(plain weights and modelopt's ``_amax`` calibration, which only modelopt's fake quantization turns into a weight).
+1/16 of the weight, are not), and a folder diffusers' ``save_pretrained`` wrote of a model quantized with
+``NVIDIAModelOptConfig`` instead of modelopt's export (modelopt's quantizer state: its ``_amax`` calibration beside the
+weights, which on the CPU stay unquantized; only modelopt's own quantized layers make weights of it).
 """
 
 from __future__ import annotations
@@ -203,11 +204,12 @@ def _algorithm(config: Mapping[str, Any], folder: QuantizedFolder) -> str:
     if algo is None:
         if "quant_type" in config or any(key.endswith("_quantizer._amax") for key in folder.stored):
             raise CheckpointError(
-                f"{folder.where}: saved by diffusers' NVIDIAModelOptConfig without modelopt's export: its weights are "
-                f"stored unquantized with modelopt's _amax calibration, which only modelopt's fake quantization turns "
+                f"{folder.where}: saved by diffusers' save_pretrained of a model quantized with NVIDIAModelOptConfig, "
+                f"not by modelopt's export: it holds modelopt's quantizer state (its _amax calibration beside the "
+                f"weights; on the CPU the weights stay unquantized), which only modelopt's own quantized layers turn "
                 f"into the weights the model computes with. Load it with diffusers' from_pretrained (nvidia-modelopt "
-                f"installed) and hand the pipeline to memmode.apply, or export it with "
-                f"modelopt.torch.export.export_hf_checkpoint, which memmode reads"
+                f"installed) and hand the pipeline to memmode.apply, or export the quantized model with "
+                f"modelopt.torch.export.export_hf_checkpoint, whose folders memmode reads"
             )
         raise CheckpointError(
             f"{folder.where}: its modelopt quantization_config names no quant_algo ({dict(config)!r})"
