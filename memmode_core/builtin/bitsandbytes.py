@@ -51,6 +51,7 @@ from memmode_core.contracts.hookspecs import hookimpl
 from memmode_core.contracts.quantizer import PAYLOAD, Quantizer
 from memmode_core.contracts.reader import EncodedTensor, FileContents, QuantizedFolder, Reader, StoredTensor
 from memmode_core.contracts.versions import KIT_VERSION
+from memmode_core.quantization.row_bands import decode_by_rows
 
 QUANT_METHOD = "bitsandbytes"
 #: the levels of each 4-bit quant type, as bitsandbytes' ``get_4bit_type`` lists them (code order); it divides
@@ -71,8 +72,6 @@ SOURCE_DTYPES = ("bfloat16", "float16", "float32")
 STATE = ".quant_state.bitsandbytes__"
 #: a layer's JSON state is a few hundred bytes; anything much longer is not one
 MAX_STATE_BYTES = 1 << 16
-#: values a 4-bit weight is decoded in at a time: a multiple of every block size (and even: whole bytes of codes)
-CHUNK = 1 << 22
 #: what ``int8_vectorwise_dequant`` multiplies by: the float32 nearest 1 / 127, written as bitsandbytes does
 INV_127 = 7.874015718698502e-3
 
@@ -104,16 +103,12 @@ def level_pairs(quant_type: str, device: torch.device) -> torch.Tensor:
     return table
 
 
-def blockwise(
-    values: torch.Tensor, scales: torch.Tensor, blocksize: int, out: torch.Tensor | None = None
-) -> torch.Tensor:
+def blockwise(values: torch.Tensor, scales: torch.Tensor, blocksize: int) -> torch.Tensor:
     """Each of ``values`` (float32, flat) times the scale of its block of ``blocksize``, in float32, the last block
-    possibly short (bitsandbytes' ``_dequantize_blockwise_compute`` and ``_dequantize_4bit_compute``); into ``out``
-    (flat, any float dtype: each product rounded once to it) when given."""
+    possibly short (bitsandbytes' ``_dequantize_blockwise_compute`` and ``_dequantize_4bit_compute``)."""
     count = values.numel()
-    if out is None:
-        out = torch.empty_like(values)
     full = count // blocksize * blocksize
+    out = torch.empty_like(values)
     torch.mul(
         values[:full].view(-1, blocksize), scales[: full // blocksize].view(-1, 1), out=out[:full].view(-1, blocksize)
     )
@@ -148,10 +143,10 @@ class BnbFourBit(Quantizer):
         )
 
     def unpack(self, packed: Mapping[str, torch.Tensor], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """The weight, :data:`CHUNK` values at a time into the result: a large layer's int32 indices and float32
-        values are never all alive at once, only the result and one chunk's."""
+        """The weight, a band of rows at a time (:func:`~memmode_core.quantization.row_bands.decode_by_rows`): a
+        large layer's float32 values are never all alive beside the result."""
         codes = packed[PAYLOAD].reshape(-1)
-        count, blocksize = math.prod(shape), self.blocksize
+        blocksize, per_row = self.blocksize, math.prod(shape[1:])
         absmax = packed["weight_absmax"].reshape(-1)
         if self.nested_blocksize:
             # dequantize_blockwise of the absmax codes (float32), then the offset added in float32
@@ -159,14 +154,17 @@ class BnbFourBit(Quantizer):
             absmax = blockwise(nested, packed["weight_nested_absmax"].reshape(-1), self.nested_blocksize)
             absmax = absmax + self.nested_offset
         pairs = level_pairs(self.quant_type, codes.device)
-        out = torch.empty(count, dtype=dtype, device=codes.device)
-        for start in range(0, count, CHUNK):
-            stop = min(start + CHUNK, count)
+
+        def decode(rows: slice) -> torch.Tensor:
+            start, stop = rows.start * per_row, rows.stop * per_row
+            # the blocks run over the flattened weight: decoded from the start of the block the band begins in
+            first = start - start % blocksize
             # each byte's two values at once; an odd count leaves the last byte's second value unused
-            part = codes[start // 2 : (stop + 1) // 2]
-            values = pairs.index_select(0, part.int()).view(torch.float32)[: stop - start]
-            blockwise(values, absmax[start // blocksize : -(-stop // blocksize)], blocksize, out=out[start:stop])
-        return out.view(shape)
+            values = pairs.index_select(0, codes[first // 2 : (stop + 1) // 2].int()).view(torch.float32)
+            scaled = blockwise(values[: stop - first], absmax[first // blocksize : -(-stop // blocksize)], blocksize)
+            return scaled[start - first :]
+
+        return decode_by_rows(shape, dtype, decode)
 
 
 class BnbInt8(Quantizer):
