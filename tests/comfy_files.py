@@ -32,6 +32,20 @@ E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 
 
+#: one layer config of each format and variant ComfyUI writes, by a test id -> (config, the codec's format name)
+LAYER_FORMATS = {
+    "nvfp4": ({"format": "nvfp4"}, "comfy_nvfp4"),
+    "mxfp8": ({"format": "mxfp8"}, "comfy_mxfp8"),
+    "int8_tensorwise": ({"format": "int8_tensorwise"}, "comfy_int8"),
+    "int8_per_row": ({"format": "int8_tensorwise", "per_row": True}, "comfy_int8"),
+    "int8_convrot": ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 16}, "comfy_int8_convrot16"),
+    "awq_w4a16": ({"format": "awq_w4a16", "group_size": 16}, "comfy_awq_w4a16"),
+    "float8_e4m3fn": ({"format": "float8_e4m3fn"}, "comfy_fp8_e4m3fn"),
+}
+#: the layers of a mixed file, in turn: one of each format and variant
+MIXED_LAYERS = [config for config, _ in LAYER_FORMATS.values()]
+
+
 def tiny_state(seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """A small model's weights: two linear layers with biases around a layer norm, in ``dtype``."""
     torch.manual_seed(seed)

@@ -26,7 +26,7 @@ from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffu
 from torch import nn
 
 import memmode_core as memmode
-from comfy_files import comfy_quant_marker, dequantized, truncate, write_comfy
+from comfy_files import LAYER_FORMATS, comfy_quant_marker, dequantized, truncate, write_comfy
 from community_pipelines import (
     FAMILY,
     PLACEMENTS,
@@ -49,16 +49,7 @@ pytest.importorskip("comfy_kitchen", reason="comfy-kitchen (ComfyUI's kernels) w
 READER = ComfyReader()
 TRANSFORMERS = ("transformer", "transformer_2")
 
-#: one layer config of each format and variant ComfyUI writes, by a test id -> (config, the codec's format name)
-FORMATS = {
-    "nvfp4": ({"format": "nvfp4"}, "comfy_nvfp4"),
-    "mxfp8": ({"format": "mxfp8"}, "comfy_mxfp8"),
-    "int8_tensorwise": ({"format": "int8_tensorwise"}, "comfy_int8"),
-    "int8_per_row": ({"format": "int8_tensorwise", "per_row": True}, "comfy_int8"),
-    "int8_convrot": ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 16}, "comfy_int8_convrot16"),
-    "awq_w4a16": ({"format": "awq_w4a16", "group_size": 16}, "comfy_awq_w4a16"),
-    "float8_e4m3fn": ({"format": "float8_e4m3fn"}, "comfy_fp8_e4m3fn"),
-}
+FORMATS = LAYER_FORMATS
 
 
 def tiny_state(seed: int = 0) -> dict[str, torch.Tensor]:
