@@ -45,7 +45,7 @@ from memmode_core import CheckpointError, ModelBuildError  # noqa: E402
 from memmode_core.builtin.bitsandbytes import BitsAndBytesReader  # noqa: E402
 from memmode_core.builtin.quanto import QuantoReader  # noqa: E402
 from memmode_core.loading import load as load_module  # noqa: E402
-from memmode_core.quantization import packed_record  # noqa: E402
+from memmode_core.quantization import packed_record, row_bands  # noqa: E402
 from tiny_pipelines import run  # noqa: E402
 
 BITSANDBYTES = [m for m in METHODS if m.startswith("bnb_")]
@@ -173,6 +173,21 @@ def test_quanto_weights_rest_packed_and_decode_as_quanto_dequantizes(method):
         assert torch.equal(decoded(layer, torch.float32), expected.float()), key
         grouped += int(hasattr(layer, "weight_shift") and layer.weight_scale.shape[0] != expected.shape[0])
     assert grouped > 20 if method in ("quanto_int4", "quanto_int2") else grouped == 0
+
+
+@pytest.mark.parametrize("method", ["bnb_fp4_double", "bnb_int8", "quanto_int4", "quanto_int2"])
+@pytest.mark.parametrize("band", [129, 1])
+def test_a_weight_decoded_a_band_of_rows_at_a_time_is_the_same(method, band, monkeypatch):
+    """A large layer is decoded a band of rows at a time (``row_bands.decode_by_rows``); bands that start inside a
+    bitsandbytes block (its 32-input layer's rows are half a block) or cross quanto's packed segments give the same
+    bits as the whole weight decoded at once."""
+    folder = model_folder(method)
+    model = load(folder, dtype=DTYPE).target
+    anchors = anchor_weights(folder, default_backend=True)
+    monkeypatch.setattr(row_bands, "BAND_VALUES", band)
+    for key, expected in anchors.items():
+        layer = model.get_submodule(key.removesuffix(".weight"))
+        assert torch.equal(decoded(layer, DTYPE), expected.to(DTYPE)), key
 
 
 @pytest.mark.parametrize("method", ["bnb_nf4_double", "bnb_int8", "quanto_int4", "quanto_float8"])

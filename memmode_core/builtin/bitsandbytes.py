@@ -183,9 +183,13 @@ class BnbInt8(Quantizer):
         )
 
     def unpack(self, packed: Mapping[str, torch.Tensor], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        codes = packed[PAYLOAD].reshape(shape)
-        scb = packed["weight_scb"].to(torch.float32).reshape(-1, *([1] * (codes.dim() - 1)))
-        return (codes.to(torch.float32) * scb * INV_127).to(dtype)
+        codes = packed[PAYLOAD].reshape(shape[0], -1)
+        scb = packed["weight_scb"].to(torch.float32).reshape(-1, 1)
+
+        def decode(rows: slice) -> torch.Tensor:
+            return codes[rows].to(torch.float32) * scb[rows] * INV_127
+
+        return decode_by_rows(shape, dtype, decode)
 
 
 INT8 = BnbInt8()

@@ -37,6 +37,7 @@ from memmode_core.contracts.hookspecs import hookimpl
 from memmode_core.contracts.quantizer import PAYLOAD, Quantizer
 from memmode_core.contracts.reader import EncodedTensor, FileContents, QuantizedFolder, Reader, StoredTensor
 from memmode_core.contracts.versions import KIT_VERSION
+from memmode_core.quantization.row_bands import decode_by_rows
 
 QUANT_METHOD = "quanto"
 #: what quanto keeps per layer for activation quantization: not the model's
@@ -61,9 +62,13 @@ class QuantoBytes(Quantizer):
         raise _no_packing(self)
 
     def unpack(self, packed: Mapping[str, torch.Tensor], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        scale = packed["weight_scale"]
-        codes = packed[PAYLOAD].view(self.codes).reshape(shape)
-        return (scale.reshape(-1, *([1] * (codes.dim() - 1))) * codes.to(scale.dtype)).to(dtype)
+        scale = packed["weight_scale"].reshape(-1, 1)
+        codes = packed[PAYLOAD].view(self.codes).reshape(shape[0], -1)
+
+        def decode(rows: slice) -> torch.Tensor:
+            return scale[rows] * codes[rows].to(scale.dtype)
+
+        return decode_by_rows(shape, dtype, decode)
 
 
 class QuantoBits(Quantizer):
@@ -82,17 +87,27 @@ class QuantoBits(Quantizer):
         raise _no_packing(self)
 
     def unpack(self, packed: Mapping[str, torch.Tensor], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        scale, shift = packed["weight_scale"], packed["weight_shift"]
-        rows = scale.shape[0]
-        data = packed[PAYLOAD]
-        mask = (1 << self.bits) - 1
-        # quanto's unpack: the i-th code of each byte (bits b*i up) is code row i * packed rows + r
-        codes = torch.cat([(data >> (self.bits * i)) & mask for i in range(8 // self.bits)])[:rows]
-        if shift.dtype.is_floating_point:
-            values = scale * codes.to(scale.dtype) - shift
-        else:  # an integer zero-point, removed before scaling
-            values = scale * (codes.to(torch.int8) - shift.to(torch.int8)).to(scale.dtype)
-        return values.reshape(shape).to(dtype)
+        scale, shift, data = packed["weight_scale"], packed["weight_shift"], packed[PAYLOAD]
+        packed_rows, mask = data.shape[0], (1 << self.bits) - 1
+        # a code row is a weight row or a group of one row's values: the code rows of weight row r are a run
+        per_row = scale.shape[0] // shape[0]
+
+        def decode(rows: slice) -> torch.Tensor:
+            first, stop = rows.start * per_row, rows.stop * per_row
+            # quanto's unpack: code row i * packed rows + r is the i-th code (bits b*i up) of packed row r
+            runs = []
+            for i in range(8 // self.bits):
+                low, high = max(first, i * packed_rows), min(stop, (i + 1) * packed_rows)
+                if low < high:
+                    runs.append((data[low - i * packed_rows : high - i * packed_rows] >> (self.bits * i)) & mask)
+            codes = torch.cat(runs) if len(runs) > 1 else runs[0]
+            band_scale, band_shift = scale[first:stop], shift[first:stop]
+            if band_shift.dtype.is_floating_point:
+                return band_scale * codes.to(band_scale.dtype) - band_shift
+            # an integer zero-point, removed before scaling
+            return band_scale * (codes.to(torch.int8) - band_shift.to(torch.int8)).to(band_scale.dtype)
+
+        return decode_by_rows(shape, dtype, decode)
 
 
 def _no_packing(codec: Quantizer) -> NotImplementedError:
