@@ -53,6 +53,12 @@ def is_wrapper_class(cls: type) -> bool:
     return cls is not torch.Tensor and hasattr(cls, "__tensor_flatten__") and hasattr(cls, "__tensor_unflatten__")
 
 
+def is_dtensor_class(cls: type) -> bool:
+    """Whether ``cls`` is torch.distributed's ``DTensor`` (or a subclass), known by name: importing
+    ``torch.distributed`` to compare would cost every process that never uses it."""
+    return any(base.__name__ == "DTensor" for base in cls.__mro__)
+
+
 @dataclass(frozen=True)
 class Opaque:
     """An inner attribute the flatten protocol names that is not a tensor (torch lets a subclass name opaque
@@ -147,7 +153,7 @@ def unstorable(tensor: torch.Tensor) -> str | None:
     """Why ``tensor``'s values cannot be kept by a storage as bytes (None when they can): a ``DTensor``, or a
     subclass with no bytes of its own and no flatten protocol, at any depth."""
     cls = type(tensor)
-    if any(base.__name__ == "DTensor" for base in cls.__mro__):
+    if is_dtensor_class(cls):
         return "a DTensor (a shard of a weight split across ranks by FSDP2 or tensor parallelism)"
     if is_wrapper(tensor):
         for leaf in flatten(tensor)[1].values():

@@ -32,6 +32,7 @@ from torch import nn
 
 from memmode_core.contracts.errors import OffloadedWeightReadError
 from memmode_core.contracts.group_specs import Policy
+from memmode_core.contracts.inner_tensors import stored_bytes
 from memmode_core.contracts.storage import Tensors, is_placeholder
 from memmode_core.engine import watch
 from memmode_core.engine.groups import Group, Part, Slot, claim_groups, module_path
@@ -330,7 +331,7 @@ class Changes:
             key = f"{group.key}@{self._generation}"
             readable = frozenset(s.name for s in fresh if s.name in group.readable)
             session = self.state.session
-            session.reserve({key: sum(v.numel() * v.element_size() for v in values.values())})
+            session.reserve({key: sum(stored_bytes(v) for v in values.values())})
             at_rest.update(session.put(key, values, readable))
             session.flush()
             parts.append(Part(key, tuple(values)))

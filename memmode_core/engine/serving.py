@@ -34,7 +34,7 @@ from torch import nn
 
 from memmode_core.contracts.errors import StandInReadError
 from memmode_core.contracts.group_specs import Policy
-from memmode_core.contracts.inner_tensors import stored_bytes
+from memmode_core.contracts.inner_tensors import map_leaves, stored_bytes
 from memmode_core.contracts.storage import is_placeholder
 from memmode_core.engine.groups import Group, Slot, set_data
 from memmode_core.engine.moving import Moving
@@ -212,7 +212,7 @@ class Serving:
         """A write into a resting slot whose data is a placeholder: the slot gets its value in memory of its own
         (the write lands there) and is stored anew at its component's next call."""
         slot = source.slot
-        value = self.read_stored(source.group, slot.name).clone()
+        value = map_leaves(self.read_stored(source.group, slot.name), torch.clone)
         forget(slot.tensor)
         with _DISABLE():
             set_data(slot.tensor, value)

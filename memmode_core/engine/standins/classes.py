@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from memmode_core.contracts.inner_tensors import STANDS_FOR, flatten, is_wrapper, is_wrapper_class
+from memmode_core.contracts.inner_tensors import STANDS_FOR, flatten, is_dtensor_class, is_wrapper, is_wrapper_class
 
 _DISABLE = torch._C.DisableTorchFunctionSubclass
 
@@ -225,7 +225,7 @@ def served_class(cls: type) -> type | None:
     served = SERVED_CLASS.get(cls)
     if served is not None or cls in PLAIN_CLASS or issubclass(cls, _Serves):
         return served
-    if any(base.__name__ == "DTensor" for base in cls.__mro__):
+    if is_dtensor_class(cls):
         return None
     if not (issubclass(cls, nn.Parameter) or is_wrapper_class(cls)):
         return None
