@@ -123,14 +123,14 @@ def reader_of_method(method: str, written: Any, folder: Path, component: str, pl
                 f"({registration.distribution}) reads, but it cannot run: {reason}"
             )
         return reader
+    if method in NOT_READ:
+        raise CheckpointError(f"{component} ({folder}) was saved quantized with {method}: {NOT_READ[method]}")
     failed = [f for f in plugins.failures if "reader" in f.kinds]
-    if failed:
+    if failed:  # it may be the reader of this method
         raise PluginLoadError(
             f"{component} ({folder}) was saved quantized with {method}, which no installed reader reads, and the "
             f"reader plugin {failed[0].name} ({failed[0].distribution}) failed to load: {failed[0].reason}"
         )
-    if method in NOT_READ:
-        raise CheckpointError(f"{component} ({folder}) was saved quantized with {method}: {NOT_READ[method]}")
     read = sorted({m for r in plugins.registrations["reader"].values() for m in r.obj.quant_methods})
     raise CheckpointError(
         f"{component} ({folder}): its config.json's quantization_config names quant_method {method!r}, which "
