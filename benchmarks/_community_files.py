@@ -113,13 +113,20 @@ def _random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype: Q, n
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = raw.reshape(-1, size)
     scale = np.frombuffer(np.float16(0.0005).tobytes(), dtype=np.uint8)
-    # the f16 scales' places in each block (d first for the 32-value types, Q4_K/Q5_K and the i-quants; last for
-    # Q2_K..Q6_K)
+    # the f16 scales' places in each block (d first for the 32-value types, Q4_K/Q5_K and the i-quants but IQ1_M;
+    # last for Q2_K..Q6_K)
     where = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q5_0: [0], Q.Q4_1: [0, 2], Q.Q5_1: [0, 2], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2]}
-    where |= {Q.IQ4_NL: [0], Q.IQ4_XS: [0]}
+    where |= {Q.IQ4_NL: [0], Q.IQ4_XS: [0], Q.IQ2_XXS: [0], Q.IQ2_XS: [0], Q.IQ2_S: [0], Q.IQ3_XXS: [0]}
+    where |= {Q.IQ3_S: [0], Q.IQ1_S: [0], Q.IQ1_M: []}
     where |= {Q.Q2_K: [size - 4, size - 2], Q.Q3_K: [size - 2], Q.Q6_K: [size - 2]}
     for at in where[qtype]:
         blocks[:, at : at + 2] = scale
+    if qtype == Q.IQ1_M:  # its d is the top nibbles of its last four u16 words, lowest first
+        words = blocks[:, size - 8 :].copy().view(np.uint16)
+        bits = np.float16(0.0005).view(np.uint16)
+        for k in range(4):
+            words[:, k] = (words[:, k] & 0x0FFF) | (((bits >> (4 * k)) & 0xF) << 12)
+        blocks[:, size - 8 :] = words.view(np.uint8)
     return blocks.tobytes()
 
 

@@ -24,7 +24,8 @@ outputs stay finite). Nothing is downloaded. Sub-commands (each prints a table, 
   "dense" is ``F.linear`` with the weight already decoded: the floor both sit on. Figures: ms per call, median
   (min–max) over interleaved rounds (every round runs each variant ``--calls`` times, in a rotating order), and the
   per-round ratio memmode / diffusers; "max diff" is memmode's output against diffusers', relative to the output's
-  largest value (diffusers rounds the scales' products in float16).
+  largest value (diffusers rounds the scales' products in float16). A type diffusers' torch path does not decode
+  (the grid i-quants IQ1_S to IQ3_S) runs memmode alone, its "max diff" against the dense layer of gguf-py's values.
 
 - ``load``: a Wan 14B-shaped transformer (40 heads, 40 blocks, ffn 13824; ``--layers`` to shrink it: 2 blocks are
   a 1 GB file; ``--quick``: a 2-block, 256-wide one, a smoke run in seconds) as a ``Q8_0`` GGUF of random valid
@@ -411,9 +412,11 @@ def run_forward(args: argparse.Namespace) -> None:
     import gguf
     import torch
     import torch.nn.functional as F
+    from diffusers.quantizers.gguf.utils import dequantize_functions as diffusers_types
     from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
 
     from memmode_core.quantization.forward import QuantizedLinear
+    from memmode_gguf import dequantize as gguf_dequantize
 
     torch.set_num_threads(args.threads)
     types = [t.strip() for t in args.types.split(",") if t.strip()]
@@ -433,12 +436,18 @@ def run_forward(args: argparse.Namespace) -> None:
                     bias = (torch.randn(out_features, generator=generator) * 0.02).to(dtype)
                     ours, theirs, blocks = packed_pair(path, qtype, out_features, in_features, bias, dtype)
                     assert isinstance(ours, QuantizedLinear)
-                    dense = dequantize_gguf_tensor(theirs.weight).to(dtype)
+                    # diffusers' torch path decodes only some types (of the i-quants IQ4_NL and IQ4_XS): for the
+                    # others memmode runs alone, the dense weight its own decode (gguf-py's values)
+                    decodes = gguf.GGMLQuantizationType[qtype] in diffusers_types
+                    weight = dequantize_gguf_tensor(theirs.weight) if decodes else gguf_dequantize(blocks, qtype)
+                    dense = weight.reshape(out_features, in_features).to(dtype)
 
                     def run_dense(x=x, dense=dense, bias=bias):
                         return F.linear(x, dense, bias)
 
                     variants = {"memmode": ours, "diffusers": theirs, "dense": run_dense}
+                    if not decodes:
+                        del variants["diffusers"]
                     with torch.inference_mode():
                         outputs = {name: call(x) for name, call in variants.items()}  # warm-up, and the outputs
                         times: dict[str, list[float]] = {name: [] for name in variants}
@@ -449,14 +458,14 @@ def run_forward(args: argparse.Namespace) -> None:
                                 for _ in range(args.calls):
                                     call(x)
                                 times[name].append((time.perf_counter() - began) / args.calls)
-                    reference = outputs["diffusers"].float()
+                    reference = outputs["diffusers" if decodes else "dense"].float()
                     diff = (outputs["memmode"].float() - reference).abs().max() / reference.abs().max()
                     row = {
                         "type": qtype,
                         "shape": [out_features, in_features],
                         "dtype": str(dtype).removeprefix("torch."),
                         "ms": {name: [t * 1e3 for t in ts] for name, ts in times.items()},
-                        "ratio": [m / d for m, d in zip(times["memmode"], times["diffusers"])],
+                        "ratio": [m / d for m, d in zip(times["memmode"], times.get("diffusers", []))],
                         "max_diff": float(diff),
                         "weight_bytes": blocks.numel(),
                     }
@@ -482,10 +491,10 @@ def run_forward(args: argparse.Namespace) -> None:
     )
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for row in rows:
+        theirs = (spread(row["ms"]["diffusers"]), spread(row["ratio"])) if row["ratio"] else ("-", "-")
         print(
             f"| {row['type']} | {row['shape'][0]}x{row['shape'][1]} | {row['dtype']} | {spread(row['ms']['memmode'])} "
-            f"| {spread(row['ms']['diffusers'])} | {spread(row['ratio'])} | {spread(row['ms']['dense'])} "
-            f"| {row['max_diff']:.1e} |"
+            f"| {theirs[0]} | {theirs[1]} | {spread(row['ms']['dense'])} | {row['max_diff']:.1e} |"
         )
 
 

@@ -39,6 +39,9 @@ GGUF_PY_TYPES: tuple[Q, ...] = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.
 K_TYPES: tuple[Q, ...] = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 #: the i-quants whose levels are a table of 16 (llama.cpp's ``kvalues_iq4nl``), which community diffusion files use
 IQ4_TYPES: tuple[Q, ...] = (Q.IQ4_NL, Q.IQ4_XS)
+#: the i-quants whose codes index a grid of points: no quantizer here (llama.cpp searches the grid with an
+#: importance matrix), only blocks of random bytes in their layout (:func:`random_iq_blocks`)
+GRID_TYPES: tuple[Q, ...] = (Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S)
 
 #: city96's converter keeps tensors of at most this many elements in F32 (``QUANTIZATION_THRESHOLD``)
 SMALL_TENSOR_ELEMENTS = 1024
@@ -264,15 +267,23 @@ def _quantize_iq4_xs(blocks: np.ndarray) -> np.ndarray:
     return np.concatenate([_f16_bytes(d), scales_h.reshape(-1, 1).view(np.uint8), scales_l, qs], axis=1)
 
 
-def random_iq4_blocks(rng: np.random.Generator, count: int, qtype: Q) -> np.ndarray:
-    """``count`` blocks of ``qtype`` (IQ4_NL, IQ4_XS) of random bytes, every code and every 6-bit scale possible,
-    ``d`` a finite float16 of either sign (zero and subnormals among them): llama.cpp's layout, whatever a quantizer
-    would choose; ``(count, type_size)`` uint8."""
+def random_iq_blocks(rng: np.random.Generator, count: int, qtype: Q, scale: float = 0.01) -> np.ndarray:
+    """``count`` blocks of the i-quant ``qtype`` of random bytes: every code, grid index, sign and sub-block scale
+    possible, in llama.cpp's layout, whatever a quantizer would choose; the f16 ``d`` drawn from N(0, ``scale``) (of
+    either sign), the first four zeros, the smallest subnormal and a negative subnormal. ``(count, type_size)``
+    uint8."""
     size = gguf.GGML_QUANT_SIZES[qtype][1]
     blocks = rng.integers(0, 256, (count, size), dtype=np.uint8)
-    d = rng.standard_normal(count).astype(np.float16) * np.float16(0.01)
-    d[:4] = np.array([0.0, -0.0, 6e-8, -3e-5], dtype=np.float16)  # zeros, the smallest subnormal, a negative one
-    blocks[:, :2] = d.reshape(-1, 1).view(np.uint8)
+    d = (rng.standard_normal(count) * scale).astype(np.float16)
+    d[:4] = np.array([0.0, -0.0, 6e-8, -3e-5], dtype=np.float16)[: min(4, count)]
+    bits = d.view(np.uint16)
+    if qtype == Q.IQ1_M:  # d's four nibbles are the top nibbles of the four u16 scale words, lowest first
+        words = blocks[:, 48:56].copy().view(np.uint16)
+        for k in range(4):
+            words[:, k] = (words[:, k] & 0x0FFF) | (((bits >> (4 * k)) & 0xF) << 12)
+        blocks[:, 48:56] = words.view(np.uint8)
+    else:
+        blocks[:, :2] = bits.reshape(-1, 1).view(np.uint8)
     return blocks
 
 

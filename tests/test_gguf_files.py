@@ -31,6 +31,7 @@ from gguf import GGMLQuantizationType as Q
 
 from gguf_files import (
     GGUF_PY_TYPES,
+    GRID_TYPES,
     IQ4_TYPES,
     K_TYPES,
     ORIG_SHAPE_KEY,
@@ -38,7 +39,7 @@ from gguf_files import (
     block_size,
     orig_shape,
     quantize_blocks,
-    random_iq4_blocks,
+    random_iq_blocks,
     reference_dequantize,
     write_gguf,
 )
@@ -133,10 +134,17 @@ def test_iq4_blocks_are_valid(qtype: Q) -> None:
     assert np.isfinite(gguf.quants.dequantize(blocks, qtype)).all()
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     np.testing.assert_array_equal(quantize_blocks(x.reshape(-1, block)[5], qtype), blocks[5])
-    # random blocks: every code and scale, in llama.cpp's layout, gguf-py reads them finite
-    random = random_iq4_blocks(np.random.default_rng(0), 64, qtype)
-    assert random.shape == (64, gguf.GGML_QUANT_SIZES[qtype][1])
-    assert np.isfinite(gguf.quants.dequantize(random, qtype)).all()
+
+
+@pytest.mark.parametrize("qtype", IQ4_TYPES + GRID_TYPES, ids=lambda t: t.name)
+def test_random_i_quant_blocks_are_valid(qtype: Q) -> None:
+    """Random blocks in llama.cpp's layout: gguf-py reads them finite and within the scale they were drawn at, the
+    scale's own place in the block (IQ1_M's ``d`` spread over four nibbles) read back."""
+    blocks = random_iq_blocks(np.random.default_rng(0), 64, qtype, scale=0.01)
+    assert blocks.shape == (64, gguf.GGML_QUANT_SIZES[qtype][1]) and blocks.dtype == np.uint8
+    values = gguf.quants.dequantize(blocks, qtype)
+    assert np.isfinite(values).all() and not values[:2].any()  # d = +0 and -0: zeros
+    assert 0 < np.abs(values).max() < 0.1 * 127 * 32  # the largest level times the largest sub-block scale
 
 
 def test_rows_that_do_not_fit_and_unknown_types_are_refused() -> None:

@@ -1,10 +1,13 @@
-"""A tiny model loaded from a GGUF file whose weights are i-quants (IQ4_NL, IQ4_XS), as community diffusion files
-store them: every quantized layer rests packed in its type's blocks, the full load gives the output of the model
-built from gguf-py's dequantization of the same file, and every lossless placement x storage tried gives the full
-load's output bit for bit (the same file, the same operands)."""
+"""A tiny model loaded from a GGUF file whose weights are i-quants (IQ4_NL, IQ4_XS, as community diffusion files
+store them; and the grid types IQ1_S to IQ3_S, as blocks of random bytes): every quantized layer rests packed in its
+type's blocks, the full load gives the output of the model built from gguf-py's dequantization of the same file, and
+every lossless placement x storage tried gives the full load's output bit for bit (the same file, the same
+operands)."""
 
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
@@ -13,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 
 import memmode_core as memmode
 from community_pipelines import WIDE_WAN, WIDE_WAN_FORWARD, packed_layers, wan_inputs
-from gguf_files import IQ4_TYPES, reference_dequantize, write_gguf
+from gguf_files import GRID_TYPES, IQ4_TYPES, random_iq_blocks, reference_dequantize, write_gguf
 from helpers import assert_reassociated
 from original_checkpoints import PREFIX, to_original, wan_plan
 
@@ -64,17 +67,48 @@ def output(model) -> torch.Tensor:
         return model(**wan_inputs())[0]
 
 
-@pytest.mark.parametrize("qtype", IQ4_TYPES, ids=lambda t: t.name)
+def write_grid_file(path, state) -> dict[str, Q]:
+    """The model under the original names, its matrices whose rows fit a super-block of 256 as random blocks of
+    the grid types in turn (small scales, as trained weights have), the others F32."""
+    original = to_original(wan_plan(list(state)), state)
+    rng = np.random.default_rng(11)
+    writer = gguf.GGUFWriter(path=None, arch="wan")
+    types, turn = {}, 0
+    for key, value in original.items():
+        if value.dim() == 2 and value.shape[1] % 256 == 0:
+            qtype = GRID_TYPES[turn % len(GRID_TYPES)]
+            turn += 1
+            blocks = random_iq_blocks(rng, value.numel() // 256, qtype, scale=0.002)
+            writer.add_tensor(key, blocks.reshape(value.shape[0], -1), raw_dtype=qtype)
+        else:
+            qtype = Q.F32
+            writer.add_tensor(key, value.float().numpy())
+        types[key] = qtype
+    writer.write_header_to_file(path=path)
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return types
+
+
+@pytest.mark.parametrize("qtype", [*IQ4_TYPES, "grids"], ids=lambda t: getattr(t, "name", t))
 def test_an_iquant_file_loads_packed_and_exact(wan_folder, qtype, tmp_path):
     folder, state = wan_folder
-    path = tmp_path / f"wan-{qtype.name}.gguf"
-    stored = write_iquant_file(path, state, qtype)
-    assert qtype in stored.values()
+    path = tmp_path / f"wan-{getattr(qtype, 'name', qtype)}.gguf"
+    if qtype == "grids":
+        stored = write_grid_file(path, state)
+        assert set(GRID_TYPES) <= set(stored.values())
+    else:
+        stored = write_iquant_file(path, state, qtype)
+        assert qtype in stored.values()
 
     full = memmode.load(path, "model_full_load", device="cpu", torch_dtype=torch.float32, config=folder)
     formats = packed_layers(full.target)
-    assert set(formats.values()) <= {f"gguf_{t.name.lower()}" for t in IQ4_TYPES}
-    assert list(formats.values()).count(f"gguf_{qtype.name.lower()}") > len(formats) // 2
+    if qtype == "grids":
+        assert set(formats.values()) == {f"gguf_{t.name.lower()}" for t in GRID_TYPES}
+    else:
+        assert set(formats.values()) <= {f"gguf_{t.name.lower()}" for t in IQ4_TYPES}
+        assert list(formats.values()).count(f"gguf_{qtype.name.lower()}") > len(formats) // 2
     expected = output(full.target)
     assert_reassociated(expected, reference_output(folder, path), **WIDE_WAN_FORWARD)
     read = full.report().loading["files"]["module"]

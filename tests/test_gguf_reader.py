@@ -11,7 +11,15 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 import memmode_core
-from gguf_files import IQ4_TYPES, SUPPORTED_TYPES, quantize_blocks, random_iq4_blocks, reference_dequantize, write_gguf
+from gguf_files import (
+    GRID_TYPES,
+    IQ4_TYPES,
+    SUPPORTED_TYPES,
+    quantize_blocks,
+    random_iq_blocks,
+    reference_dequantize,
+    write_gguf,
+)
 from helpers import requires_cuda
 from memmode_core.plugin import PAYLOAD, CheckpointError, EncodedTensor, FileContents, StoredTensor
 from memmode_gguf import BLOCK_TYPES, CODECS, GgufReader, codec_for, dequantize
@@ -173,13 +181,16 @@ def test_dequantize_takes_any_bytes_of_whole_blocks(qtype):
     assert dequantize(blocks[:0], qtype.name).shape == (0, 512)
 
 
-@pytest.mark.parametrize("qtype", IQ4_TYPES, ids=lambda t: t.name)
-def test_i_quants_of_random_bytes_are_bit_equal(qtype, tmp_path):
-    """Blocks of random bytes (every code, every 6-bit scale of IQ4_XS, ``d`` of either sign, zeros and subnormals
-    among them), decoded directly and from a file of several rows of several blocks: gguf-py's values, every zero's
-    sign included."""
+@pytest.mark.parametrize("qtype", IQ4_TYPES + GRID_TYPES, ids=lambda t: t.name)
+def test_i_quants_of_random_bytes_are_bit_equal(qtype, tmp_path, monkeypatch):
+    """Blocks of random bytes (every code, grid index, sign and sub-block scale; ``d`` of either sign, zeros and
+    subnormals among them), decoded directly and from a file of several rows of several blocks: gguf-py's values,
+    every zero's sign included; decoded by the codec in chunks that end mid-row, the same bits, and in bfloat16 the
+    float32 values rounded once."""
+    import memmode_gguf.codec
+
     block, size = gguf.GGML_QUANT_SIZES[qtype]
-    data = random_iq4_blocks(np.random.default_rng(17), 4096 // block * 12, qtype)
+    data = random_iq_blocks(np.random.default_rng(17), 4096 // block * 12, qtype)
     expected = torch.from_numpy(gguf.quants.dequantize(data, qtype))
     assert_bits(dequantize(torch.from_numpy(data), qtype.name), expected, qtype.name)
     path = tmp_path / "random.gguf"
@@ -187,6 +198,12 @@ def test_i_quants_of_random_bytes_are_bit_equal(qtype, tmp_path):
     contents = read_and_compare(path)
     assert (
         contents.encoded["w"].shape == (12, 4096) and contents.encoded["w"].codec.name == f"gguf_{qtype.name.lower()}"
+    )
+    codec, rows = codec_for(qtype.name), torch.from_numpy(data).view(12, -1)
+    monkeypatch.setattr(memmode_gguf.codec, "CHUNK_BLOCKS", 5)
+    assert_bits(codec.unpack({PAYLOAD: rows}, torch.Size((12, 4096)), torch.float32), expected.view(12, 4096), "chunks")
+    assert torch.equal(
+        codec.unpack({PAYLOAD: rows}, torch.Size((12, 4096)), torch.bfloat16), expected.view(12, 4096).bfloat16()
     )
 
 
@@ -223,10 +240,12 @@ def test_a_large_weight_decodes_in_chunks_to_the_same_bits(qtype, monkeypatch):
 
 
 @requires_cuda("the decoding on the compute device")
-@pytest.mark.parametrize("qtype", BLOCK_QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", BLOCK_QTYPES + list(GRID_TYPES), ids=lambda t: t.name)
 def test_dequantize_on_cuda_is_bit_equal(qtype):
-    x = normal(64, 1024, seed=13)
-    data = quantize_blocks(x, qtype)
+    if qtype in GRID_TYPES:
+        data = random_iq_blocks(np.random.default_rng(13), 256, qtype)
+    else:
+        data = quantize_blocks(normal(64, 1024, seed=13), qtype)
     expected = torch.from_numpy(gguf.quants.dequantize(data, qtype))
     got = dequantize(torch.from_numpy(data).cuda(), qtype.name)
     assert got.device.type == "cuda"
@@ -299,7 +318,7 @@ def test_a_type_it_cannot_decode_is_refused_naming_it(tmp_path):
         GgufReader().read(path)
     message = str(refused.value)
     assert "tq.gguf" in message and "'odd.weight'" in message and "TQ1_0" in message
-    assert all(name in message for name in ("F32", "F16", "BF16", "Q8_0", "Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS"))
+    assert all(name in message for name in ("F32", "F16", "BF16", "Q8_0", "Q4_K", "Q6_K", "IQ4_NL", "IQ2_XXS"))
 
 
 def test_an_orig_shape_of_another_size_is_refused(tmp_path):

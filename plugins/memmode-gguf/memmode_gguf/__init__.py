@@ -1,7 +1,8 @@
 """memmode reader ``gguf``: GGUF checkpoints (llama.cpp's format, as city96's ComfyUI-GGUF converter writes diffusion
 models in it) loaded by ``memmode.load``. F32, F16 and BF16 tensors are bound as they are; weights in the block types
-(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and the i-quants IQ4_NL, IQ4_XS) rest in their blocks
-and are decoded by the forward, bit-equal to gguf-py's dequantization.
+(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and the i-quants IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S,
+IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS) rest in their blocks and are decoded by the forward, bit-equal to gguf-py's
+dequantization.
 
 Importing this package registers nothing: memmode finds it through its ``memmode`` entry point.
 """

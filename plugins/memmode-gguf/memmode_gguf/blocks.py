@@ -2,20 +2,24 @@
 
 A block type stores a row of values as blocks: ``block`` values in ``size`` bytes, the bytes of a block being its
 scale(s) (little-endian float16 ``d``, and for the affine types a minimum ``m`` or ``dmin``) and its integer codes
-(:data:`BLOCK_TYPES`); an i-quant's 4-bit code is the index of one of 16 integer levels (:data:`KVALUES_IQ4NL`).
-Dequantizing is integer work on the bytes (shifts and masks into codes, a table look-up into levels) followed by one
-or two float32 operations per value. Every float32 operation here is the one gguf-py does, on the same operands and
-in the same order:
+(:data:`BLOCK_TYPES`). The i-quants' codes are indices instead: IQ4_NL's and IQ4_XS's into 16 integer levels
+(:data:`KVALUES_IQ4NL`), the others' into a grid of points of 4 or 8 values (llama.cpp's grids, taken from gguf-py,
+which carries them for its own dequantizers), with a sign bit per value (7 stored per 8, the 8th making their count
+even, as llama.cpp's ``ksigns_iq2xs`` has it). Dequantizing is integer work on the bytes (shifts and masks into
+codes, table look-ups into levels, points and signs) followed by a few float32 operations per value. Every float32
+operation here is the one gguf-py does, on the same operands and in the same order:
 
 - a product of a float16-derived scale by small integers is exact in float32 (11 significant bits times at most 13:
-  IQ4_XS's ``(d * sc) * level`` is 11 + 6 + 7), so only a final addition or subtraction (``d * q + m``,
-  ``d * sc * q - dmin * m``) ever rounds, and it is the same single operation as gguf-py's (a fused multiply-add
-  rounds it identically, the product being exact);
+  IQ4_XS's ``(d * sc) * level`` is 11 + 6 + 7, IQ2_XXS's ``d * (0.5 + s) * 0.25 * point * sign`` 11 + 5 + 6, IQ1's
+  ``point + delta`` is exact too), so only a final addition or subtraction (``d * q + m``, ``d * sc * q - dmin * m``)
+  ever rounds, and it is the same single operation as gguf-py's (a fused multiply-add rounds it identically, the
+  product being exact);
 - the integers are converted before the operations gguf-py converts them before, so that even the sign of a zero
   (``d * 0`` with a negative ``d``) comes out as gguf-py's.
 
-Everything is tensor operations on the device of the bytes (no numpy, no ``.item()``): the forward of a layer
-whose weight rests in a block type calls :func:`dequantize` on the compute device on every call.
+Everything is tensor operations on the device of the bytes (no numpy, no ``.item()``; the look-up tables are made
+once per device): the forward of a layer whose weight rests in a block type calls :func:`dequantize` on the compute
+device on every call.
 """
 
 from __future__ import annotations
@@ -185,18 +189,50 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
 #: integers of at most 7 bits)
 KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
-#: the levels as float32 on each device they were asked on: made once per device, not copied from the host at
-#: every call of a forward
-_LEVELS: dict[torch.device, torch.Tensor] = {}
+#: the look-up tables (levels, grids, sign patterns) as float32 on each device they were asked on: made once per
+#: device, not copied from the host at every call of a forward
+_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _table(name: str, device: torch.device) -> torch.Tensor:
+    """Table ``name`` (:data:`KVALUES_IQ4NL` as ``"iq4nl"``, ``"signs"``, or a grid by its type's name) on
+    ``device``."""
+    table = _TABLES.get((name, device))
+    if table is None:
+        table = _TABLES[(name, device)] = _host_table(name).to(device)
+    return table
+
+
+def _host_table(name: str) -> torch.Tensor:
+    if name == "iq4nl":
+        return torch.tensor(KVALUES_IQ4NL, dtype=torch.float32)
+    if name == "signs":
+        # llama.cpp's ``ksigns_iq2xs``: 7 stored sign bits and an 8th that makes their count even, as -1 and +1
+        patterns = torch.arange(128, dtype=torch.int32)
+        odd = torch.zeros(128, dtype=torch.int32)
+        for bit in range(7):
+            odd ^= (patterns >> bit) & 1
+        bits = (patterns | (odd << 7)).unsqueeze(-1) >> torch.arange(8, dtype=torch.int32)
+        return torch.where(bits & 1 == 1, -1.0, 1.0).to(torch.float32)
+    # a grid: llama.cpp's points, as gguf-py carries them (its dequantizers' own table)
+    import gguf.quants
+    import numpy as np
+
+    kind = getattr(gguf.quants, name)
+    kind.init_grid()
+    return torch.from_numpy(np.ascontiguousarray(kind.grid, dtype=np.float32).reshape(kind.grid_shape))
+
+
+def _rows(name: str, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` (integers, any shape) of table ``name``: ``(*index.shape, row)``, or ``index.shape`` for a
+    one-dimensional table. One ``index_select`` by int32 indices (on the CPU twice as fast as indexing by them)."""
+    table = _table(name, index.device)
+    return table.index_select(0, index.reshape(-1).int()).view(*index.shape, *table.shape[1:])
 
 
 def _levels(codes: torch.Tensor) -> torch.Tensor:
-    """The float32 levels of ``codes`` (uint8, 0-15) in :data:`KVALUES_IQ4NL`, in their shape: one ``index_select``
-    by int32 indices (on the CPU twice as fast as indexing by them, which also takes int64 ones)."""
-    table = _LEVELS.get(codes.device)
-    if table is None:
-        table = _LEVELS[codes.device] = torch.tensor(KVALUES_IQ4NL, dtype=torch.float32, device=codes.device)
-    return table.index_select(0, codes.reshape(-1).int()).view(codes.shape)
+    """The float32 levels of ``codes`` (uint8, 0-15) in :data:`KVALUES_IQ4NL`, in their shape."""
+    return _rows("iq4nl", codes)
 
 
 def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
@@ -219,6 +255,121 @@ def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     return q.mul_(dl).view(n, QK_K)
 
 
+# -- the grid i-quants: codes index points of a grid, with signs and a scale per sub-block ----------------------
+
+
+def _u16(data: torch.Tensor) -> torch.Tensor:
+    """Little-endian 16-bit words of ``data`` (``(..., 2k)`` bytes) as int32 ``(..., k)``, 0 to 65535."""
+    return data.contiguous().view(torch.int16).int() & 0xFFFF
+
+
+def _u32(data: torch.Tensor) -> torch.Tensor:
+    """Little-endian 32-bit words of ``data`` (``(..., 4k)`` bytes) as int64 ``(..., k)``, 0 to 2**32 - 1."""
+    return data.contiguous().view(torch.int32).long() & 0xFFFFFFFF
+
+
+def _sign_bits(data: torch.Tensor) -> torch.Tensor:
+    """``(..., L)`` bytes -> ``(..., L, 8)`` float32: -1 where bit ``k`` of a byte is set, +1 where not."""
+    bits = torch.stack([(data >> k) & 1 for k in range(8)], dim=-1)
+    return torch.where(bits == 1, -1.0, 1.0)
+
+
+def _nibble_scales(data: torch.Tensor) -> torch.Tensor:
+    """``(n, L)`` bytes of 4-bit scales, scale ``2i`` the low nibble of byte ``i``: ``(n, 2L)`` uint8."""
+    return _nibbles(data).transpose(1, 2).reshape(data.shape[0], -1)
+
+
+def _iq2_xxs(blocks: torch.Tensor) -> torch.Tensor:
+    # d, then per sub-block of 32 two u32: four grid indices (bytes), and four 7-bit sign indices with the scale s
+    # in the top 4 bits: (d * (0.5 + s) * 0.25) * grid[8 values] * signs
+    n = blocks.shape[0]
+    d = _half(blocks, 0)
+    words = blocks[:, 2:].reshape(n, 8, 8)
+    aux = _u32(words[:, :, 4:]).view(n, 8)
+    db = (d * (0.5 + (aux >> 28).float()) * 0.25).view(n, 8, 1, 1)
+    signs = _rows("signs", torch.stack([(aux >> (7 * j)) & 127 for j in range(4)], dim=-1))
+    grid = _rows("IQ2_XXS", words[:, :, :4])
+    return (db * grid * signs).view(n, QK_K)
+
+
+def _iq2_xs(blocks: torch.Tensor) -> torch.Tensor:
+    # d, qs[32] u16 (a 9-bit grid index, a 7-bit sign index), scales[8] (16 of 4 bits, one per 16 values):
+    # (d * (0.5 + sc) * 0.25) * grid[8 values] * signs
+    n = blocks.shape[0]
+    d = _half(blocks, 0)
+    qs = _u16(blocks[:, 2:66])
+    db = (d * (0.5 + _nibble_scales(blocks[:, 66:74]).float()) * 0.25).view(n, 16, 1, 1)
+    signs = _rows("signs", qs >> 9).view(n, 16, 2, 8)
+    grid = _rows("IQ2_XS", qs & 511).view(n, 16, 2, 8)
+    return (db * grid * signs).view(n, QK_K)
+
+
+def _iq2_s(blocks: torch.Tensor) -> torch.Tensor:
+    # d, qs[32] (grid index, low 8 bits), signs[32] (a bit per value), qh[8] (the index's top 2 bits, 4 per byte),
+    # scales[8] (as IQ2_XS's): (d * (0.5 + sc) * 0.25) * grid[8 values] * signs, grid of 1024
+    n = blocks.shape[0]
+    d = _half(blocks, 0)
+    db = (d * (0.5 + _nibble_scales(blocks[:, 74:82]).float()) * 0.25).view(n, 16, 1, 1)
+    signs = _sign_bits(blocks[:, 34:66]).view(n, 16, 2, 8)
+    high = _fields(blocks[:, 66:74], 2, dim=-1).reshape(n, 32).int()
+    grid = _rows("IQ2_S", blocks[:, 2:34].int() | (high << 8)).view(n, 16, 2, 8)
+    return (db * grid * signs).view(n, QK_K)
+
+
+def _iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
+    # d, qs[64] (indices into a grid of 256 points of 4), then per sub-block of 32 a u32 of four 7-bit sign indices
+    # and the scale s in the top 4 bits: (d * (0.5 + s) * 0.5) * grid * signs
+    n = blocks.shape[0]
+    d = _half(blocks, 0)
+    aux = _u32(blocks[:, 66:98]).view(n, 8)
+    db = (d * (0.5 + (aux >> 28).float()) * 0.5).view(n, 8, 1, 1)
+    signs = _rows("signs", torch.stack([(aux >> (7 * j)) & 127 for j in range(4)], dim=-1))
+    grid = _rows("IQ3_XXS", blocks[:, 2:66]).view(n, 8, 4, 8)
+    return (db * grid * signs).view(n, QK_K)
+
+
+def _iq3_s(blocks: torch.Tensor) -> torch.Tensor:
+    # d, qs[64] (grid index, low 8 bits), qh[8] (the index's 9th bit, a bit per index), signs[32] (a bit per value),
+    # scales[4] (8 of 4 bits, as IQ2_XS's): (d * (1 + 2 * sc)) * grid * signs, a grid of 512 points of 4
+    n = blocks.shape[0]
+    d = _half(blocks, 0)
+    db = (d * (1 + 2 * _nibble_scales(blocks[:, 106:110]).int()).float()).view(n, 8, 1, 1)
+    high = _fields(blocks[:, 66:74], 1, dim=-1).reshape(n, 64).int()
+    grid = _rows("IQ3_S", blocks[:, 2:66].int() | (high << 8)).view(n, 8, 4, 8)
+    signs = _sign_bits(blocks[:, 74:106]).view(n, 8, 4, 8)
+    return (db * grid * signs).view(n, QK_K)
+
+
+def _iq1_s(blocks: torch.Tensor) -> torch.Tensor:
+    # d, qs[32] (grid index, low 8 bits), qh[8] u16 per sub-block of 32 (four 3-bit tops of its indices, a 3-bit
+    # scale s, the sign of delta): (d * (2 * s + 1)) * (grid + delta), delta = +-0.125, a grid of 2048 points of 8
+    n = blocks.shape[0]
+    d = _half(blocks, 0)
+    qh = _u16(blocks[:, 34:50])
+    dl = (d * (2 * ((qh >> 12) & 7) + 1).float()).view(n, 8, 1, 1)
+    delta = torch.where(qh & 0x8000 == 0, 0.125, -0.125).view(n, 8, 1, 1)
+    high = torch.stack([(qh >> (3 * j)) & 7 for j in range(4)], dim=-1).view(n, 32)
+    grid = _rows("IQ1_S", blocks[:, 2:34].int() | (high << 8)).view(n, 8, 4, 8)
+    return (dl * (grid + delta)).view(n, QK_K)
+
+
+def _iq1_m(blocks: torch.Tensor) -> torch.Tensor:
+    # qs[32] (grid index, low 8 bits), qh[16] (per index a nibble: the index's top 3 bits, the sign of delta),
+    # scales[8] as 4 u16 (twelve 3-bit scales s per 16 values in their low bits, the f16 d in their four top
+    # nibbles, lowest first): (d * (2 * s + 1)) * (grid + delta), delta = +-0.125, IQ1_S's grid
+    n = blocks.shape[0]
+    words = _u16(blocks[:, 48:56])
+    top = words >> 12
+    bits = top[:, 0] | (top[:, 1] << 4) | (top[:, 2] << 8) | (top[:, 3] << 12)
+    d = ((bits ^ 0x8000) - 0x8000).to(torch.int16).view(torch.float16).float().view(n, 1)
+    scales = torch.stack([(words >> (3 * j)) & 7 for j in range(4)], dim=-1).view(n, 16)
+    dl = (d * (2 * scales + 1).float()).view(n, 8, 2, 1, 1)
+    qh = _fields(blocks[:, 32:48], 4, dim=-1).reshape(n, 32)
+    delta = torch.where(qh & 8 == 0, 0.125, -0.125).view(n, 8, 2, 2, 1)
+    grid = _rows("IQ1_S", blocks[:, :32].int() | ((qh & 7).int() << 8)).view(n, 8, 2, 2, 8)
+    return (dl * (grid + delta)).view(n, QK_K)
+
+
 #: every block type this module dequantizes, by GGML's name
 BLOCK_TYPES: dict[str, BlockType] = {
     t.name: t
@@ -235,6 +386,13 @@ BLOCK_TYPES: dict[str, BlockType] = {
         BlockType("Q6_K", QK_K, 210, _q6_k),
         BlockType("IQ4_NL", 32, 18, _iq4_nl),
         BlockType("IQ4_XS", QK_K, 136, _iq4_xs),
+        BlockType("IQ2_XXS", QK_K, 66, _iq2_xxs),
+        BlockType("IQ2_XS", QK_K, 74, _iq2_xs),
+        BlockType("IQ2_S", QK_K, 82, _iq2_s),
+        BlockType("IQ3_XXS", QK_K, 98, _iq3_xxs),
+        BlockType("IQ3_S", QK_K, 110, _iq3_s),
+        BlockType("IQ1_S", QK_K, 50, _iq1_s),
+        BlockType("IQ1_M", QK_K, 56, _iq1_m),
     )
 }
 

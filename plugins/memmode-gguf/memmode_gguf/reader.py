@@ -64,7 +64,7 @@ class GgufReader(Reader):
     name = "gguf"
     description = (
         "GGUF files (llama.cpp, city96's ComfyUI-GGUF): F32, F16, BF16 tensors, and weights in the block types "
-        "Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K to Q6_K, IQ4_NL, IQ4_XS decoded by the forward"
+        "Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K to Q6_K, and the i-quants IQ1_S to IQ4_XS decoded by the forward"
     )
     suffixes = (".gguf",)
 
