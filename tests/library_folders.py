@@ -108,13 +108,14 @@ def plain_model() -> Path:
     return folder
 
 
-def quantize_folder(source: Path, target: Path, method: str, dtype: torch.dtype) -> Path:
-    """``save_pretrained`` into ``target`` of the model of ``source`` loaded in ``dtype`` with ``method``'s config."""
+def quantize_folder(source: Path, target: Path, method: str, dtype: torch.dtype, **save: object) -> Path:
+    """``save_pretrained(**save)`` into ``target`` of the model of ``source`` loaded in ``dtype`` with ``method``'s
+    config."""
     config = METHODS[method]()
     device = {"device_map": "cpu"} if method.startswith("bnb") else {}
     with bitsandbytes_on_cpu() if method.startswith("bnb") else contextlib.nullcontext():
         model = WanTransformer3DModel.from_pretrained(source, quantization_config=config, torch_dtype=dtype, **device)
-    model.save_pretrained(target)
+    model.save_pretrained(target, **save)
     return target
 
 
@@ -122,6 +123,13 @@ def quantize_folder(source: Path, target: Path, method: str, dtype: torch.dtype)
 def model_folder(method: str) -> Path:
     """The transformer's folder as diffusers saves it quantized with ``method`` (made once a session)."""
     return quantize_folder(plain_model(), _folder(f"memmode-{method}-"), method, DTYPE)
+
+
+@functools.cache
+def sharded_model_folder(method: str) -> Path:
+    """:func:`model_folder` saved in shards of 300 kB (diffusers' index beside them: a layer's codes, absmax and
+    quant state may lie in different files)."""
+    return quantize_folder(plain_model(), _folder(f"memmode-{method}-sharded-"), method, DTYPE, max_shard_size="300KB")
 
 
 @functools.cache

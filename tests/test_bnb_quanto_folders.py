@@ -37,6 +37,7 @@ from library_folders import (  # noqa: E402
     quantization_config,
     quantized_weights,
     rewrite,
+    sharded_model_folder,
     tensors,
     text_encoder_folder,
     truncate,
@@ -401,6 +402,29 @@ def test_a_truncated_checkpoint_is_refused_before_anything_is_bound(tmp_path, bo
     with pytest.raises(CheckpointError) as refused:
         load(folder)
     assert WEIGHTS in str(refused.value)
+    assert bound == [], "refused after binding"
+
+
+@pytest.mark.parametrize("method", ["bnb_nf4_double", "quanto_int4"])
+def test_a_sharded_folder_reads_as_the_folder_in_one_file(method):
+    """diffusers' shards (a layer's codes, absmax and quant state may lie in different files) read as one file."""
+    folder = sharded_model_folder(method)
+    assert len(list(folder.glob("*.safetensors"))) > 2 and (folder / f"{WEIGHTS}.index.json").is_file()
+    sharded, whole = load(folder, dtype=DTYPE).target, load(model_folder(method), dtype=DTYPE).target
+    formats = packed_layers(whole)
+    assert packed_layers(sharded) == formats
+    for path in formats:
+        expected = decoded(whole.get_submodule(path), torch.float32)
+        assert torch.equal(decoded(sharded.get_submodule(path), torch.float32), expected), path
+
+
+def test_a_truncated_shard_is_refused_naming_it_before_anything_is_bound(tmp_path, bound):
+    folder = copy_folder(sharded_model_folder("bnb_nf4_double"), tmp_path / "truncated")
+    shard = sorted(folder.glob("*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CheckpointError) as refused:
+        load(folder)
+    assert shard.name in str(refused.value)
     assert bound == [], "refused after binding"
 
 
