@@ -43,7 +43,22 @@ WIDE_WAN_FORWARD = {"length": 256, "depth": 25}
 #: same operands in every test that uses this: their sums carry the transformers' differences, adding none)
 WIDE_WAN_CALL = {"length": 256, "depth": 2 * WIDE_WAN_FORWARD["depth"]}
 #: the types given to the transformers' tensors in turn (city96's converter keeps small and 1-D ones F32)
-TYPES = (Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q4_0, Q.Q5_K, Q.Q2_K, Q.Q3_K, Q.Q4_1, Q.Q5_1, Q.F16, Q.BF16)
+TYPES = (
+    Q.Q8_0,
+    Q.Q4_K,
+    Q.Q6_K,
+    Q.Q5_0,
+    Q.Q4_0,
+    Q.Q5_K,
+    Q.Q2_K,
+    Q.Q3_K,
+    Q.Q4_1,
+    Q.Q5_1,
+    Q.IQ4_NL,
+    Q.IQ4_XS,
+    Q.F16,
+    Q.BF16,
+)
 
 
 def wide_wan_pipeline():
