@@ -45,6 +45,7 @@ from memmode_core.loading.quantized_folders import (
     quantization_config,
     reader_of_method,
 )
+from memmode_core.quantization import row_bands
 from quantized_folders import (
     ALGORITHMS,
     QUANTIZED,
@@ -152,7 +153,7 @@ def test_each_weight_decodes_as_modelopt_dequantizes_it(name):
 
 
 @pytest.mark.parametrize("shape", [(256, 384), (200, 300), (130, 257)], ids=lambda shape: "x".join(map(str, shape)))
-def test_blockwise_fp8_decodes_as_modelopt_dequantizes_it_whatever_the_shape(shape):
+def test_blockwise_fp8_decodes_as_modelopt_dequantizes_it_whatever_the_shape(shape, monkeypatch):
     """Random values quantized by modelopt's own ``FP8QTensor.quantize`` in 128x128 blocks, the last ones cut short
     where the shape is not a multiple of the block: decoded bit for bit as modelopt dequantizes them."""
     from modelopt.torch.quantization.qtensor import FP8QTensor
@@ -167,6 +168,27 @@ def test_blockwise_fp8_decodes_as_modelopt_dequantizes_it_whatever_the_shape(sha
     codec = ModelOptReader().codecs()["modelopt_fp8_block128"]
     parts = {"weight_packed": qtensor._quantized_data.view(torch.uint8), "weight_scale": scale}
     assert_bit_equal(codec.unpack(parts, torch.Size(shape), torch.float32), expected, f"{shape}")
+    # in bands of rows (a band cutting through blocks), rounded once to bfloat16: the same values
+    monkeypatch.setattr(row_bands, "BAND_VALUES", 7 * columns)
+    assert torch.equal(codec.unpack(parts, torch.Size(shape), torch.bfloat16), expected.bfloat16())
+
+
+@pytest.mark.parametrize("name", ["fp8_per_channel", "nvfp4"])
+def test_a_weight_decoded_in_bands_of_rows_is_the_whole_decode_rounded_once(name, monkeypatch):
+    made = modelopt_folder(name)
+    tensors = made.tensors()
+    layer = "blocks.0.ffn.net.0.proj"
+    expected = modelopt_dequantize(tensors, layer)
+    codec = ModelOptReader().codecs()["modelopt_nvfp4" if name == "nvfp4" else "modelopt_fp8"]
+    parts = {
+        "weight_packed": tensors[f"{layer}.weight"].view(torch.uint8),
+        "weight_scale": tensors[f"{layer}.weight_scale"],
+    }
+    if name == "nvfp4":
+        parts = {**parts, "weight_scale": parts["weight_scale"].view(torch.uint8)}
+        parts["weight_scale_2"] = tensors[f"{layer}.weight_scale_2"]
+    monkeypatch.setattr(row_bands, "BAND_VALUES", 3 * expected.shape[1])
+    assert torch.equal(codec.unpack(parts, expected.shape, torch.bfloat16), expected.bfloat16())
 
 
 def _transformer_class():

@@ -17,7 +17,9 @@ checkpoints so) writes the model's folder with ``"quantization_config": {"quant_
   matmuls — not the model's, and left out: memmode computes the layer in a float dtype.
 
 Each quantized weight is an encoded tensor decoded by a codec here, in float32 and rounded once to the compute
-dtype: in float32 the value is modelopt's own dequantization bit for bit (its float32 products, in its order).
+dtype, a band of rows at a time (:func:`~memmode_core.quantization.row_bands.decode_by_rows`: a large layer's
+float32 values are never all alive): in float32 the value is modelopt's own dequantization bit for bit (its float32
+products, in its order).
 The float8 bytes are bound viewed as ``uint8`` (a packed layer's parts keep their bytes under every placement).
 What is refused, naming the folder and the tensor, before anything is bound: an algorithm not read here (AWQ's and
 SVDQuant's activation pre-scales, INT4/INT8, MXFP4/MXFP8, W4A8), a scale of the wrong shape or dtype, a scale that
@@ -41,6 +43,7 @@ from memmode_core.contracts.quantizer import PAYLOAD, Quantizer
 from memmode_core.contracts.reader import EncodedTensor, FileContents, QuantizedFolder, Reader, StoredTensor
 from memmode_core.contracts.versions import KIT_VERSION
 from memmode_core.quantization.microscaling import e2m1_to_float, scale_blocks
+from memmode_core.quantization.row_bands import decode_by_rows
 
 SCALE = "weight_scale"
 #: NVFP4's scale of the whole tensor
@@ -89,28 +92,37 @@ class ModelOptFloat8(Quantizer):
         )
 
     def unpack(self, packed: Mapping[str, torch.Tensor], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        # a fresh float32 tensor (the dtype changes), multiplied in place: one weight-sized allocation
-        values = packed[PAYLOAD].view(torch.float8_e4m3fn).to(torch.float32).reshape(shape)
-        scale = packed[SCALE].to(device=values.device, dtype=torch.float32)
+        payload = packed[PAYLOAD].view(torch.float8_e4m3fn).reshape(shape)
+        scale = packed[SCALE].to(device=payload.device, dtype=torch.float32)
+        rows, columns = shape
         if self.block is not None and scale.numel() > 1:
-            _times_square_blocks(values, scale, self.block)
+            # each row's scales ([rows, columns / block]: small), then each value times its block's, once
+            grid = scale.reshape(-(-rows // self.block), -(-columns // self.block))
+            per_row = grid.repeat_interleave(self.block, 0)[:rows]
         elif scale.numel() == 1:
-            values.mul_(scale.reshape(()))
+            per_row = None
         else:  # one per row (of a row split, the split's rows)
-            values.mul_(scale.reshape(-1, *([1] * (values.dim() - 1))))
-        return values.to(dtype)
+            per_row = scale.reshape(rows, 1)
+
+        def decode(band: slice) -> torch.Tensor:
+            # a fresh float32 tensor (the dtype changes), multiplied in place: one allocation per band
+            values = payload[band].to(torch.float32)
+            if per_row is None:
+                return values.mul_(scale.reshape(()))
+            return _times_row_blocks(values, per_row[band], columns if self.block is None else self.block)
+
+        return decode_by_rows(shape, dtype, decode)
 
 
-def _times_square_blocks(values: torch.Tensor, scale: torch.Tensor, block: int) -> None:
-    """``values`` (``[rows, columns]``) times one scale per ``block x block`` block, in place, the last blocks cut
-    short: each value multiplied once by its block's scale, as modelopt's dequantization does."""
+def _times_row_blocks(values: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """``values`` (``[rows, columns]``) times ``scales`` (``[rows, ceil(columns / block)]``), one per run of
+    ``block`` columns of a row, the last run cut short; in place, each value multiplied once, as modelopt's
+    dequantization does."""
     rows, columns = values.shape
-    grid_rows, grid_columns = -(-rows // block), -(-columns // block)
-    scale = scale.reshape(grid_rows, grid_columns)
-    if rows % block == 0 and columns % block == 0:  # whole blocks: a broadcast over a view, nothing expanded
-        values.view(grid_rows, block, grid_columns, block).mul_(scale[:, None, :, None])
-        return
-    values.mul_(scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :columns])
+    if columns == scales.shape[1] * block:  # whole runs: a broadcast over a view, nothing expanded
+        values.view(rows, scales.shape[1], block).mul_(scales[:, :, None])
+        return values
+    return values.mul_(scales.repeat_interleave(block, 1)[:, :columns])
 
 
 class ModelOptNVFP4(Quantizer):
@@ -126,10 +138,15 @@ class ModelOptNVFP4(Quantizer):
         self.description = f"ModelOpt NVFP4 weights: E2M1 codes, fp8 scales per block of {block}, a tensor scale"
 
     def unpack(self, packed: Mapping[str, torch.Tensor], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        values = e2m1_to_float(packed[PAYLOAD], high_nibble_first=False)
-        blocks = packed[SCALE].view(torch.float8_e4m3fn).to(torch.float32)
-        tensor = packed[TENSOR_SCALE].to(device=values.device, dtype=torch.float32).reshape(())
-        return scale_blocks(values, blocks * tensor, self.block).reshape(shape).to(dtype)
+        codes = packed[PAYLOAD]
+        tensor = packed[TENSOR_SCALE].to(device=codes.device, dtype=torch.float32).reshape(())
+        # the two scales multiplied first, as modelopt does: [rows, columns / block], 1/16 of the weight's values
+        scales = packed[SCALE].view(torch.float8_e4m3fn).to(torch.float32).mul_(tensor)
+
+        def decode(band: slice) -> torch.Tensor:
+            return scale_blocks(e2m1_to_float(codes[band], high_nibble_first=False), scales[band], self.block)
+
+        return decode_by_rows(shape, dtype, decode)
 
 
 #: the codecs, shared by every folder read (one per block size met)
