@@ -195,8 +195,8 @@ _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
 def _table(name: str, device: torch.device) -> torch.Tensor:
-    """Table ``name`` (:data:`KVALUES_IQ4NL` as ``"iq4nl"``, ``"signs"``, or a grid by its type's name) on
-    ``device``."""
+    """Table ``name`` (:data:`KVALUES_IQ4NL` as ``"iq4nl"``, ``"signs"``, ``"bit signs"``, or a grid by its type's
+    name) on ``device``."""
     table = _TABLES.get((name, device))
     if table is None:
         table = _TABLES[(name, device)] = _host_table(name).to(device)
@@ -206,6 +206,10 @@ def _table(name: str, device: torch.device) -> torch.Tensor:
 def _host_table(name: str) -> torch.Tensor:
     if name == "iq4nl":
         return torch.tensor(KVALUES_IQ4NL, dtype=torch.float32)
+    if name == "bit signs":
+        # every byte's 8 bits as -1 (set) and +1 (clear), lowest first
+        bits = torch.arange(256, dtype=torch.int32).unsqueeze(-1) >> torch.arange(8, dtype=torch.int32)
+        return torch.where(bits & 1 == 1, -1.0, 1.0).to(torch.float32)
     if name == "signs":
         # llama.cpp's ``ksigns_iq2xs``: 7 stored sign bits and an 8th that makes their count even, as -1 and +1
         patterns = torch.arange(128, dtype=torch.int32)
@@ -269,9 +273,9 @@ def _u32(data: torch.Tensor) -> torch.Tensor:
 
 
 def _sign_bits(data: torch.Tensor) -> torch.Tensor:
-    """``(..., L)`` bytes -> ``(..., L, 8)`` float32: -1 where bit ``k`` of a byte is set, +1 where not."""
-    bits = torch.stack([(data >> k) & 1 for k in range(8)], dim=-1)
-    return torch.where(bits == 1, -1.0, 1.0)
+    """``(..., L)`` bytes -> ``(..., L, 8)`` float32: -1 where bit ``k`` of a byte is set, +1 where not (one look-up
+    per byte)."""
+    return _rows("bit signs", data)
 
 
 def _nibble_scales(data: torch.Tensor) -> torch.Tensor:
