@@ -123,8 +123,8 @@ def library_class(kind: str) -> str:
     )
 
 
-def forward(model: torch.nn.Module) -> torch.Tensor:
-    with torch.no_grad():
+def forward(model: torch.nn.Module, *, inference: bool = False) -> torch.Tensor:
+    with torch.inference_mode() if inference else torch.no_grad():
         return model(**wan_inputs())[0]
 
 
@@ -138,7 +138,8 @@ def library_parameters(model: torch.nn.Module, kind: str) -> dict[str, torch.Ten
 @pytest.mark.parametrize("storage", ["ram", "disk", "mmap"])
 @pytest.mark.parametrize("kind", FORMATS)
 def test_every_placement_serves_the_library_quantized_model_exactly(folder, kind, storage):
-    """Under each placement: two calls bit-equal to the model not offloaded (the same operands), the library's
+    """Under each placement: two calls (the second in inference mode) bit-equal to the model not offloaded (the same
+    operands), the library's
     classes kept (GGUF's ``quant_type`` too), the peak the planner predicted, priced at the inner tensors' bytes;
     after ``remove()`` the model is the library's again and computes the same."""
     model = quantized(folder, kind)
@@ -157,7 +158,8 @@ def test_every_placement_serves_the_library_quantized_model_exactly(folder, kind
         ]
         handle = memmode.apply(model, placement, storage=storage, device="cpu", **options)
         assert_bit_equal(forward(model), reference)
-        assert_bit_equal(forward(model), reference)
+        # quanto's int4 forward fails in inference mode by itself ("Cannot set version_counter for inference tensor")
+        assert_bit_equal(forward(model, inference=kind != "quanto-int4"), reference)
         report = handle.report()
         assert report.peak_device_bytes == planned <= inner, (placement, options)
         for name, parameter in library_parameters(model, kind).items():

@@ -33,17 +33,28 @@ def set_data(tensor: torch.Tensor, value: torch.Tensor) -> None:
     ``requires_grad``): ``tensor.data = value``.
 
     A wrapper subclass (a library's quantized weight, :mod:`memmode_core.contracts.inner_tensors`) holds its values
-    in its inner tensors, which ``.data =`` leaves as they were: it changes the wrapper's own metadata only (shape,
-    dtype, device). So it also takes the inner tensors of ``value``, by the attribute names its flatten protocol
-    gives. Not ``torch.utils.swap_tensors`` (what ``nn.Module.to`` does for these tensors): that refuses a tensor
-    an autograd graph still holds (a forward run without ``no_grad``), which is every call's. ``.data =`` takes a
-    wrapper from one dense device to another (CPU, CUDA, ...: ``TensorImpl::has_compatible_shallow_copy_type``)."""
-    with _RAW():
+    in its inner tensors, which ``.data =`` leaves as they were: it takes ``value``'s inner tensors, by the attribute
+    names its flatten protocol gives, and ``.data =`` only where its own metadata changes (another device: CPU and
+    CUDA wrappers are both dense, ``TensorImpl::has_compatible_shallow_copy_type``), outside inference mode, in
+    which torch asks the library's dispatch whether the two are compatible (torchao does not say). Not
+    ``torch.utils.swap_tensors`` (what ``nn.Module.to`` does for these tensors): that refuses a tensor an autograd
+    graph still holds (a forward run without ``no_grad``), which is every call's."""
+    if not is_wrapper(tensor) or unstorable(tensor) is not None:  # a DTensor stays FSDP2's to manage
         tensor.data = value
-    if is_wrapper(tensor) and unstorable(tensor) is None:  # a DTensor stays FSDP2's to manage
-        names, _ = value.__tensor_flatten__()
-        for name in names:
-            setattr(tensor, name, getattr(value, name))
+        return
+    with _RAW():
+        same = (tensor.device, tensor.dtype, tensor.shape, tensor.stride()) == (
+            value.device,
+            value.dtype,
+            value.shape,
+            value.stride(),
+        )
+        if not same:
+            with torch.inference_mode(False):
+                tensor.data = value
+    names, _ = value.__tensor_flatten__()
+    for name in names:
+        setattr(tensor, name, getattr(value, name))
 
 
 @dataclass(eq=False)
