@@ -33,7 +33,10 @@ A :class:`Storage` is what a plugin registers; ``open`` gives a :class:`StorageS
 
 The :class:`Storage` itself also says what it costs (:meth:`Storage.cost`), for the planner.
 
-Tensors are passed as ``{slot_name: tensor}`` dicts; slot names are stable within a group.
+Tensors are passed as ``{slot_name: tensor}`` dicts; slot names are stable within a group. They are plain
+tensors: a library's tensor subclass (torchao's, quanto's quantized weights) reaches a storage as its inner tensors,
+named ``<slot>:<inner>``, and the engine builds it again from what the storage hands back
+(:mod:`memmode_core.engine.flattened`), so a storage never needs to know one.
 """
 
 from __future__ import annotations
