@@ -105,7 +105,10 @@ def open_quantized_folder(
         read=checkpoint.view,
         shapes=_ModelShapes(cls, folder, component),
     )
-    contents = reader.read_folder(shown)
+    try:
+        contents = reader.read_folder(shown)
+    finally:
+        checkpoint.release()  # the windows the reader's reads mapped: the restricted checkpoint maps its own
     return OpenedFile.of(_restricted(checkpoint, contents.stored, reader), contents.encoded, reader.name)
 
 
