@@ -52,6 +52,10 @@ METHODS: dict[str, Callable[[], object]] = {
     "bnb_fp4_double": lambda: BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=True
     ),
+    # the codes stored in another dtype (for FSDP): the same bytes
+    "bnb_nf4_bf16_storage": lambda: BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_quant_storage=torch.bfloat16
+    ),
     "bnb_int8": lambda: BitsAndBytesConfig(load_in_8bit=True),
     "quanto_int8": lambda: QuantoConfig(weights_dtype="int8"),
     "quanto_float8": lambda: QuantoConfig(weights_dtype="float8"),
@@ -229,7 +233,8 @@ def _bitsandbytes_anchor(folder: Path, default_backend: bool) -> dict[str, torch
             absmax = dequantize_blockwise(state.absmax, state.state2) + state.offset
         code = get_4bit_type(state.quant_type, device="cpu")
         eager = _dequantize_4bit_compute.__wrapped__  # bitsandbytes compiles it where it can; the same code
-        found[weight] = eager(stored[weight].reshape(-1), absmax, code, state.blocksize, state.shape, torch.float32)
+        codes = stored[weight].view(torch.uint8).reshape(-1)  # as its registered kernel views a quant_storage dtype
+        found[weight] = eager(codes, absmax, code, state.blocksize, state.shape, torch.float32)
     return found
 
 

@@ -124,6 +124,7 @@ def test_the_folder_is_what_diffusers_writes(method):
             state = json.loads(bytes(stored[f"{weight}.quant_state.bitsandbytes__{quant_type}"].numpy()))
             assert state["quant_type"] == quant_type and state["dtype"] == "bfloat16"
             assert ("nested_offset" in state) == method.endswith("_double")
+            assert stored[weight].dtype == (torch.bfloat16 if method.endswith("_storage") else torch.uint8)
             assert stored[f"{weight}.absmax"].dtype == (torch.uint8 if "nested_offset" in state else torch.float32)
         elif method in ("quanto_int4", "quanto_int2"):
             assert stored[f"{weight}._data._data"].dtype == torch.uint8
