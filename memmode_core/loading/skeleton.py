@@ -224,7 +224,9 @@ def _transformers_skeleton(cls: type, folder: Path, torch_dtype: torch.dtype | N
         kwargs = {"device_map": "meta"}
         config = _without_quantization(cls, folder)
         if config is not None:
-            kwargs["config"] = config
+            # the checkpoint holds the library's tensors (a 4-bit weight's packed codes [n/2, 1]), whose shapes are
+            # not the model's: the folder's reader maps them, so transformers is not to check them against it
+            kwargs.update(config=config, ignore_mismatched_sizes=True)
         if torch_dtype is not None:
             kwargs["dtype"] = torch_dtype  # "auto" too: transformers' own rule (the config's dtype, else the weights')
         module, kernelize_when_bound = _transformers_on_meta(cls, folder, kwargs)
