@@ -42,7 +42,7 @@ from library_folders import (  # noqa: E402
     text_encoder_folder,
     truncate,
 )
-from memmode_core import CheckpointError, ModelBuildError  # noqa: E402
+from memmode_core import CheckpointError  # noqa: E402
 from memmode_core.builtin.bitsandbytes import BitsAndBytesReader  # noqa: E402
 from memmode_core.builtin.quanto import QuantoReader  # noqa: E402
 from memmode_core.loading import load as load_module  # noqa: E402
@@ -267,15 +267,7 @@ def test_auto_prices_the_folder_packed(tmp_path):
     "method",
     [
         "bnb_int8",
-        pytest.param(
-            "bnb_nf4_double",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=ModelBuildError,
-                reason="core builds a transformers skeleton with from_pretrained(device_map='meta'), which checks the "
-                "checkpoint's shapes: a 4-bit weight's packed codes [n/2, 1] are refused (loading/skeleton.py)",
-            ),
-        ),
+        "bnb_nf4_double",
     ],
 )
 def test_a_text_encoder_transformers_quantized_rests_packed_and_gives_the_full_load_output(method, tmp_path):
