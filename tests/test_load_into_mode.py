@@ -327,6 +327,9 @@ def test_bad_arguments_are_refused_before_reading_anything(tmp_path):
 
 _PEAK_SCRIPT = textwrap.dedent("""
     import gc, sys, threading, time, torch, memmode_core as memmode
+    # what a load imports, imported before the baseline: diffusers' model class pulls in the quantization
+    # libraries installed beside it (bitsandbytes, torchao, modelopt: 2,700 modules, 165 MiB), not the load's cost
+    import diffusers; diffusers.WanTransformer3DModel
     def anon():
         for line in open("/proc/self/status"):
             if line.startswith("RssAnon:"):
