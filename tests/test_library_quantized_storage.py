@@ -261,9 +261,14 @@ def test_on_an_accelerator_the_inner_tensors_are_copied_to_the_device(folder, ki
     """On an accelerator (CUDA, else the CPU under the strict model of asynchronous copies) the inner tensors are
     what is copied, on the engine's streams, and the library's tensor is built again over them on the device."""
     model = quantized(folder, kind)
-    reference = forward(model).to(ACCELERATOR)
-    model.to(ACCELERATOR)
+    model.to(ACCELERATOR)  # the reference computes on the device, with the same kernels
+    with torch.no_grad():
+        inputs = {k: v.to(ACCELERATOR) if isinstance(v, torch.Tensor) else v for k, v in wan_inputs().items()}
+        reference = model(**inputs)[0]
+    model.to("cpu")
     handle = memmode.apply(model, "model_group_offload", storage=storage, device=ACCELERATOR, use_stream=True)
+    for parameter in library_parameters(model, kind).values():
+        assert parameter.device.type == "cpu"  # at rest
     assert_bit_equal(forward(model), reference)
     assert_bit_equal(forward(model), reference)
     handle.remove()
