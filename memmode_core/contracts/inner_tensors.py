@@ -131,15 +131,6 @@ def leaves(tensor: torch.Tensor) -> list[torch.Tensor]:
     return list(flatten(tensor)[1].values()) if is_wrapper(tensor) else [tensor]
 
 
-def map_leaves(tensor: torch.Tensor, fn) -> torch.Tensor:
-    """``fn(tensor)`` for a plain tensor; a wrapper subclass built again over ``fn`` of each of its leaves (a copy to
-    another device, made leaf by leaf: a library need not implement the allocation a copy of the whole makes)."""
-    if not is_wrapper(tensor):
-        return fn(tensor)
-    tree, found = flatten(tensor)
-    return tree.rebuild({path: fn(leaf) for path, leaf in found.items()})
-
-
 def stored_bytes(tensor: torch.Tensor) -> int:
     """The bytes a storage keeps of ``tensor`` and an onload moves: its leaves' (a wrapper subclass's
     ``numel() * element_size()`` is its dequantized size, four times an int8 weight's bytes)."""

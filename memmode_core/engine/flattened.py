@@ -27,6 +27,18 @@ from memmode_core.contracts.inner_tensors import SEPARATOR, Tree, flatten, is_wr
 from memmode_core.contracts.storage import StorageSession, Tensors
 
 
+def map_leaves(tensor: torch.Tensor, fn) -> torch.Tensor:
+    """``fn(tensor)`` for a plain tensor; a wrapper subclass built again over ``fn`` of each of its leaves (a copy to
+    another device, made leaf by leaf: a library need not implement the allocation a copy of the whole makes).
+
+    It is the engine's, not the protocol's (:mod:`memmode_core.contracts.inner_tensors`): ``fn`` is the engine's
+    own (a stream's copy, a clone), and a contract never calls back into the layer above it."""
+    if not is_wrapper(tensor):
+        return fn(tensor)
+    tree, found = flatten(tensor)
+    return tree.rebuild({path: fn(leaf) for path, leaf in found.items()})
+
+
 class FlattenedSession(StorageSession):
     """``session`` (the storage's own), handed the leaves of every wrapper subclass instead of the subclass."""
 

@@ -30,8 +30,9 @@ from types import MappingProxyType
 import torch
 
 from memmode_core.contracts.group_specs import Policy
-from memmode_core.contracts.inner_tensors import leaves, map_leaves
+from memmode_core.contracts.inner_tensors import leaves
 from memmode_core.contracts.storage import Tensors
+from memmode_core.engine.flattened import map_leaves
 from memmode_core.engine.groups import Group, set_data
 from memmode_core.engine.hooks import not_traced
 from memmode_core.engine.ledger import clock

@@ -42,11 +42,11 @@ from torch import nn
 
 from memmode_core.contracts.errors import IncompatibleModeError, RestoreError
 from memmode_core.contracts.group_specs import Policy
-from memmode_core.contracts.inner_tensors import map_leaves, unstorable
+from memmode_core.contracts.inner_tensors import unstorable
 from memmode_core.contracts.storage import StorageSession, placeholder
 from memmode_core.engine import watch
 from memmode_core.engine.changes import Changes
-from memmode_core.engine.flattened import FlattenedSession
+from memmode_core.engine.flattened import FlattenedSession, map_leaves
 from memmode_core.engine.forwards import Forwards
 from memmode_core.engine.groups import Group, Part, bind_groups
 from memmode_core.engine.ledger import Ledger

@@ -34,8 +34,9 @@ from torch import nn
 
 from memmode_core.contracts.errors import StandInReadError
 from memmode_core.contracts.group_specs import Policy
-from memmode_core.contracts.inner_tensors import map_leaves, stored_bytes
+from memmode_core.contracts.inner_tensors import stored_bytes
 from memmode_core.contracts.storage import is_placeholder
+from memmode_core.engine.flattened import map_leaves
 from memmode_core.engine.groups import Group, Slot, set_data
 from memmode_core.engine.moving import Moving
 from memmode_core.engine.standins.classes import (

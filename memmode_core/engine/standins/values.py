@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from memmode_core.contracts.errors import OffloadedWeightReadError, OffloadedWeightWriteError
-from memmode_core.contracts.inner_tensors import map_leaves
+from memmode_core.engine.flattened import map_leaves
 from memmode_core.engine.standins.classes import PLAIN_CLASS, ServedView, StandIn, StandInReader, is_stand_in, source_of
 
 _DISABLE = torch._C.DisableTorchFunctionSubclass
