@@ -10,7 +10,10 @@
 #   1. gpu_modes.py: every placement and the residency budgets (30/60/90%) against diffusers and accelerate —
 #      step time, max_memory_allocated, bus use, and the planner's predicted step time and peak next to them;
 #   2. load_into_mode.py: quantizing while loading, each layer packed on the GPU against packing on the CPU;
-#   3. the suite on real CUDA (streams, events, pinned staging, cudaHostRegister; the four CUDA-only tests).
+#   3. comfy_formats.py: each ComfyUI format's decoding forward on the GPU against comfy-kitchen's (its CUDA
+#      kernels where it has them) and bf16;
+#   4. the suite on real CUDA (streams, events, pinned staging, cudaHostRegister; the CUDA-only tests: the GGUF
+#      decoders on the device, a library's quantized tensors moved leaf by leaf to the device and back).
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1
@@ -38,4 +41,5 @@ python3 -c "import torch, diffusers, memmode_core; print('torch', torch.__versio
 stage gpu_modes 250 python3 benchmarks/gpu_modes.py --json "$OUT/gpu_modes.json"
 stage load_into_mode 120 python3 benchmarks/load_into_mode.py --layers 12 --rounds 2 --threads 16 \
     --variants load_qfloat8_disk,load_qfloat8_disk_on_cuda,load_qfloat8_pinned_on_cuda --save "$OUT/load.json"
+stage comfy_formats 60 python3 benchmarks/comfy_formats.py --device cuda --rounds 5
 stage suite 140 python3 -m pytest -q -ra -o addopts="" -n 14 -p no:cacheprovider tests
