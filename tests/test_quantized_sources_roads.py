@@ -12,7 +12,7 @@ parts a layer holds, and that is what these tests vary:
 - **reads outside the forward**: ``state_dict()`` under group offload with ``disk`` gives the decoded weights the
   full load gives, never a stand-in's NaN;
 - **torch.compile** of the transformer placed by group offload gives the uncompiled output;
-- **ranks**: two gloo ranks load the same files with ``mmap``, each giving the single process's output.
+- **ranks**: two gloo ranks load the same quantized folder with ``mmap``, each giving the single process's output.
 
 Outputs are compared like with like: every mode against ``model_full_load`` of the same source (the same packed
 tensors decoded by the same codec), bit for bit — under a file storage, the full load's weights moved into torch
@@ -244,8 +244,9 @@ def output_on_a_rank(rank: int, world: int, folder: str, files: dict[str, str]) 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not distributed_available(), reason="needs torch.distributed with gloo")
-@pytest.mark.parametrize("family", ["comfy_mixed", "bnb_nf4_double"])
-def test_two_ranks_load_the_same_source_each_giving_the_single_process_output(family):
+def test_two_ranks_load_the_same_quantized_folder_each_giving_the_single_process_output():
+    """A folder's checkpoint, mapped by each rank (a single file's road is GGUF's, in test_community_files_roads)."""
+    family = "bnb_nf4_double"
     if family not in _MADE:
         _MADE[family] = SOURCES[family]()
     made = _MADE[family]
