@@ -1,18 +1,25 @@
 """``memmode run --nproc N``: the main job on N ranks of ``torch.distributed`` on this machine, as users run one
 pipeline over several GPUs.
 
-Each rank is a process of its own (``spawn``): it builds the built-in pipeline, splits its transformers'
+Each rank is a process of its own: it builds the built-in pipeline, splits its transformers'
 sequence over the ranks with diffusers' context parallelism (Ulysses, ``ContextParallelConfig(ulysses_degree=
 N)``: each rank attends over every token for its share of the heads), applies the mode and measures a call as
 one process does (:func:`~memmode_core.cli.runner.run_modes`); every rank's output is the single-process one.
 Without an accelerator (or with ``--device cpu``) the ranks meet over gloo and compute on the CPU — diffusers
 builds its device mesh from ``torch.accelerator.device_count()``, which a rank then reports as 1, as one CPU
 process is one device; with an accelerator they meet over its backend (NCCL for CUDA), one device each.
+
+How a rank's process starts: CPU ranks are forked from a fork server that has imported what every rank imports
+(torch, diffusers and the libraries diffusers pulls in, memmode), once per parent process — a rank starts in a
+fraction of a second instead of the six to eight of importing them, and nothing is forked from a parent that has
+run threads (the server never computes). Accelerator ranks are spawned fresh: a fork after anything touched the
+accelerator's driver (a library's import may) cannot use it.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import multiprocessing
 import os
 import tempfile
@@ -39,10 +46,12 @@ def on_ranks(
     or that ran past ``timeout`` seconds (it is killed). ``function`` must be importable by name (``spawn``).
     The suite's lane of ranks (``tests/ranks.py``) and ``memmode run --nproc`` both start their ranks here."""
     with tempfile.TemporaryDirectory(prefix="memmode-ranks-") as folder:
-        context = multiprocessing.get_context("spawn")
+        context = _start_method(accelerator and torch.accelerator.is_available())
         processes = [
             context.Process(
-                target=_rank_main, args=(rank, nproc, folder, accelerator, function, args), name=f"rank {rank}"
+                target=_rank_main,
+                args=(rank, nproc, folder, accelerator, function, args, dict(os.environ)),
+                name=f"rank {rank}",
             )
             for rank in range(nproc)
         ]
@@ -65,6 +74,20 @@ def on_ranks(
     return outcomes
 
 
+#: what a CPU rank imports, imported once by the fork server its processes are forked from
+PRELOADED = ["torch.distributed", "diffusers", "memmode_core", __name__]
+
+
+def _start_method(on_accelerator: bool) -> multiprocessing.context.BaseContext:
+    """``spawn`` for ranks on an accelerator; for CPU ranks, a fork server preloaded with :data:`PRELOADED` (see the
+    module docstring)."""
+    if on_accelerator:
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOADED)  # read when the server starts: the first CPU ranks of this process
+    return context
+
+
 def rank_device(rank: int) -> torch.device:
     """The device a rank of :func:`on_ranks` computes on: its own accelerator, or the CPU (gloo)."""
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
@@ -73,11 +96,17 @@ def rank_device(rank: int) -> torch.device:
     return torch.device(accelerator.type, rank)
 
 
-def _rank_main(rank: int, nproc: int, folder: str, accelerator: bool, function: Callable, args: tuple) -> None:
+def _rank_main(
+    rank: int, nproc: int, folder: str, accelerator: bool, function: Callable, args: tuple, environment: dict
+) -> None:
     import warnings
 
     import diffusers
 
+    # the caller's environment now, as a spawned process would start with (a fork server's is its own, from when
+    # it started)
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # diffusers' context parallelism says at every enable that it is experimental, and warns of its own use of a
     # deprecated torch collective at every call: N ranks of it would bury the output
@@ -101,6 +130,9 @@ def _rank_main(rank: int, nproc: int, folder: str, accelerator: bool, function: 
     finally:
         torch.save(outcome, Path(folder) / f"rank{rank}.pt")
         dist.destroy_process_group()
+        # what the interpreter's exit runs (weakref finalizers: a session's files, the last rank's shared folder):
+        # a process forked by multiprocessing ends in os._exit, which skips it; a spawned one finds nothing left
+        atexit._run_exitfuncs()
 
 
 def run_on_ranks(args: argparse.Namespace) -> list[list[dict]]:
