@@ -68,6 +68,7 @@ THIRD_PARTY_PRIVATES = {
     "_fields": "collections.namedtuple's public field names (spelled with one underscore)",
     "_getframe": "sys._getframe: the caller's frame, named by an error about a read",
     "_normalized_name": "importlib.metadata.PathDistribution: a distribution's name without parsing metadata",
+    "_run_exitfuncs": "atexit: a rank forked by multiprocessing ends in os._exit, so it runs the exit functions itself",
 }
 
 
