@@ -27,11 +27,13 @@ KEEP_FP32 = tuple(WanTransformer3DModel._keep_in_fp32_modules)
 
 
 def floating_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
-    """The dtype of every floating parameter and buffer that is no part of a module the class keeps in float32."""
-    tensors = [*model.named_parameters(), *model.named_buffers()]
+    """The dtype of every floating tensor a load reads (the state dict: parameters and persistent buffers) that is
+    no part of a module the class keeps in float32. A non-persistent buffer the model computes itself is its own
+    (diffusers 0.38's Wan computes its rotary tables in float32 whatever the dtype, as its from_pretrained leaves
+    them)."""
     return {
         name: t.dtype
-        for name, t in tensors
+        for name, t in model.state_dict(keep_vars=True).items()
         if t.is_floating_point() and not any(part in name.split(".") for part in KEEP_FP32)
     }
 
