@@ -202,51 +202,38 @@ def comfy_sizes(specs: dict) -> tuple[int, int]:
 
 
 def cached_comfy(cache: Path, config: dict, fmt: str) -> tuple[Path, Path, dict]:
-    """``cache/wan-<fmt>-<hash>/``: the model's config folder and a ComfyUI ``fmt`` file with random values, made
-    once (reused when complete); (file, config folder, specs)."""
-    import torch
-    from diffusers import WanTransformer3DModel
-
-    digest = hashlib.sha1(json.dumps([config, fmt], sort_keys=True).encode()).hexdigest()[:10]
-    base = cache / f"wan-{fmt}-{digest}"
+    """A ComfyUI ``fmt`` file with random values (:func:`cached_file`)."""
     specs = comfy_specs(original_wan_shapes(config), fmt)
-    file, folder = base / f"transformer-{fmt}.safetensors", base / "transformer"
-    if (base / "complete").is_file():
-        return file, folder, specs
-    shutil.rmtree(base, ignore_errors=True)
-    base.mkdir(parents=True)
-    with torch.device("meta"):
-        WanTransformer3DModel(**config).save_config(folder)
-    say(f"writing {file} (once) ...")
-    began = time.perf_counter()
-    nbytes = write_comfy_file(file, specs, fmt)
-    say(f"  {size(nbytes)} in {time.perf_counter() - began:.1f} s")
-    (base / "complete").write_text("ok\n")
-    return file, folder, specs
+    return (*cached_file(cache, config, fmt, ".safetensors", lambda file: write_comfy_file(file, specs, fmt)), specs)
 
 
 def cached_gguf(cache: Path, config: dict, qtype: str) -> tuple[Path, Path, dict]:
-    """``cache/wan-<hash>/``: the model's config folder and a GGUF file of ``qtype`` with random valid blocks, made
-    once (reused when complete); (file, config folder, specs)."""
+    """A GGUF file of ``qtype`` with random valid blocks (:func:`cached_file`)."""
+    specs = wan_gguf_specs(original_wan_shapes(config), qtype)
+    return (*cached_file(cache, config, qtype, ".gguf", lambda file: write_gguf_file(file, specs, sparse=False)), specs)
+
+
+def cached_file(cache: Path, config: dict, kind: str, suffix: str, write) -> tuple[Path, Path]:
+    """``cache/wan-<kind>-<hash>/``: the model's config folder and its weights file of ``kind``, written by
+    ``write(file)`` (which returns its size) once and reused when complete; (file, config folder)."""
     import torch
     from diffusers import WanTransformer3DModel
 
-    digest = hashlib.sha1(json.dumps([config, qtype], sort_keys=True).encode()).hexdigest()[:10]
-    base = cache / f"wan-{qtype}-{digest}"
-    specs = wan_gguf_specs(original_wan_shapes(config), qtype)
-    file, folder = base / f"transformer-{qtype}.gguf", base / "transformer"
+    digest = hashlib.sha1(json.dumps([config, kind], sort_keys=True).encode()).hexdigest()[:10]
+    base = cache / f"wan-{kind}-{digest}"
+    file, folder = base / f"transformer-{kind}{suffix}", base / "transformer"
     if (base / "complete").is_file():
-        return file, folder, specs
+        return file, folder
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
     with torch.device("meta"):
         WanTransformer3DModel(**config).save_config(folder)
     say(f"writing {file} (once) ...")
     began = time.perf_counter()
-    nbytes = write_gguf_file(file, specs, sparse=False)
+    nbytes = write(file)
     say(f"  {size(nbytes)} in {time.perf_counter() - began:.1f} s")
     (base / "complete").write_text("ok\n")
-    return file, folder, specs
+    return file, folder
 
 
 def bf16_inputs(model, **sizes) -> dict:

@@ -293,3 +293,19 @@ def dequantized(qt: object) -> torch.Tensor:
 
     with registry.use_backend("eager"):
         return qt.dequantize()
+
+
+def tensor_at(path: Path, stored) -> torch.Tensor:
+    """A stored tensor's value (a reader's ``StoredTensor``) from the file's bytes, as core binds it: the byte range
+    viewed as dtype and shape."""
+    with open(path, "rb") as file:
+        file.seek(stored.start)
+        data = bytearray(file.read(stored.nbytes))
+    return torch.frombuffer(data, dtype=stored.dtype).reshape(stored.shape)
+
+
+def decode(path: Path, contents, key: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The encoded tensor ``key`` of a reader's ``FileContents`` of ``path``, decoded by its codec."""
+    encoded = contents.encoded[key]
+    parts = {name: tensor_at(path, contents.stored[stored]) for name, stored in encoded.parts.items()}
+    return encoded.codec.unpack(parts, torch.Size(encoded.shape), dtype)

@@ -15,8 +15,10 @@ independent reference (``q.float() * scale`` of what the writer stored, mapped b
 from __future__ import annotations
 
 import atexit
+import re
 import shutil
 import tempfile
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -285,3 +287,33 @@ def comfy_fp8_pipeline() -> ComfyFp8Pipeline:
     if not _MADE_FP8:
         _MADE_FP8.append(ComfyFp8Pipeline())
     return _MADE_FP8[0]
+
+
+# -- LoRA adapters of the wide Wan -------------------------------------------------------------------------
+
+
+@cache
+def lora_targets() -> tuple[tuple[str, int, int], ...]:
+    """``(path, in, out)`` of the attention projections of the fixture's (256 wide) Wan transformer: read from a
+    model on the meta device, never from a loaded one (whose layers an adapter wraps)."""
+    with torch.device("meta"):
+        model = WanTransformer3DModel(**WIDE_WAN)
+    pattern = re.compile(r"blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0)")
+    return tuple(
+        (name, m.in_features, m.out_features)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and pattern.fullmatch(name)
+    )
+
+
+def make_lora(seed: int, rank: int = 4, scale: float = 0.5) -> dict[str, torch.Tensor]:
+    """A random LoRA of the attention layers in diffusers' (peft) layout, as ``tiny_loras`` makes them (no alpha:
+    the update is exactly ``lora_B @ lora_A``); fresh tensors on every call."""
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, width, height in lora_targets():
+        state[f"transformer.{name}.lora_A.weight"] = torch.randn(rank, width, generator=generator) / width**0.5
+        state[f"transformer.{name}.lora_B.weight"] = torch.randn(height, rank, generator=generator) * (
+            scale / rank**0.5
+        )
+    return state

@@ -26,7 +26,7 @@ from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffu
 from torch import nn
 
 import memmode_core as memmode
-from comfy_files import LAYER_FORMATS, comfy_quant_marker, dequantized, truncate, write_comfy
+from comfy_files import LAYER_FORMATS, comfy_quant_marker, decode, dequantized, tensor_at, truncate, write_comfy
 from community_pipelines import (
     FAMILY,
     PLACEMENTS,
@@ -39,7 +39,6 @@ from helpers import assert_bit_equal, assert_reassociated, placement_id
 from memmode_core import CheckpointError
 from memmode_core.builtin.comfy.reader import ComfyReader
 from memmode_core.contracts.quantizer import PAYLOAD
-from memmode_core.contracts.reader import FileContents, StoredTensor
 from memmode_core.loading import load as load_module
 from original_checkpoints import PREFIX, to_original, wan_plan
 from tiny_pipelines import run
@@ -60,20 +59,6 @@ def tiny_state(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 WEIGHTS = ("0.weight", "2.weight")
-
-
-def tensor_at(path: Path, stored: StoredTensor) -> torch.Tensor:
-    """A stored tensor's value from the file's bytes, as core binds it."""
-    with open(path, "rb") as file:
-        file.seek(stored.start)
-        data = bytearray(file.read(stored.nbytes))
-    return torch.frombuffer(data, dtype=stored.dtype).reshape(stored.shape)
-
-
-def decode(path: Path, contents: FileContents, key: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    encoded = contents.encoded[key]
-    parts = {name: tensor_at(path, contents.stored[stored]) for name, stored in encoded.parts.items()}
-    return encoded.codec.unpack(parts, torch.Size(encoded.shape), dtype)
 
 
 # -- each format, decoded as comfy-kitchen dequantizes it ---------------------------------------------------------

@@ -17,7 +17,9 @@ from comfy_files import (
     E5M2,
     comfy_quant_marker,
     damage_header,
+    decode,
     quantized_keys,
+    tensor_at,
     tiny_state,
     truncate,
     write_legacy_scaled,
@@ -29,7 +31,7 @@ from memmode_core.builtin.comfy.codecs import FLOAT8_CODECS as CODECS
 from memmode_core.builtin.comfy.reader import ComfyReader
 from memmode_core.contracts.errors import CheckpointError
 from memmode_core.contracts.quantizer import PAYLOAD
-from memmode_core.contracts.reader import FileContents, StoredTensor
+from memmode_core.contracts.reader import FileContents
 
 READER = ComfyReader()
 #: the tensors that are no weight of the model: they must appear nowhere in what the reader gives
@@ -41,20 +43,6 @@ INPUT_SCALES = (".scale_input", ".input_scale")
 def reads(path: Path) -> bool:
     with open(path, "rb") as file:
         return READER.reads(path, file.read(64))
-
-
-def tensor_at(path: Path, stored: StoredTensor) -> torch.Tensor:
-    """A stored tensor's value from the file's bytes, as core binds it: the byte range viewed as dtype and shape."""
-    with open(path, "rb") as file:
-        file.seek(stored.start)
-        data = bytearray(file.read(stored.nbytes))
-    return torch.frombuffer(data, dtype=stored.dtype).reshape(stored.shape)
-
-
-def decode(path: Path, contents: FileContents, key: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    encoded = contents.encoded[key]
-    parts = {name: tensor_at(path, contents.stored[stored]) for name, stored in encoded.parts.items()}
-    return encoded.codec.unpack(parts, torch.Size(encoded.shape), dtype)
 
 
 def check_contents(path: Path, contents: FileContents, stored_q: dict, state: dict) -> None:

@@ -25,17 +25,25 @@ type.
 from __future__ import annotations
 
 import json
-import re
 from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
-from diffusers import DiffusionPipeline, WanTransformer3DModel
+from diffusers import DiffusionPipeline
 
 import community_pipelines
 import memmode_core as memmode
-from community_pipelines import FAMILY, WIDE_WAN, WIDE_WAN_CALL, GgufPipeline, full_load_output, load, packed_layers
+from community_pipelines import (
+    FAMILY,
+    WIDE_WAN_CALL,
+    GgufPipeline,
+    full_load_output,
+    load,
+    lora_targets,
+    make_lora,
+    packed_layers,
+)
 from gguf_files import reference_dequantize
 from helpers import assert_bit_equal, assert_reassociated, mapped_from
 from memmode_core import CheckpointError, IncompatibleModeError, PluginNotInstalledError
@@ -93,33 +101,6 @@ def reference_pipeline(gguf_pipeline: GgufPipeline) -> DiffusionPipeline:
 
 
 # -- LoRA -------------------------------------------------------------------------------------------------------
-
-
-@cache
-def lora_targets() -> tuple[tuple[str, int, int], ...]:
-    """``(path, in, out)`` of the attention projections of the fixture's (256 wide) Wan transformer: read from a
-    model on the meta device, never from a loaded one (whose layers an adapter wraps)."""
-    with torch.device("meta"):
-        model = WanTransformer3DModel(**WIDE_WAN)
-    pattern = re.compile(r"blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0)")
-    return tuple(
-        (name, m.in_features, m.out_features)
-        for name, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear) and pattern.fullmatch(name)
-    )
-
-
-def make_lora(seed: int, rank: int = 4, scale: float = 0.5) -> dict[str, torch.Tensor]:
-    """A random LoRA of the attention layers in diffusers' (peft) layout, as ``tiny_loras`` makes them (no alpha:
-    the update is exactly ``lora_B @ lora_A``); fresh tensors on every call."""
-    generator = torch.Generator().manual_seed(seed)
-    state = {}
-    for name, width, height in lora_targets():
-        state[f"transformer.{name}.lora_A.weight"] = torch.randn(rank, width, generator=generator) / width**0.5
-        state[f"transformer.{name}.lora_B.weight"] = torch.randn(height, rank, generator=generator) * (
-            scale / rank**0.5
-        )
-    return state
 
 
 def load_lora(pipe, adapter_name: str, seed: int, **kwargs) -> None:

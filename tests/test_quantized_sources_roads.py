@@ -22,20 +22,17 @@ memory first, aligned as the storage's files align them (``helpers.in_torch_memo
 from __future__ import annotations
 
 import atexit
-import re
 import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
-from diffusers import WanTransformer3DModel
 
 import memmode_core as memmode
-from community_pipelines import FAMILY, WIDE_WAN, packed_layers, wide_wan_pipeline
+from community_pipelines import FAMILY, lora_targets, make_lora, packed_layers, wide_wan_pipeline
 from helpers import assert_bit_equal, in_torch_memory
 from original_checkpoints import to_original, wan_plan
 from ranks import distributed_available, run_ranks
@@ -128,31 +125,6 @@ def options_for(storage: str, tmp_path: Path) -> dict:
 
 
 # -- LoRA ---------------------------------------------------------------------------------------------------------
-
-
-@cache
-def lora_targets() -> tuple[tuple[str, int, int], ...]:
-    """``(path, in, out)`` of the transformer's attention projections, read from a model on the meta device."""
-    with torch.device("meta"):
-        model = WanTransformer3DModel(**WIDE_WAN)
-    pattern = re.compile(r"blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0)")
-    return tuple(
-        (name, m.in_features, m.out_features)
-        for name, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear) and pattern.fullmatch(name)
-    )
-
-
-def make_lora(seed: int, rank: int = 4, scale: float = 0.5) -> dict[str, torch.Tensor]:
-    """A random LoRA of the attention layers in diffusers' (peft) layout; the update is ``lora_B @ lora_A``."""
-    generator = torch.Generator().manual_seed(seed)
-    state = {}
-    for name, width, height in lora_targets():
-        state[f"transformer.{name}.lora_A.weight"] = torch.randn(rank, width, generator=generator) / width**0.5
-        state[f"transformer.{name}.lora_B.weight"] = torch.randn(height, rank, generator=generator) * (
-            scale / rank**0.5
-        )
-    return state
 
 
 def test_a_lora_runs_on_the_decoded_weights_and_unloading_gives_the_output_back(source, tmp_path):
