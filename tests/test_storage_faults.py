@@ -22,6 +22,7 @@ Scenarios that may touch a truncated mapping run in a forked child (:func:`fault
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -75,6 +77,26 @@ def apply_blocks(model, storage: str, folder: Path | None, **options):
 
 def names_in(folder: Path, pattern: str = "*") -> set[str]:
     return {p.name for p in Path(folder).glob(pattern)} if Path(folder).exists() else set()
+
+
+def folder_lock_free_within(folder: Path, timeout: float) -> bool:
+    """Whether the folder's lock (``flock``) could be taken, without blocking, at some moment within ``timeout``
+    seconds (a live session takes it for moments at a time)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.01)
+            else:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                return True
+    finally:
+        os.close(fd)
 
 
 def assert_removed_after_failures(handle, target, groups, snap, *, must: set[str], maybe: set[str] = frozenset()):
@@ -566,6 +588,8 @@ def test_a_writer_killed_mid_write_leaves_nothing_and_a_live_ones_files_are_neve
                 # the file of the group held mid-write stays (the one before it may have been named meanwhile)
                 assert temporaries["dead"] & names_in(folder, TEMPORARIES), "left behind by the kill"
         assert not temporaries["dead"] & names_in(folder, TEMPORARIES), "the killed writer's files were not swept"
+        # a writer held under the folder lock would block this process's apply for good: say so instead
+        assert folder_lock_free_within(folder, 60), "the live writer holds the folder lock while it writes"
         handle = apply_blocks(make_blocks(0), "disk", folder)
         # the live writer's held file is still there, and it finishes: renaming a swept file would have failed it
         assert temporaries["live"] & names_in(folder, TEMPORARIES), "a live writer's file was swept"
@@ -586,6 +610,56 @@ def test_a_writer_killed_mid_write_leaves_nothing_and_a_live_ones_files_are_neve
             child.wait()
             for stream in (child.stdin, child.stdout, child.stderr):
                 stream.close()
+
+
+_KILLED_AFTER_NAMING_CHILD = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    torch.set_num_threads(1)
+    import memmode_core as memmode
+    from tiny_models import make_blocks
+
+    real = os.replace
+
+    def replace_then_die(source, target, *args, **kwargs):  # killed the instant a group file has its name
+        real(source, target, *args, **kwargs)
+        if os.path.basename(target).startswith("memmode-"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    os.replace = replace_then_die
+    memmode.apply(make_blocks(7), "model_group_offload", device="cpu", storage="disk", offload_dir=sys.argv[2])
+""")
+
+
+@pytest.mark.parametrize("road", ["written-in-the-background", "written-under-the-lock"])
+def test_a_writer_killed_the_instant_it_names_a_file_leaves_nothing_behind(road, tmp_path):
+    """A group file is named by a rename; the lease must say whose it is before that. A child is killed right
+    after its first rename, on both writing roads (the background writer of an empty folder, and the writer
+    under the folder lock when the folder already holds a live session's files), and the next session's
+    reserve collects the file with the dead lease: nothing the dead one named stays, a live session's files
+    do. (Recorded after the rename, a kill in between left a file nobody owned, forever.)"""
+    folder = tmp_path / "D"
+    folder.mkdir()
+    live = apply_blocks(make_blocks(0), "disk", folder) if road == "written-under-the-lock" else None
+    try:
+        before = names_in(folder, GROUP_FILES)
+        child = subprocess.run(
+            [sys.executable, "-c", _KILLED_AFTER_NAMING_CHILD, str(TESTS_DIR), str(folder)],
+            capture_output=True,
+            timeout=300,
+        )
+        assert child.returncode == -signal.SIGKILL, child.stderr.decode()
+        named = names_in(folder, GROUP_FILES) - before
+        assert len(named) == 1, "the premise: the child died having named one group file"
+        following = apply_blocks(make_blocks(0), "disk", folder)
+        assert not named & names_in(folder, GROUP_FILES), "the dead writer's named file was not collected"
+        assert before <= names_in(folder, GROUP_FILES), "a live session's files were collected"
+        following.remove()
+    finally:
+        if live is not None:
+            live.remove()
+    assert names_in(folder, GROUP_FILES) == set()
 
 
 # -- 5. two threads, one model ---------------------------------------------------------------------------

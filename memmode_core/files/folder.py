@@ -160,6 +160,16 @@ class OffloadFolder:
         if self._cleanup.lease is not None:
             self._cleanup.lease.record("own", name)
 
+    def publish(self, temporary: str, name: str) -> Path:
+        """Put a written temporary file under ``name`` (a rename: the name only ever points at a complete file) as
+        this session's, recorded in the lease before the rename: a process killed anywhere in between leaves a
+        temporary file nobody locks (swept) or a file its dead lease owns (collected), never a file nobody owns.
+        Call with the lock held. Raises ``OSError``; the temporary file is then still there."""
+        self.wrote(name)
+        path = self.path / name
+        os.replace(temporary, path)
+        return path
+
     def close(self) -> None:
         """Remove a private folder; in a given one, delete what this session may (see the module
         docstring) and drop the lease. Idempotent; also runs at interpreter exit."""

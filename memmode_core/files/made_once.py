@@ -115,13 +115,11 @@ class MadeOnce:
         fd, temporary = self._folder.temporary_file()
         try:
             mapped = make((fd, temporary))  # closes fd; deletes the temporary file if it fails
-            final = self.path / f"{PREFIX}{recipe}-{file_digest_name(temporary, layout)}{SUFFIX}"
-            os.replace(temporary, final)
+            self._folder.publish(temporary, f"{PREFIX}{recipe}-{file_digest_name(temporary, layout)}{SUFFIX}")
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
             raise StagingError(f"cannot write {temporary} in {self.path}: {exc.strerror or exc}") from None
-        self._folder.wrote(final.name)
         return mapped
 
     def _hold(self, flats: Iterable[torch.Tensor]) -> None:

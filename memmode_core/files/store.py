@@ -222,8 +222,7 @@ class GroupFileStore:
             if not _holds(path, layout, host):
                 if self._room_per_write:
                     self._check_room(layout.file_size + PER_FILE_ALLOWANCE)
-                self._write(path, layout, host)
-                self._folder.wrote(name)
+                self._write(name, layout, host)
             stamp = FileStamp.of(path)
         self._sizes[name] = layout.file_size
         self.written_groups += 1
@@ -278,9 +277,8 @@ class GroupFileStore:
                 if _holds(path, layout, unnamed.host):
                     stamp = FileStamp.of(path)
                 else:
-                    self._publish(unnamed.temporary, path, layout)
+                    self._publish(unnamed.temporary, name, layout)
                     unnamed.temporary = None
-                    self._folder.wrote(name)
         finally:
             unnamed.drop()
         unnamed.group_file.place(path, stamp)
@@ -298,10 +296,10 @@ class GroupFileStore:
                 f"{size / 2**30:.2f} GiB; free some space or choose another offload_dir="
             )
 
-    def _write(self, path: Path, layout: FileLayout, tensors: Tensors) -> None:
+    def _write(self, name: str, layout: FileLayout, tensors: Tensors) -> None:
         temporary = self._write_temporary(layout, tensors)
         try:
-            self._publish(temporary, path, layout)
+            self._publish(temporary, name, layout)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
@@ -343,15 +341,15 @@ class GroupFileStore:
     def _cannot_write(self, layout: FileLayout, exc: OSError) -> StorageUnavailableError:
         return self._refusal(f"cannot write a group file ({layout.file_size / 2**20:.1f} MiB) in {self.folder}: {exc}")
 
-    def _publish(self, temporary: str, path: Path, layout: FileLayout) -> None:
-        """Rename a written temporary file to its name: the name only ever points at a complete file."""
+    def _publish(self, temporary: str, name: str, layout: FileLayout) -> None:
+        """Put a written temporary file under its name, as this session's (:meth:`OffloadFolder.publish`)."""
         try:
-            os.replace(temporary, path)
+            self._folder.publish(temporary, name)
             if self.keep_files:
                 self._folder.sync()  # the rename itself survives a crash
         except OSError as exc:
             raise self._refusal(
-                f"cannot write {path.name} ({layout.file_size / 2**20:.1f} MiB) in {self.folder}: {exc}"
+                f"cannot write {name} ({layout.file_size / 2**20:.1f} MiB) in {self.folder}: {exc}"
             ) from None
 
     def close(self) -> None:
