@@ -144,6 +144,14 @@ class Streams:
         free, total = torch.accelerator.get_memory_info(device)
         return int(free), int(total)
 
+    def free_memory(self, device: torch.device) -> int:
+        """Bytes this process could allocate on ``device`` now: what the driver says is free, plus what PyTorch's
+        caching allocator holds for this process without using it (an offloaded group's memory stays cached there,
+        and is this process's to reuse; the driver counts it as taken)."""
+        free, _ = self.memory_info(device)
+        cached = torch.accelerator.memory_reserved(device) - torch.accelerator.memory_allocated(device)
+        return free + max(int(cached), 0)
+
     def label(self, name: str) -> contextlib.AbstractContextManager:
         """The work issued in the block is for ``name`` (a group key); a double names it in what it reports."""
         return _NULL

@@ -28,14 +28,17 @@ thousand runs:
   remembered and compared when the host learns the copy finished; a change, or a release before then,
   is an error naming the group.
 - ``query()`` (:meth:`~StrictStreams.done`) says finished only for work the host already knows finished.
+- **The device has a capacity** (``capacity``: :class:`~memmode_core.testing.device_capacity.DeviceCapacity`):
+  every device buffer counts against ``total_memory`` while it lives, an allocation that would go over raises
+  ``torch.OutOfMemoryError``, and a test can take memory away as another application would.
 
 An error is recorded where it happens (a buffer's release is noticed when its memory is freed) and
 raised, as :class:`StrictStreamsError`, by the next call into the model and by :meth:`~StrictStreams.check`.
 
 What it cannot tell: bandwidth, how much copying overlaps compute, the real allocator's behaviour
-(fragmentation, peak memory), kernels reading memory on a stream other than the compute stream, and
-chains of copies across streams (a copy's source is read when the copy is issued). Timing events
-measure host time between their records.
+(fragmentation, its cache), the activations (ordinary CPU tensors here), kernels reading memory on a
+stream other than the compute stream, and chains of copies across streams (a copy's source is read
+when the copy is issued). Timing events measure host time between their records.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from collections.abc import Iterator
 import torch
 
 from memmode_core.engine.streams import Streams
+from memmode_core.testing.device_capacity import DeviceCapacity
 from memmode_core.testing.stream_records import Buffer, Copy, FakeEvent, FakeStream, Pinned, geometry_of, view_of
 
 #: the byte every device buffer holds until a copy lands in it
@@ -64,7 +68,7 @@ class StrictStreamsError(AssertionError):
 
 class StrictStreams(Streams):
     """The strict model (see the module docstring). ``device_type`` is the device it makes an accelerator
-    (the CPU); ``seed`` fixes the landing order; ``total_memory`` is what :meth:`memory_info` reports."""
+    (the CPU); ``seed`` fixes the landing order; ``total_memory`` is the device's capacity."""
 
     name = "strict"
 
@@ -83,6 +87,8 @@ class StrictStreams(Streams):
         self._pinned: dict[int, Pinned] = {}
         self._errors: list[str] = []
         self._reported = 0
+        #: the device's memory: what its buffers hold, what another application holds, out-of-memory errors
+        self.capacity = DeviceCapacity(total_memory, device_type)
         #: what ran, for tests to check that the asynchronous path was taken
         self.counts: Counter[str] = Counter()
 
@@ -236,12 +242,14 @@ class StrictStreams(Streams):
         key = storage.data_ptr()
         buffer = Buffer(storage.nbytes(), self._current(), self._label())
         self._buffers[key] = buffer
+        self.capacity.made(buffer.nbytes)
         weakref.finalize(storage, self._freed, key, buffer)
         return tensor
 
     def empty(self, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         with self._lock:
             self._raise_new()
+            self.capacity.allocate(torch.Size(shape).numel() * dtype.itemsize)
             return self._device_buffer(torch.empty(shape, dtype=dtype))
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
@@ -265,7 +273,7 @@ class StrictStreams(Streams):
             key = storage.data_ptr()
             if key in self._pinned:
                 raise RuntimeError(f"cudaHostRegister of {storage.nbytes()} bytes failed: already registered")
-            pinned = Pinned(storage.nbytes(), self._label(), read_only)
+            pinned = Pinned(tensor.numel() * tensor.element_size(), self._label(), read_only)  # what the driver locks
             # the driver faults every page in and locks it: read one byte of each, so the pages are resident here too
             torch.empty(0, dtype=torch.uint8).set_(storage)[:: mmap.PAGESIZE].max() if storage.nbytes() else None
             self._pinned[key] = pinned
@@ -289,9 +297,16 @@ class StrictStreams(Streams):
                 )
                 del self._pinned[key]
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of host memory page-locked now (allocated so, or registered)."""
+        return sum(pinned.nbytes for pinned in self._pinned.values())
+
     def memory_info(self, device: torch.device) -> tuple[int, int]:
-        used = sum(b.nbytes for b in self._buffers.values())
-        return max(self.total_memory - used, 0), self.total_memory
+        return self.capacity.free, self.capacity.total
+
+    def free_memory(self, device: torch.device) -> int:
+        return self.memory_info(device)[0]  # no allocator cache here: a freed buffer is free at once
 
     # -- copies ------------------------------------------------------------------------------------------
 
@@ -300,6 +315,7 @@ class StrictStreams(Streams):
             return tensor.to(device, non_blocking=non_blocking)
         with self._lock:
             self._raise_new()
+            self.capacity.allocate(tensor.nbytes)  # what empty_like takes
             dst = self._device_buffer(torch.empty_like(tensor, memory_format=torch.preserve_format))
             self._issue(dst, tensor, non_blocking)
             return dst
@@ -407,6 +423,7 @@ class StrictStreams(Streams):
         with self._lock:
             if self._buffers.get(key) is buffer:
                 del self._buffers[key]
+                self.capacity.freed(buffer.nbytes)
             risks = {c.stream for c in self._in_flight if c.dst_buffer is buffer and c.stream is not buffer.stream}
             risks |= buffer.readers
             for stream in sorted(risks - buffer.recorded, key=lambda s: s.name):
