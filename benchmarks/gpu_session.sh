@@ -12,7 +12,9 @@
 #   2. load_into_mode.py: quantizing while loading, each layer packed on the GPU against packing on the CPU;
 #   3. comfy_formats.py: each ComfyUI format's decoding forward on the GPU against comfy-kitchen's (its CUDA
 #      kernels where it has them) and bf16;
-#   4. the suite on real CUDA (streams, events, pinned staging, cudaHostRegister; the CUDA-only tests: the GGUF
+#   4. device_sharing.py: two models on one card, another process taking memory between calls, onloads the
+#      allocator refuses — max_memory_allocated against the room, outputs against each model alone;
+#   5. the suite on real CUDA (streams, events, pinned staging, cudaHostRegister; the CUDA-only tests: the GGUF
 #      decoders on the device, a library's quantized tensors moved leaf by leaf to the device and back).
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
@@ -38,8 +40,9 @@ export PYTHONPATH=$site
 python3 -c "import torch, diffusers, memmode_core; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
   'diffusers', diffusers.__version__, 'plugins', [p.name for p in memmode_core.list_plugins()])" || exit 1
 
-stage gpu_modes 250 python3 benchmarks/gpu_modes.py --json "$OUT/gpu_modes.json"
-stage load_into_mode 120 python3 benchmarks/load_into_mode.py --layers 12 --rounds 2 --threads 16 \
+stage gpu_modes 220 python3 benchmarks/gpu_modes.py --json "$OUT/gpu_modes.json"
+stage load_into_mode 90 python3 benchmarks/load_into_mode.py --layers 12 --rounds 2 --threads 16 \
     --variants load_qfloat8_disk,load_qfloat8_disk_on_cuda,load_qfloat8_pinned_on_cuda --save "$OUT/load.json"
 stage comfy_formats 60 python3 benchmarks/comfy_formats.py --device cuda --rounds 5
+stage device_sharing 60 python3 benchmarks/device_sharing.py --device cuda --json "$OUT/device_sharing.json"
 stage suite 140 python3 -m pytest -q -ra -o addopts="" -n 14 -p no:cacheprovider tests

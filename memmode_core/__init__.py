@@ -63,6 +63,7 @@ from memmode_core.applying import apply, convert, prepare, remove
 from memmode_core.contracts.deprecation import MemmodeDeprecationWarning
 from memmode_core.contracts.errors import (
     CheckpointError,
+    DeviceMemoryError,
     DuplicatePluginError,
     IncompatibleModeError,
     InvalidOptionError,
@@ -117,6 +118,7 @@ __all__ = [
     "load",
     "save_quantized",
     "CheckpointError",
+    "DeviceMemoryError",
     "ModelBuildError",
     "plan",
     "PlanEntry",

@@ -58,6 +58,7 @@ def prepare(
     exclude: Iterable[str] | None = None,
     unplaced: Iterable[str] | None = None,
     strict: bool = False,
+    reserve: Any = None,
     **options: Any,
 ) -> Prepared:
     """Resolve, check, lay out, claim, select and size ``mode`` for ``target`` (a diffusers pipeline or an
@@ -73,6 +74,7 @@ def prepare(
         exclude=exclude,
         unplaced=unplaced,
         strict=strict,
+        reserve=reserve,
         options=options,
     )
     return prepare_request(target, request)
@@ -98,6 +100,7 @@ def apply(
     exclude: Iterable[str] | None = None,
     unplaced: Iterable[str] | None = None,
     strict: bool = False,
+    reserve: Any = None,
     **options: Any,
 ) -> Handle:
     """Put ``target`` (a diffusers pipeline or an ``nn.Module``) into ``mode``; see the user guide.
@@ -113,6 +116,11 @@ def apply(
     the model or the pipeline declares it must be (a component with ``_supports_group_offloading =
     False`` moved whole, one in the pipeline's ``_exclude_from_cpu_offload`` kept on the device; each
     adjustment is otherwise logged and noted in ``report().placement_notes``).
+
+    ``reserve``: what to keep free on the device for what memmode does not own (another application, a model
+    placed without memmode), as bytes (``"2GiB"``) or a share of its memory (``0.1``, ``"10%"``). Every handle on
+    an accelerator shares its memory (:mod:`memmode_core.engine.device_share`): before each call the free memory is
+    read again, and what the call needs is made room for, from what idle handles keep first.
     """
     if isinstance(target, Prepared) and mode is None:
         return execute(target)
@@ -127,6 +135,7 @@ def apply(
         exclude=exclude,
         unplaced=unplaced,
         strict=strict,
+        reserve=reserve,
         **options,
     )
     return execute(prepared)
@@ -206,6 +215,8 @@ def install(prepared: Prepared, session, reserved: dict[str, int] | None = None)
         refuse_edit=quantization.refuse_fusing_packed,
         strict=request.strict,
         storage=request.storage_name,
+        label=target.label,
+        reserve=request.reserve,
     )
     runtime.install(reserved)
     return runtime, ledger

@@ -93,6 +93,8 @@ class Handle:
             reads_served=self.ledger.reads_served,
             bytes_served=self.ledger.bytes_served,
             served=dict(self.ledger.served_names),
+            evictions=[dict(e) for e in self.ledger.evictions],
+            recoveries=[dict(r) for r in self.ledger.recoveries],
         )
 
     def reset_stats(self) -> None:

@@ -153,7 +153,7 @@ def test_signature_blocks_are_the_real_signatures():
 # -- the substitution ------------------------------------------------------------------------------------------
 
 #: the models the pages name, on the hub or under /models, and the tiny pipeline each one becomes
-MODELS = {"Wan2.2-T2V-A14B-Diffusers": "wan22"}
+MODELS = {"Wan2.2-T2V-A14B-Diffusers": "wan22", "FLUX.1-dev": "flux"}
 #: the folders the pages write to or read from, which become folders of the page's own tmp dir
 FOLDERS = ("/models/", "/nvme/", "/dev/shm/")
 #: what a call of a substituted pipeline is reduced to (the other arguments are the page's)

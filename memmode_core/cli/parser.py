@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--plot", metavar="FILE.png", help="draw resident device bytes over time for each mode")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument(
+        "--reserve",
+        help="keep this much of the device free for what memmode does not own: bytes ('2GiB') or a share ('10%%')",
+    )
+    run.add_argument(
         "--nproc",
         type=_ranks,
         default=1,

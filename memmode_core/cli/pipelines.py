@@ -154,6 +154,12 @@ def pipeline_to_plan(args: argparse.Namespace) -> Iterator[tuple[object, str]]:
         SIZES_ONLY.reset(sizes_only)
 
 
+def run_apply_options(args: argparse.Namespace) -> dict:
+    """The keywords ``run`` gives ``apply`` besides the mode and storage: the plugins' options (``-o``), and the
+    reserve."""
+    return dict(args.options) | ({"reserve": args.reserve} if args.reserve is not None else {})
+
+
 def run_call_shapes(args: argparse.Namespace) -> dict[str, int]:
     """The shapes of the call ``run`` makes: the built-in pipeline's size, or what --height/--width/--num-frames
     say for --model (the pipeline's defaults otherwise, which ``auto`` cannot know: then none)."""

@@ -157,7 +157,7 @@ def run_on_ranks(args: argparse.Namespace) -> list[list[dict]]:
 
 
 def _run(rank: int, nproc: int, given: dict) -> list[dict]:
-    from memmode_core.cli.pipelines import pipeline_source, run_call_shapes
+    from memmode_core.cli.pipelines import pipeline_source, run_apply_options, run_call_shapes
     from memmode_core.cli.runner import run_modes
 
     args = argparse.Namespace(**{**given, "device": str(rank_device(rank))})
@@ -174,7 +174,7 @@ def _run(rank: int, nproc: int, given: dict) -> list[dict]:
         storage=args.storage,
         steps=args.steps,
         progress=False,
-        apply_options=args.options,
+        apply_options=run_apply_options(args),
         keep_going=bool(args.compare),
         call_shapes=run_call_shapes(args),
     )

@@ -11,7 +11,13 @@ import argparse
 import json
 import sys
 
-from memmode_core.cli.pipelines import component_files, load_into, pipeline_source, run_call_shapes
+from memmode_core.cli.pipelines import (
+    component_files,
+    load_into,
+    pipeline_source,
+    run_apply_options,
+    run_call_shapes,
+)
 from memmode_core.cli.plugin_options import describe_options, refuse_undeclared
 from memmode_core.contracts.errors import InvalidOptionError
 from memmode_core.contracts.units import format_bytes
@@ -40,7 +46,7 @@ def run_command(args: argparse.Namespace) -> int:
         steps=args.steps,
         progress=not args.no_progress and not args.json,
         trace=bool(args.plot),
-        apply_options=args.options,
+        apply_options=run_apply_options(args),
         keep_going=bool(args.compare),
         load_into=load_into(args),
         call_shapes=run_call_shapes(args),
@@ -73,12 +79,32 @@ def run_command(args: argparse.Namespace) -> int:
         print(
             render(headers + (["note"] if refused else []), [_run_row(r, refused) for r in results], right=headers[2:])
         )
+        for line in room_lines(ran):
+            print(line)
         if args.plot and ran:
             print(f"plot written to {args.plot}")
     if not ran:
         print("memmode: error: every mode was refused", file=sys.stderr)
         return 2
     return 0
+
+
+def room_lines(results) -> list[str]:
+    """What left the device during each mode's measured call, whose, for whom and why, and the out-of-memory errors
+    recovered from (nothing when everything fitted)."""
+    lines = []
+    for r in results:
+        for e in r.evictions:
+            groups = f"{e['groups']} groups, " if e["groups"] is not None else ""
+            lines.append(
+                f"{r.mode}: {groups}{format_bytes(e['bytes'])} of {e['by']} left the device for {e['for']} ({e['why']})"
+            )
+        for rec in r.recoveries:
+            lines.append(
+                f"{r.mode}: out of memory onloading {rec['group']} ({rec['error']}); {format_bytes(rec['released'])} "
+                f"released and the onload tried again"
+            )
+    return lines
 
 
 def _run_row(r, with_note: bool) -> tuple:

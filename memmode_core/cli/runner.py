@@ -43,6 +43,10 @@ class RunResult:
     refused: str | None = None
     #: of ``disk_bytes``, those of the streamed files (``report().storage_bytes["staged_bytes"]``)
     staged_bytes: int | None = None
+    #: what left the device in the measured call for room, and the out-of-memory errors recovered from
+    #: (``report().evictions``, ``report().recoveries``)
+    evictions: list[dict] = field(default_factory=list)
+    recoveries: list[dict] = field(default_factory=list)
 
     @classmethod
     def refusal(cls, requested: str, error: BaseException) -> RunResult:
@@ -171,6 +175,8 @@ def run_modes(
                 staged_bytes=held.get("staged_bytes", 0),
                 output_shape=tuple(output.shape),
                 trace=handle.trace() if trace else [],
+                evictions=report.evictions,
+                recoveries=report.recoveries,
             )
         )
         handle.remove()

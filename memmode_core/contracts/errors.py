@@ -87,6 +87,22 @@ class QuantizedWeightWriteError(IncompatibleModeError, RuntimeError):
     write before memmode refused it (code that caught that keeps working)."""
 
 
+class DeviceMemoryError(MemmodeError, RuntimeError):
+    """A call of a component that does not fit on its device even with every group memmode could release released
+    and its onload tried again: raised where memmode onloads, in place of the accelerator's out-of-memory error
+    (chained to it), before any weight is lost (every group keeps its stored copy). ``component``, ``device``,
+    ``predicted`` (the weight bytes its call was planned to hold at once), ``actual`` (those it held, with the
+    group it could not onload) and ``free`` (bytes free on the device when it gave up) say the same as attributes."""
+
+    def __init__(self, message: str, *, component: str, device: str, predicted: int, actual: int, free: int) -> None:
+        super().__init__(message)
+        self.component = component
+        self.device = device
+        self.predicted = predicted
+        self.actual = actual
+        self.free = free
+
+
 class CheckpointError(MemmodeError):
     """A checkpoint that cannot be loaded as it is: truncated, not safetensors, missing or unexpected
     tensors, or saved in a packed format that no installed quantizer reads. The message names the file

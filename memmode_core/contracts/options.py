@@ -100,6 +100,22 @@ def byte_size(value: Any) -> int | None:
     raise TypeError("must be a number of bytes or a string such as '8GiB'")
 
 
+def reserve_size(value: Any) -> int | float | None:
+    """What to keep free on a device for what memmode does not own: bytes (an int, ``"2GiB"``) or a share of the
+    device's memory (a float between 0 and 1, or a string such as ``"10%"``); None keeps nothing back."""
+    if isinstance(value, float) and 0 <= value < 1:
+        return value
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            share = float(value.strip()[:-1]) / 100
+        except ValueError:
+            raise ValueError(f"{value!r} is not a percentage such as '10%'") from None
+        if not 0 <= share < 1:
+            raise ValueError(f"{value!r} must be at least 0% and under 100%")
+        return share
+    return byte_size(value)
+
+
 def option(default: Any, doc: str, check: Callable[[Any], Any] | None = None) -> Any:
     """A field of an :class:`Options` dataclass: its default, its help text and its check (see :class:`Option`)."""
     metadata = {"doc": doc, "check": check}

@@ -51,6 +51,13 @@ class Report:
     bytes_served: int = 0
     #: the tensors read that way, each with how many times (the first hundred names)
     served: dict[str, int] = field(default_factory=dict)
+    #: groups that left the device because another handle, or a later group of this one, needed the room, as they
+    #: happened: ``{"bytes", "groups" (None: counted by the handle that gave them), "by" (whose groups), "for" (whom
+    #: they made room for), "why"}``; this handle's own, and those others gave back for it (the first hundred)
+    evictions: list[dict] = field(default_factory=list)
+    #: out-of-memory errors met where a group was onloaded and recovered from: ``{"component", "group", "released"
+    #: (bytes released before the second try), "error" (the accelerator's message)}`` (the first hundred)
+    recoveries: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -64,6 +71,8 @@ class Report:
             f"{format_bytes(self.bytes_transferred)} moved in {self.transfer_seconds:.3f}s "
             f"({self.onloads} onloads)"
             + (f", {self.reads_served} reads served outside their forward" if self.reads_served else "")
+            + (f", {len(self.evictions)} evictions" if self.evictions else "")
+            + (f", {len(self.recoveries)} out-of-memory errors recovered" if self.recoveries else "")
         )
 
 
@@ -73,6 +82,8 @@ MAX_TRACE_SAMPLES = 500_000
 
 #: names a ledger remembers the served reads of
 MAX_SERVED_NAMES = 100
+#: evictions and recoveries a ledger remembers
+MAX_EVENTS = 100
 
 
 class Ledger:
@@ -87,6 +98,8 @@ class Ledger:
         "reads_served",
         "bytes_served",
         "served_names",
+        "evictions",
+        "recoveries",
     )
 
     def __init__(self) -> None:
@@ -101,6 +114,8 @@ class Ledger:
         self.reads_served = 0
         self.bytes_served = 0
         self.served_names: dict[str, int] = {}
+        self.evictions: list[dict] = []
+        self.recoveries: list[dict] = []
 
     def onloaded(self, nbytes: int, seconds: float) -> None:
         self.resident += nbytes
@@ -127,6 +142,21 @@ class Ledger:
         if name in names or len(names) < MAX_SERVED_NAMES:
             names[name] = names.get(name, 0) + 1
 
+    def evicted(self, nbytes: int, groups: int | None, *, by: str, for_whom: str, why: str) -> None:
+        """Groups of ``by`` left the device to make room for ``for_whom`` (see ``Report.evictions``); one after the
+        other for the same reason, they make one entry."""
+        last = self.evictions[-1] if self.evictions else None
+        if last is not None and (last["by"], last["for"], last["why"]) == (by, for_whom, why):
+            last["bytes"] += nbytes
+            last["groups"] = None if groups is None or last["groups"] is None else last["groups"] + groups
+        elif len(self.evictions) < MAX_EVENTS:
+            self.evictions.append({"bytes": nbytes, "groups": groups, "by": by, "for": for_whom, "why": why})
+
+    def recovered(self, component: str, group: str, released: int, error: str) -> None:
+        """An out-of-memory error onloading ``group`` was recovered from by releasing ``released`` bytes."""
+        if len(self.recoveries) < MAX_EVENTS:
+            self.recoveries.append({"component": component, "group": group, "released": released, "error": error})
+
     def reset_peak(self) -> None:
         """Start a new measurement: peak restarts from what is resident now, counters from zero."""
         self.peak = self.resident
@@ -137,6 +167,8 @@ class Ledger:
         self.reads_served = 0
         self.bytes_served = 0
         self.served_names = {}
+        self.evictions = []
+        self.recoveries = []
 
 
 clock = time.perf_counter

@@ -7,7 +7,7 @@ each component's calls are nested: :meth:`Moving.enter`, :meth:`Moving.leave`; t
 the books it keeps in the state's ledger. The forward hooks (:mod:`~memmode_core.engine.forwards`) call
 :meth:`Moving.ensure` and :meth:`Moving.offload` around the modules a group enters and exits; a component's return
 (:meth:`Moving.leave`) and a pipeline's (:meth:`Moving.end_call`) offload what is left, and a component that
-needs the device takes it from idle ones (:meth:`Moving._switch_to`).
+needs the device takes it from idle ones (:meth:`Moving.switch_to`).
 
 Weights are swapped through ``tensor.data``, so parameters and buffers keep their identity: code
 that holds a reference to a parameter (an optimizer, an adapter, a tied weight) keeps seeing it.
@@ -20,6 +20,11 @@ run, and every prefetched tensor is marked as used by the compute stream (``reco
 caching allocator never hands its memory to a new copy while a kernel may still read it. A group
 that was not prefetched (first call, a layer skipped or called out of order) is simply onloaded on
 the compute stream when it is entered.
+
+Sharing the device: on an accelerator, the runtime's :class:`~memmode_core.engine.device_room.DeviceRoom` part
+(``room``) decides what its calls may hold; this part asks it before a component's call (:meth:`Moving.enter`),
+before each onload, and when an onload runs out of memory, which is tried once more after the room released what
+is not needed now. A prefetch that does not fit is dropped: the group is onloaded when it is entered.
 """
 
 from __future__ import annotations
@@ -81,6 +86,11 @@ class Moving:
         self._recording: dict[str, list[Group]] = {name: [] for name in components} if prefetch else {}
         #: (start, end) timing events of copies whose duration is not yet added to the ledger
         self._timings: list[tuple[torch.Event, torch.Event]] = []
+        #: weight bytes of the groups fetched and resident now (those placed for good are not counted)
+        self._held = 0
+        #: the runtime's :class:`~memmode_core.engine.device_room.DeviceRoom` on a shared device (set by the
+        #: runtime once both parts exist; None: nothing this part does takes device memory that others want)
+        self.room = None
 
     def onload_resident(self, group: Group) -> None:
         """Put a group kept on the device (``Policy.RESIDENT``) there, once."""
@@ -108,19 +118,46 @@ class Moving:
                 group.ready_event = None
         else:
             if group.component != self.active:
-                self._switch_to(group.component)
+                self.switch_to(group.component)
+            if self.room is not None:
+                self.room.make_way(group)
             self._fetch(group, None)
         if self._recording and group.component in self._recording:
             self._record(group)
         nxt, ahead = group.next, self._lookahead.get(group.component, 1)
         while nxt is not None and ahead > 0:  # the next streamed groups, as far ahead as the budget allows
             if not nxt.resident:
+                if self.room is not None and not self.room.fits_ahead(nxt):
+                    break  # no room to copy ahead: it is onloaded when entered
                 self._fetch(nxt, self.copy_stream)
             nxt, ahead = nxt.next, ahead - 1
 
     def _fetch(self, group: Group, stream: torch.Stream | None) -> None:
         for part in group.parts:  # a broken file is a typed error here, never wrong bytes or a SIGBUS
             self.state.session.check(part.key)
+        try:
+            tensors, seconds = self._copy(group, stream)
+        except torch.OutOfMemoryError as exc:
+            if stream is not None:
+                return  # a prefetch that does not fit now: the group is onloaded when it is entered
+            if self.room is None:
+                raise
+            freed = self.room.release_for(group, exc)
+            try:
+                tensors, seconds = self._copy(group, None)
+            except torch.OutOfMemoryError as again:
+                raise self.room.cannot_fit(group, freed) from again
+            self.room.recovered(group, freed, exc)
+        if tensors is not None:
+            group.onload(tensors)
+        group.resident = True
+        self._resident[group.component][group] = None
+        self._held += group.nbytes
+        self.state.ledger.onloaded(group.nbytes, seconds)
+
+    def _copy(self, group: Group, stream: torch.Stream | None) -> tuple[Tensors | None, float]:
+        """The group's tensors on the device (None where the storage's copies are the device tensors), and the
+        seconds the host spent copying them (0 for an asynchronous copy: its events are timed later)."""
         if self._async:
             streams = self.streams
             start = streams.new_event(self.state.device, timing=True)
@@ -131,19 +168,13 @@ class Moving:
                 streams.record(end)
             self._timings.append((start, end))
             group.ready_event = end if stream is not None else None
-            seconds = 0.0
-        elif self.zero_copy:
-            tensors, seconds = None, 0.0
+            return tensors, 0.0
+        if self.zero_copy:
             group.wake()
-        else:
-            began = clock()
-            tensors = self._fetch_parts(group, None)
-            seconds = clock() - began
-        if tensors is not None:
-            group.onload(tensors)
-        group.resident = True
-        self._resident[group.component][group] = None
-        self.state.ledger.onloaded(group.nbytes, seconds)
+            return None, 0.0
+        began = clock()
+        tensors = self._fetch_parts(group, None)
+        return tensors, clock() - began
 
     def _fetch_parts(self, group: Group, stream) -> Tensors:
         parts = group.parts
@@ -173,9 +204,10 @@ class Moving:
         group.resident = False
         group.ready_event = None
         del self._resident[group.component][group]
+        self._held -= group.nbytes
         self.state.ledger.offloaded(group.nbytes, seconds)
 
-    def _switch_to(self, component: str) -> None:
+    def switch_to(self, component: str) -> None:
         """Another component needs the device: offload what idle components left resident."""
         for name, resident in self._resident.items():
             if name != component and resident and self._depth[name] == 0:
@@ -214,6 +246,7 @@ class Moving:
             group.resident = False
             group.ready_event = None
             del self._resident[component][group]
+            self._held -= group.nbytes
             self.state.ledger.offloaded(group.nbytes, 0.0)
 
     def forget_resident(self, component: str | None = None) -> None:
@@ -222,6 +255,7 @@ class Moving:
         for name, resident in self._resident.items():
             if component is None or name == component:
                 resident.clear()
+        self._held = sum(g.nbytes for resident in self._resident.values() for g in resident)
 
     def settle(self) -> None:
         """Add the measured duration of finished asynchronous copies to the ledger."""
@@ -238,6 +272,8 @@ class Moving:
     def enter(self, component: str) -> bool:
         """A call of ``component`` begins (its entry hook, holding the lock). Returns whether it is the outermost
         one (not nested in another call of the component)."""
+        if not self._depth[component] and self.room is not None:
+            self.room.admit(component)
         self._depth[component] += 1
         return self._depth[component] == 1
 
@@ -261,6 +297,25 @@ class Moving:
         if self._timings:
             self.settle()
         return True
+
+    # -- what the room part reads ------------------------------------------------------------------------
+
+    @property
+    def held(self) -> int:
+        """Weight bytes of the groups onloaded and resident now (those placed for good are not counted)."""
+        return self._held
+
+    def resident(self, component: str) -> list[Group]:
+        """``component``'s groups resident now, in the order they were onloaded."""
+        return list(self._resident[component])
+
+    def idle_components(self, component: str) -> list[str]:
+        """The other components, not in a call now, that have groups resident."""
+        return [n for n, resident in self._resident.items() if n != component and resident and not self._depth[n]]
+
+    def lookahead(self, component: str) -> int:
+        """How many streamed groups ahead ``component`` prefetches (0 without prefetch)."""
+        return self._lookahead.get(component, 1) if self._prefetch else 0
 
     # -- execution order (prefetch) ------------------------------------------------------------------
 

@@ -46,6 +46,8 @@ from memmode_core.contracts.inner_tensors import unstorable
 from memmode_core.contracts.storage import StorageSession, placeholder
 from memmode_core.engine import watch
 from memmode_core.engine.changes import Changes
+from memmode_core.engine.device_room import DeviceRoom
+from memmode_core.engine.device_share import DeviceShare
 from memmode_core.engine.flattened import FlattenedSession, map_leaves
 from memmode_core.engine.forwards import Forwards
 from memmode_core.engine.groups import Group, Part, bind_groups
@@ -78,6 +80,8 @@ class Runtime:
         refuse_edit: Callable[[str, dict[str, nn.Module]], None] | None = None,
         strict: bool = False,
         storage: str | None = None,
+        label: str = "a model",
+        reserve: int | float | None = None,
     ) -> None:
         #: what the parts share (live groups of the ones ``prepare`` claimed, their slots taken from the model
         #: as it is now)
@@ -90,6 +94,11 @@ class Runtime:
             storage_name=storage or "its storage",
         )
         self.moving = Moving(self.state, prefetch=prefetch, lookahead=lookahead, offload_after_call=offload_after_call)
+        #: this runtime's tenancy of its device's share (None on a host device, and for a storage whose onloads copy
+        #: nothing); ``label`` names the handle to the others, ``reserve`` is kept free for what memmode does not own
+        share = None if self.moving.zero_copy else DeviceShare.of(self.state.streams, device)
+        self.room = DeviceRoom(self.state, self.moving, share, label=label, reserve=reserve) if share else None
+        self.moving.room = self.room
         self.serving = Serving(self.state, self.moving, strict=strict)
         self.changes = Changes(self.state, self.moving, self.serving, relayout=relayout, refuse_edit=refuse_edit)
         self.forwards = Forwards(self.state, self.moving, self.serving, self.changes, pipeline=pipeline)
@@ -319,6 +328,8 @@ class Runtime:
                     group.ready_event = None
                     state.ledger.offloaded(group.nbytes, 0.0)
         self.moving.forget_resident()
+        if self.room is not None:
+            self.room.leave()
         state.removed = True
         if state.session is not None:
             state.session.close()

@@ -56,6 +56,7 @@ def load(
     exclude: Iterable[str] | None = None,
     unplaced: Iterable[str] | None = None,
     strict: bool = False,
+    reserve: Any = None,
     variant: str | None = None,
     staging_dir: str | os.PathLike | None = None,
     in_place: bool | None = None,
@@ -100,6 +101,7 @@ def load(
         exclude=exclude,
         unplaced=unplaced,
         strict=strict,
+        reserve=reserve,
         options=options,
     )
     if in_place not in (None, True, False):

@@ -51,12 +51,23 @@ def storage_cost(storage: Storage, device: torch.device) -> StorageCost:
     return cost
 
 
+#: the most a bandwidth measurement copies, and the least worth measuring (below it: the declared default)
+BANDWIDTH_PROBE_BYTES = 256 << 20
+MIN_BANDWIDTH_PROBE_BYTES = 16 << 20
+
+
 @functools.cache
 def measured_bandwidth(streams: Streams, device: torch.device, kind: str) -> float:
-    """Host-to-device bytes/s, measured once per process (and backend) for pageable and page-locked memory."""
+    """Host-to-device bytes/s, measured once per process (and backend) for pageable and page-locked memory.
+
+    The copy is sized to what is free on the device (a quarter of it, at most 256 MiB): a device shared with
+    other models or applications is never pushed out of memory by a measurement. With less than 64 MiB free the
+    declared default is taken."""
     if kind not in _MEASURED_KINDS or not streams.has_streams(device):
         return DEFAULT_BANDWIDTH[kind]
-    nbytes = 256 << 20
+    nbytes = min(BANDWIDTH_PROBE_BYTES, streams.free_memory(device) // 4)
+    if nbytes < MIN_BANDWIDTH_PROBE_BYTES:
+        return DEFAULT_BANDWIDTH[kind]
     host = streams.pinned_empty(nbytes) if kind == "pinned" else torch.empty(nbytes, dtype=torch.uint8)
     dev = streams.empty((nbytes,), torch.uint8, device)
     streams.copy_(dev, host)

@@ -21,7 +21,7 @@ import torch
 
 from memmode_core.contracts.devices import resolve_device
 from memmode_core.contracts.errors import InvalidOptionError
-from memmode_core.contracts.options import Options, declared_options, resolve_options
+from memmode_core.contracts.options import Options, declared_options, reserve_size, resolve_options
 from memmode_core.contracts.resolver import Resolver
 from memmode_core.discovery.grammar import Mode, resolve
 from memmode_core.discovery.plugins import current
@@ -40,6 +40,7 @@ REQUEST_ARGUMENTS: Mapping[str, Any] = {
     "exclude": None,
     "unplaced": None,
     "strict": False,
+    "reserve": None,
 }
 
 #: spellings of another library, or of an earlier memmode, for an argument memmode spells otherwise: refused
@@ -78,6 +79,8 @@ class Request:
     #: components the placement leaves exactly where they are
     unplaced: tuple[str, ...] = ()
     strict: bool = False
+    #: what to keep free on the device for what memmode does not own: bytes, or a share of its memory (a float)
+    reserve: int | float | None = None
     placement_options: Options | None = None
     storage_options: Options | None = None
     quantizer_options: Options | None = None
@@ -129,6 +132,7 @@ class Request:
         exclude: Iterable[str] | None = None,
         unplaced: Iterable[str] | None = None,
         strict: bool = False,
+        reserve: Any = None,
         options: Mapping[str, Any] | None = None,
     ) -> Request:
         """The request of a call of a public entry, resolved and checked without looking at the target (see the
@@ -140,6 +144,10 @@ class Request:
             raise TypeError(f"strict must be True or False, not {type(strict).__name__}")
         given = dict(options or {})
         refuse_renamed(given)
+        try:
+            reserved = reserve_size(reserve)
+        except (TypeError, ValueError) as exc:
+            raise InvalidOptionError(f"reserve={reserve!r}: {exc}") from None
         resolved_device = resolve_device(device)
         if storage is not None and not isinstance(storage, str):
             raise TypeError(f"storage must be a storage name such as 'ram', not {type(storage).__name__}")
@@ -159,6 +167,7 @@ class Request:
             device=resolved_device,
             offload_dir=offload_dir,
             strict=strict,
+            reserve=reserved,
             placement_options=placement_options,
             storage_options=storage_options,
             quantizer_options=quantizer_options,
