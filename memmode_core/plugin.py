@@ -71,6 +71,7 @@ from memmode_core.contracts.storage_cost import StorageCost, copying_cost
 from memmode_core.contracts.targets import Target
 from memmode_core.contracts.versions import KIT_VERSION
 from memmode_core.discovery.sources import temporary_plugin
+from memmode_core.engine.host_pins import host_pins
 from memmode_core.engine.streams import Streams
 from memmode_core.engine.streams import active as active_streams
 from memmode_core.files.file_options import GroupFileOptions
@@ -145,6 +146,7 @@ __all__ = [
     "packing",
     # the accelerator
     "active_streams",
+    "host_pins",
     "Streams",
     # group files
     "GroupFileStorage",

@@ -22,7 +22,7 @@ from __future__ import annotations
 CORE_VERSION = "0.1.0"
 
 #: the plugin kit this memmode-core provides, ``MAJOR.MINOR``
-KIT_VERSION = "1.2"
+KIT_VERSION = "1.3"
 
 #: the attribute of a plugin's entry-point module that states the kit version it was built for
 KIT_ATTRIBUTE = "MEMMODE_KIT"

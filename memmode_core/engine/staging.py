@@ -9,22 +9,28 @@ file) while the DMA engine drains the other into the device tensors, and every d
 ordered on the stream the engine gave to ``fetch``, so the engine's event covers them.
 
 The ring is small (``2 x 16 MiB`` by default) and allocated on first use, so a storage that never
-uploads to a GPU never pins anything. Every stream, event, copy and allocation goes through
+uploads to a GPU never pins anything; its page-locked bytes count against the process's budget
+(:mod:`~memmode_core.engine.host_pins`), and where the budget has no room left the chunks are ordinary memory (the
+copies from them are then synchronous), said once. Every stream, event, copy and allocation goes through
 :mod:`~memmode_core.engine.streams`.
 """
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
 
 from memmode_core.contracts.storage import Tensors
+from memmode_core.engine.host_pins import host_pins
 from memmode_core.engine.streams import active
 from memmode_core.files.file_layout import FileLayout
 
 CHUNK_BYTES = 16 << 20
 CHUNKS = 2
+logger = logging.getLogger("memmode")
 
 #: ``fill(chunk, offset)``: write the group's data bytes ``[offset, offset + chunk.numel())`` into
 #: ``chunk`` (a page-locked ``uint8`` CPU tensor)
@@ -40,17 +46,36 @@ class StagingRing:
         self._drained: list[torch.Event | None] = []
         self._next = 0
         self.streams = active()
+        #: gives the chunks' bytes back to the process's page-locked budget (None: nothing taken)
+        self._taken: weakref.finalize | None = None
 
     @property
     def pinned_bytes(self) -> int:
-        return sum(c.numel() for c in self._chunks)
+        return sum(c.numel() for c in self._chunks) if self._taken is not None else 0
+
+    def _allocate(self) -> None:
+        """The chunks: page-locked where the process's budget has room for them, else ordinary memory."""
+        total = self.chunk_bytes * self.count
+        granted = host_pins.take(total)
+        if granted == total:
+            self._taken = weakref.finalize(self, host_pins.give, total)
+            self._chunks = [self.streams.pinned_empty(self.chunk_bytes) for _ in range(self.count)]
+        else:
+            host_pins.give(granted)
+            logger.warning(
+                "memmode: the staging buffers of a file storage (%d MiB) are ordinary memory, their copies "
+                "synchronous: the process's budget of page-locked memory is reached (%s sets it)",
+                total >> 20,
+                host_pins.variable,
+            )
+            self._chunks = [torch.empty(self.chunk_bytes, dtype=torch.uint8) for _ in range(self.count)]
+        self._drained = [None] * self.count
 
     def upload(self, layout: FileLayout, fill: Fill, device: torch.device, stream: torch.Stream | None) -> Tensors:
         """The group's tensors on ``device``, their copies queued on ``stream`` (or the current stream)."""
         streams = self.streams
         if not self._chunks:
-            self._chunks = [streams.pinned_empty(self.chunk_bytes) for _ in range(self.count)]
-            self._drained = [None] * self.count
+            self._allocate()
         stream = stream if stream is not None else streams.current_stream(device)
         with streams.on(stream):  # allocated on, and written by, that stream
             out = {e.name: streams.empty(e.shape, e.dtype, device) for e in layout.entries}
@@ -82,6 +107,9 @@ class StagingRing:
             if event is not None:
                 self.streams.wait_host(event)
         self._chunks, self._drained = [], []
+        if self._taken is not None:
+            self._taken()
+            self._taken = None
 
 
 def chunks_of(layout: FileLayout, chunk_bytes: int) -> Iterator[tuple[int, int, list[tuple[str, int, int, int]]]]:

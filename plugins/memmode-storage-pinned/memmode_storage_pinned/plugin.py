@@ -7,7 +7,7 @@ from memmode_core.plugin import hookimpl
 from .storage import PinnedStorage
 
 #: the plugin kit this plugin is built for (memmode_core.plugin.KIT_VERSION; docs/versioning.md)
-MEMMODE_KIT = "1.0"
+MEMMODE_KIT = "1.3"
 
 
 @hookimpl

@@ -31,7 +31,10 @@ from memmode_core.plugin import (
     StorageUnavailableError,
     Tensors,
     active_streams,
+    host_pins,
 )
+
+from .slabs import say_pageable
 
 PAGE = mmap.PAGESIZE
 
@@ -55,7 +58,15 @@ class _Registrations:
         return sum(_pages(flat.numel()) for flat in self.locked.values())
 
     def lock(self, key: str, flat: torch.Tensor) -> None:
-        self.streams.register_host(flat, read_only=True)
+        nbytes = _pages(flat.numel())
+        if host_pins.take(nbytes) < nbytes:
+            host_pins.give(nbytes)
+            raise MemoryError(f"the process's budget of page-locked memory ({host_pins.budget} bytes) is reached")
+        try:
+            self.streams.register_host(flat, read_only=True)
+        except BaseException:
+            host_pins.give(nbytes)
+            raise
         self.locked[key] = flat
 
     def unlock(self, key: str | None = None) -> None:
@@ -65,7 +76,9 @@ class _Registrations:
             return
         self.streams.synchronize(self.device)
         for each in keys:
-            self.streams.unregister_host(self.locked.pop(each))
+            flat = self.locked.pop(each)
+            host_pins.give(_pages(flat.numel()))
+            self.streams.unregister_host(flat)
 
 
 class SharedPinnedSession(GroupFileSession):
@@ -95,10 +108,16 @@ class SharedPinnedSession(GroupFileSession):
         self._probe()
         super().reserve(sizes)
         room = None if self.limit is None else self.limit - self._locks.nbytes
+        budget_left = host_pins.left()
+        bounded_by_host = budget_left is not None and (room is None or budget_left < room)
+        if bounded_by_host:
+            room = budget_left
         for key, size in sizes.items():
             if size and (room is None or _pages(size) <= room):
                 self._to_lock.add(key)
                 room = None if room is None else room - _pages(size)
+        if bounded_by_host:
+            say_pageable({k: n for k, n in sizes.items() if n and k not in self._to_lock})
 
     def _probe(self) -> None:
         """Page-lock one read-only shared page and unlock it (not every device can lock read-only memory)."""

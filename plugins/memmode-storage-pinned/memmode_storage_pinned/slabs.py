@@ -19,13 +19,14 @@ PyTorch's host allocator instead (``active_streams().pinned_empty``), which roun
 
 from __future__ import annotations
 
+import logging
 import mmap
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from memmode_core.plugin import active_streams
+from memmode_core.plugin import StorageUnavailableError, active_streams, host_pins
 
 #: groups are packed into slabs of about this size (fewer, larger registrations are cheaper, and a
 #: slab freed by close() is a large contiguous release)
@@ -33,6 +34,7 @@ SLAB_BYTES = 256 << 20
 #: every group starts at a multiple of this within its slab (cache line; also covers every dtype)
 GROUP_ALIGNMENT = 64
 PAGE = mmap.PAGESIZE
+logger = logging.getLogger("memmode")
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -93,15 +95,43 @@ class Slab:
         self.registered = False
 
     def register(self) -> None:
-        if not self.exact:
-            self.tensor = self.streams.pinned_empty(self.nbytes)
-        else:
-            self.streams.register_host(self.tensor)
+        """Page-lock the slab, counted against the process's budget of page-locked memory (``host_pins``)."""
+        if host_pins.take(self.nbytes) < self.nbytes:
+            host_pins.give(self.nbytes)
+            raise StorageUnavailableError(
+                f"storage 'pinned': the process's budget of page-locked memory ({host_pins.budget} bytes) was taken "
+                f"by another session meanwhile"
+            )
+        try:
+            if not self.exact:
+                self.tensor = self.streams.pinned_empty(self.nbytes)
+            else:
+                self.streams.register_host(self.tensor)
+        except BaseException:
+            host_pins.give(self.nbytes)
+            raise
         self.registered = True
 
     def unregister(self) -> None:
         """Unlock (CUDA); an allocator's page-locked block is freed with its last view instead."""
         if self.registered:
             self.registered = False
+            host_pins.give(self.nbytes)
             if self.exact:
                 self.streams.unregister_host(self.tensor)
+
+
+def say_pageable(sizes: Mapping[str, int]) -> None:
+    """Warn that these groups stay in pageable memory because the process's page-locked budget is reached."""
+    if not sizes:
+        return
+    logger.warning(
+        "memmode: storage 'pinned' keeps %d groups (%.2f GiB) in pageable memory, their copies synchronous: this "
+        "process may page-lock %.2f GiB (half of the host's memory, or its container's limit; %s sets it) and "
+        "%.2f GiB of it are locked already",
+        len(sizes),
+        sum(sizes.values()) / 2**30,
+        (host_pins.budget or 0) / 2**30,
+        host_pins.variable,
+        host_pins.pinned / 2**30,
+    )

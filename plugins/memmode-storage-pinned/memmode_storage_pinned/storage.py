@@ -32,6 +32,7 @@ from memmode_core.plugin import (
     byte_size,
     copying_cost,
     host_copy,
+    host_pins,
     option,
     packing,
     ranks_share_a_machine,
@@ -41,7 +42,7 @@ from memmode_core.plugin import (
 )
 
 from .shared import SharedPinnedSession
-from .slabs import SLAB_BYTES, Slab, Spot, assign_spots
+from .slabs import SLAB_BYTES, Slab, Spot, assign_spots, say_pageable
 
 logger = logging.getLogger("memmode")
 
@@ -92,7 +93,13 @@ class PinnedSession(StorageSession):
         pins = self._pins
         already = sum(slab.nbytes for slab in pins.slabs)
         limit = None if self.limit is None else max(0, self.limit - already)
+        budget_left = host_pins.left()
+        bounded_by_host = budget_left is not None and (limit is None or budget_left < limit)
+        if bounded_by_host:
+            limit = budget_left
         spots, slab_sizes = assign_spots(sizes, limit=limit, slab_bytes=SLAB_BYTES)
+        if bounded_by_host:
+            say_pageable({k: sizes[k] for k, spot in spots.items() if spot is None})
         added: list[Slab] = []
         try:
             for nbytes in slab_sizes:
