@@ -11,6 +11,8 @@ share of what is free.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -102,6 +104,39 @@ def test_a_handle_that_fits_beside_the_other_keeps_its_groups(blocks):
         one.remove()
         two.remove()
         strict.check()
+
+
+def test_two_threads_with_a_handle_each_share_the_device_exactly(blocks):
+    """Two threads, each calling its own model (each keeping all its blocks), on a device with room for one and a
+    half: a handle whose lock the other thread holds is never asked to give back (it is running), so neither waits
+    for the other; the device never goes over, and every output is exact."""
+    first, second, x, expected = blocks
+    strict = strict_device(weight_bytes(first) * 3 // 2)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def work(model, want) -> None:
+        try:
+            barrier.wait()
+            with torch.no_grad():
+                for _ in range(20):
+                    assert_bit_equal(model(x), want)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    with installed(strict):
+        handles = [keep_everything(first), keep_everything(second)]
+        threads = [threading.Thread(target=work, args=pair) for pair in ((first, expected[0]), (second, expected[1]))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert not any(thread.is_alive() for thread in threads), "a thread is stuck"
+        for handle in handles:
+            handle.remove()
+        strict.check()
+    assert not errors, errors
+    assert strict.capacity.peak_used <= strict.capacity.total
 
 
 # -- another application ------------------------------------------------------------------------------------------
@@ -285,6 +320,38 @@ def test_memmode_run_says_what_left_the_device_for_whom():
     assert "of WanPipeline left the device for a call of 'transformer" in "\n".join(lines)
 
 
+# -- planning with a reserve --------------------------------------------------------------------------------------
+
+
+def test_plan_and_auto_leave_the_reserve_out_of_the_budget_they_derive():
+    """Without a ``vram_budget``, ``plan(reserve=)`` judges against the free memory less the reserve — exactly as if
+    that budget were given — and ``auto`` takes the reserve off the budget it derives."""
+    pipe = make_pipeline("wan22")
+    strict = strict_device(1 << 20)
+    with installed(strict):
+        free = strict.free_memory(CPU)
+        given = memmode.plan(pipe, device="cpu", vram_budget=free - (600 << 10))
+        reserved = memmode.plan(pipe, device="cpu", reserve=600 << 10)
+        assert [(e.label(), e.storage, e.fits, e.chosen) for e in reserved] == [
+            (e.label(), e.storage, e.fits, e.chosen) for e in given
+        ]
+        assert any(not e.fits for e in reserved), "the reserve makes a difference here"
+        handle = memmode.apply(pipe, "auto", device="cpu", reserve=600 << 10)
+        chosen = handle.prepared.choice
+        assert chosen.peak_device_bytes <= int((free - (600 << 10)) * 0.8)
+        handle.remove()
+        strict.check()
+    with pytest.raises(memmode.InvalidOptionError, match="reserve="):
+        memmode.plan(pipe, device="cpu", reserve="half")
+
+
+def test_memmode_plan_takes_a_reserve(capsys):
+    from memmode_core.cli import main
+
+    assert main(["plan", "--reserve", "10%", "--json"]) == 0
+    assert '"entries"' in capsys.readouterr().out
+
+
 # -- page-locked host memory --------------------------------------------------------------------------------------
 
 
@@ -349,6 +416,37 @@ def test_the_page_locked_budget_comes_from_the_environment_or_the_host(monkeypat
     monkeypatch.delenv("MEMMODE_PINNED_BUDGET")
     memory = host_memory()
     assert memory is None or HostPins().budget == int(memory * 0.5)
+
+
+def test_a_full_load_makes_room_from_an_idle_handle_and_one_that_cannot_fit_leaves_the_model_as_it_was(blocks):
+    """``model_full_load`` onloads everything at ``apply``: on a device another handle's kept groups fill, the idle
+    handle gives them back and the full load fits; on a device too small for it, ``apply`` raises the typed error,
+    and the model is as it was: its own weights, no hooks, nothing left on the device."""
+    first, second, x, expected = blocks
+    size = weight_bytes(first)
+    strict = strict_device(size * 3 // 2)
+    with installed(strict), torch.no_grad():
+        one = keep_everything(first)
+        assert_bit_equal(first(x), expected[0])
+        full = memmode.apply(second, "model_full_load", device="cpu")
+        assert_bit_equal(second(x), expected[1])
+        assert_bit_equal(first(x), expected[0], "the kept model, streaming in what the full load leaves")
+        assert one.report().evictions and full.report().recoveries
+        full.remove()
+        one.remove()
+        strict.check()
+    assert strict.capacity.peak_used <= strict.capacity.total
+
+    before = {name: t.clone() for name, t in second.state_dict().items()}
+    small = strict_device(size // 2)
+    with installed(small), torch.no_grad():
+        with pytest.raises(memmode.DeviceMemoryError, match="component 'module' does not fit"):
+            memmode.apply(second, "model_full_load", device="cpu")
+        assert not memmode.hooks_of(second) and handle_of(second) is None
+        for name, tensor in second.state_dict().items():
+            assert torch.equal(tensor, before[name]), name
+        assert small.capacity.used == 0, "what went to the device came back"
+        small.check()
 
 
 # -- what memmode itself allocates -----------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from memmode_core.planning.budgets import (
     SHAPED_VRAM_SHARE,
     default_ram_budget,
     default_vram_budget,
+    reserved,
 )
 from memmode_core.planning.calls import DEFAULT_STEPS, CallTrace, call_sequence, call_shapes, default_calls
 from memmode_core.planning.candidates import priced_candidates
@@ -43,6 +44,10 @@ class PricingResolver(Resolver):
 
     def resolve(self, target: Any, request: Request) -> Prepared:
         budgets = self.budgets(request.placement_options, request.device)
+        if request.reserve is not None and budgets.vram is not None and "vram_budget" not in request.given:
+            # the budget derived from the free memory leaves the reserve alone (one given is the user's own)
+            vram = max(budgets.vram - reserved(request.device, request.reserve), 0)
+            budgets = dataclasses.replace(budgets, vram=vram)
         own = {o.name for o in declared_options(self.options)}
         base = dataclasses.replace(request, given={k: v for k, v in request.given.items() if k not in own})
         placed = Target.of(target).without(request.unplaced)

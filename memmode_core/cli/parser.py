@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pipeline_arguments(planning)
     planning.add_argument("--vram", help="device budget for weights, e.g. 8GiB")
     planning.add_argument("--ram", help="RAM budget for offloaded weights, e.g. 32GiB")
+    planning.add_argument(
+        "--reserve",
+        help="keep this much of the device free for what memmode does not own ('2GiB', '10%%'): without --vram, "
+        "the budget is the device's free memory now less it",
+    )
     planning.add_argument("--quantizer", nargs="+", metavar="NAME", help="also plan these quantizers")
     planning.add_argument(
         "--world-size",

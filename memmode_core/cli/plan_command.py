@@ -32,6 +32,7 @@ def plan_command(args: argparse.Namespace) -> int:
             steps=args.steps,
             ranks=args.world_size,
             context_parallel=args.context_parallel,
+            reserve=args.reserve,
             # the call's shapes: activations predicted on fake tensors, counted against --vram with the weights
             # (a --model skeleton's too: its weights stand in as fake tensors, the pipeline's code runs on the host)
             **shapes,

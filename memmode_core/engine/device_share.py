@@ -33,6 +33,13 @@ import torch
 from memmode_core.engine.streams import Streams
 
 
+def reserve_bytes(reserve: int | float | None, total: int) -> int:
+    """A reserve in bytes: given so, or a share of the device's ``total`` memory (a float)."""
+    if reserve is None:
+        return 0
+    return int(reserve * total) if isinstance(reserve, float) else int(reserve)
+
+
 class Tenant(Protocol):
     """What a share asks of a runtime on its device (:class:`~memmode_core.engine.moving.Moving`)."""
 
@@ -123,7 +130,7 @@ class DeviceShare:
         """Bytes kept free for what memmode does not own: the largest reserve a live tenant asked for."""
         with self._lock:
             asked = [entry[0] for entry in self._tenants.values() if entry[0]]
-        return max((int(r * self.total) if isinstance(r, float) else r for r in asked), default=0)
+        return max((reserve_bytes(r, self.total) for r in asked), default=0)
 
     def room(self) -> int:
         """Bytes memmode may still allocate on the device now: the free memory, read now, less the reserve."""

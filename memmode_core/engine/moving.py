@@ -29,8 +29,9 @@ is not needed now. A prefetch that does not fit is dropped: the group is onloade
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
+from typing import TypeVar
 
 import torch
 
@@ -42,6 +43,8 @@ from memmode_core.engine.groups import Group, set_data
 from memmode_core.engine.hooks import not_traced
 from memmode_core.engine.ledger import clock
 from memmode_core.engine.state import EngineState
+
+T = TypeVar("T")
 
 
 class Moving:
@@ -95,13 +98,22 @@ class Moving:
     def onload_resident(self, group: Group) -> None:
         """Put a group kept on the device (``Policy.RESIDENT``) there, once."""
         start = clock()
-        with self.streams.label(group.key):
-            device = self.state.device
-            group.assign(
-                {n: map_leaves(t, lambda x: self.streams.to_device(x, device)) for n, t in group.tensors().items()}
-            )
+        device = self.state.device
+
+        def copy() -> Tensors:
+            with self.streams.label(group.key):
+                to_device = self.streams.to_device
+                return {n: map_leaves(t, lambda x: to_device(x, device)) for n, t in group.tensors().items()}
+
+        group.assign(self._onloading(group, copy))
         group.resident = True
         self.state.ledger.onloaded(group.nbytes, clock() - start)
+
+    def offload_resident(self, group: Group) -> None:
+        """Take a group :meth:`onload_resident` put on the device back to ordinary memory (an install that failed)."""
+        group.assign({n: map_leaves(t, self.streams.to_host) for n, t in group.tensors().items()})
+        group.resident = False
+        self.state.ledger.offloaded(group.nbytes, 0.0)
 
     @not_traced
     def ensure(self, group: Group) -> None:
@@ -135,25 +147,35 @@ class Moving:
     def _fetch(self, group: Group, stream: torch.Stream | None) -> None:
         for part in group.parts:  # a broken file is a typed error here, never wrong bytes or a SIGBUS
             self.state.session.check(part.key)
-        try:
-            tensors, seconds = self._copy(group, stream)
-        except torch.OutOfMemoryError as exc:
-            if stream is not None:
-                return  # a prefetch that does not fit now: the group is onloaded when it is entered
-            if self.room is None:
-                raise
-            freed = self.room.release_for(group, exc)
+        if stream is None:
+            tensors, seconds = self._onloading(group, lambda: self._copy(group, None))
+        else:
             try:
-                tensors, seconds = self._copy(group, None)
-            except torch.OutOfMemoryError as again:
-                raise self.room.cannot_fit(group, freed) from again
-            self.room.recovered(group, freed, exc)
+                tensors, seconds = self._copy(group, stream)
+            except torch.OutOfMemoryError:
+                return  # a prefetch that does not fit now: the group is onloaded when it is entered
         if tensors is not None:
             group.onload(tensors)
         group.resident = True
         self._resident[group.component][group] = None
         self._held += group.nbytes
         self.state.ledger.onloaded(group.nbytes, seconds)
+
+    def _onloading(self, group: Group, copy: Callable[[], T]) -> T:
+        """``copy()``, which onloads ``group``; on the device's out-of-memory error, once more after the room part
+        released what is not needed now (a :class:`DeviceMemoryError` if it fails again, chained to it)."""
+        try:
+            return copy()
+        except torch.OutOfMemoryError as exc:
+            if self.room is None:
+                raise
+            freed = self.room.release_for(group, exc)
+            try:
+                copied = copy()
+            except torch.OutOfMemoryError as again:
+                raise self.room.cannot_fit(group, freed) from again
+            self.room.recovered(group, freed, exc)
+            return copied
 
     def _copy(self, group: Group, stream: torch.Stream | None) -> tuple[Tensors | None, float]:
         """The group's tensors on the device (None where the storage's copies are the device tensors), and the

@@ -209,6 +209,19 @@ class Runtime:
                             f"storage that keeps values at rest (ram, mmap) for this model"
                         )
                 session.flush()
+            # the groups placed on the device for good go there now, while the stored ones are still the model's
+            # own: a device too small for them (a typed DeviceMemoryError) takes back what went, and leaves the model
+            # as it was
+            onloaded: list[Group] = []
+            try:
+                for group in state.groups:
+                    if group.policy is Policy.RESIDENT:
+                        self.moving.onload_resident(group)
+                        onloaded.append(group)
+            except BaseException:
+                for group in onloaded:
+                    self.moving.offload_resident(group)
+                raise
         except BaseException:
             if session is not None:
                 session.close()
@@ -216,9 +229,6 @@ class Runtime:
         for group in stored:
             group.rest(group.at_rest)
             self.serving.rest_as_stand_ins(group)
-        for group in state.groups:
-            if group.policy is Policy.RESIDENT:
-                self.moving.onload_resident(group)
         for name in state.components:
             self.forwards.install_hooks(name)
             self.changes.note_placeholders(name)

@@ -1,8 +1,8 @@
 """How much memory a choice may use: the budgets given (``"8GiB"``), or the defaults ``auto`` derives.
 
-Without a ``vram_budget``, ``auto`` gives weights a share of the device's free memory (the rest is for the
-call's activations; a larger share when the call's shapes are given, since the activations are then predicted
-and counted); without a ``ram_budget``, a share of what the system says is available. On a CPU device there
+Without a ``vram_budget``, ``auto`` gives weights a share of the device's free memory less the ``reserve`` (the rest
+is for the call's activations; a larger share when the call's shapes are given, since the activations are then
+predicted and counted); without a ``ram_budget``, a share of what the system says is available. On a CPU device there
 is no device limit: the device is the RAM.
 """
 
@@ -14,6 +14,7 @@ import torch
 
 from memmode_core.contracts.errors import InvalidOptionError
 from memmode_core.contracts.options import byte_size
+from memmode_core.engine.device_share import reserve_bytes
 from memmode_core.engine.streams import active
 
 #: Share of free device memory ``auto`` may fill with weights by default (the rest is for activations).
@@ -35,13 +36,30 @@ def budget_bytes(name: str, value: Any) -> int | None:
         raise InvalidOptionError(f"{name}={value!r}: {exc}") from None
 
 
-def default_vram_budget(device: torch.device, share: float = DEFAULT_VRAM_SHARE) -> int | None:
-    """``share`` of the device's free memory (None on the host: no limit)."""
+def default_vram_budget(
+    device: torch.device, share: float = DEFAULT_VRAM_SHARE, reserve: int | float | None = None
+) -> int | None:
+    """``share`` of the device's free memory less the ``reserve`` (bytes, or a share of the device's memory) (None on
+    the host: no limit)."""
+    room = device_room(device, reserve)
+    return None if room is None else int(room * share)
+
+
+def reserved(device: torch.device, reserve: int | float | None) -> int:
+    """The ``reserve`` in bytes on ``device`` (0 on the host, whose memory has its own budget)."""
     streams = active()
-    if not streams.is_host(device):
-        free, _ = streams.memory_info(device)
-        return int(free * share)
-    return None
+    if reserve is None or streams.is_host(device):
+        return 0
+    return reserve_bytes(reserve, streams.memory_info(device)[1])
+
+
+def device_room(device: torch.device, reserve: int | float | None = None) -> int | None:
+    """What memmode may take on ``device`` now: its free memory (what PyTorch caches for this process unused
+    included) less the ``reserve`` (None on the host: no limit)."""
+    streams = active()
+    if streams.is_host(device):
+        return None
+    return max(streams.free_memory(device) - reserved(device, reserve), 0)
 
 
 def default_ram_budget() -> int | None:

@@ -21,11 +21,12 @@ from typing import Any
 from memmode_core.contracts.deprecation import moved_names
 from memmode_core.contracts.devices import resolve_device
 from memmode_core.contracts.errors import InvalidOptionError
+from memmode_core.contracts.options import reserve_size
 from memmode_core.contracts.targets import Target
 from memmode_core.discovery.grammar import lookup
 from memmode_core.discovery.plugins import current
 from memmode_core.discovery.registrations import Registration
-from memmode_core.planning.budgets import budget_bytes
+from memmode_core.planning.budgets import budget_bytes, device_room
 from memmode_core.planning.calls import DEFAULT_STEPS, CallTrace, call_sequence, call_shapes, default_calls
 from memmode_core.planning.candidates import priced_candidates
 from memmode_core.planning.choosing import judge
@@ -53,6 +54,7 @@ def plan(
     batch: int | None = None,
     ranks: int = 1,
     context_parallel: int = 1,
+    reserve: Any = None,
     **options: Any,
 ) -> list[PlanEntry]:
     """Predict every installed placement × storage (× ``quantizer``) for ``target``; see the module docstring.
@@ -66,6 +68,9 @@ def plan(
     entry's ``activation_bytes`` is the activation peak of the call's components, predicted by running their
     forwards on fake tensors, and ``vram_budget`` counts weights plus activations (``device_bytes``).
 
+    ``reserve``: what to keep free on an accelerator for what memmode does not own (bytes, or a share of the
+    device: ``"10%"``); without a ``vram_budget``, the budget is then the device's free memory now less it.
+
     ``ranks``: the ranks of ``torch.distributed`` on one machine that each place the pipeline (one process per
     GPU): ``vram_budget`` is one GPU's, ``ram_budget`` the machine's, and each entry's ``machine_host_bytes``
     and ``machine_disk_bytes`` count what a storage's ranks share once (``mmap``'s and ``disk``'s files) and the
@@ -78,6 +83,13 @@ def plan(
     tgt = Target.of(target).without(unplaced or ())
     dev = resolve_device(device)
     vram = budget_bytes("vram_budget", vram_budget)
+    if reserve is not None:
+        try:
+            kept_free = reserve_size(reserve)
+        except (TypeError, ValueError) as exc:
+            raise InvalidOptionError(f"reserve={reserve!r}: {exc}") from None
+        if vram is None:
+            vram = device_room(dev, kept_free)
     ram = budget_bytes("ram_budget", ram_budget)
     sequence = call_sequence(tgt, calls if calls is not None else default_calls(tgt, steps))
     call = CallTrace.of(target, sequence, dev, call_shapes(height, width, num_frames, batch), context_parallel)
