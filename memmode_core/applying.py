@@ -217,6 +217,7 @@ def install(prepared: Prepared, session, reserved: dict[str, int] | None = None)
         storage=request.storage_name,
         label=target.label,
         reserve=request.reserve,
+        activations={name: trace.activation_peak for name, trace in (request.traces or {}).items()},
     )
     runtime.install(reserved)
     return runtime, ledger

@@ -139,6 +139,36 @@ def test_two_threads_with_a_handle_each_share_the_device_exactly(blocks):
     assert strict.capacity.peak_used <= strict.capacity.total
 
 
+def test_the_predicted_activations_of_a_call_get_their_room_before_it_runs(blocks):
+    """Where the plan predicted a component's activations (``auto`` given the call's shapes), its weights leave them
+    room: the call's weights stay under the free memory less its activations, the rest of its kept groups stream.
+    (The strict model computes on the host, so the activations are counted here, not allocated.)"""
+    first, _, x, expected = blocks
+    size = weight_bytes(first)
+    activations = size // 2
+    strict = strict_device(size)
+    with installed(strict), torch.no_grad():
+        handle = keep_everything(first)
+        handle.runtime.room.activations = {"module": activations}
+        for _ in range(3):
+            assert_bit_equal(first(x), expected[0])
+        handle.remove()
+        strict.check()
+    assert 0 < strict.capacity.peak_used <= size - activations
+
+
+def test_auto_given_the_call_shapes_hands_each_component_its_predicted_activations():
+    pipe = make_pipeline("wan22")
+    strict = strict_device(1 << 30)
+    with installed(strict):
+        handle = memmode.apply(pipe, "auto", device="cpu", height=16, width=16, num_frames=5)
+        traces = handle.prepared.internal.request.traces
+        assert handle.runtime.room.activations == {name: t.activation_peak for name, t in traces.items()}
+        assert all(handle.runtime.room.activations[name] > 0 for name in ("transformer", "vae"))
+        handle.remove()
+        strict.check()
+
+
 # -- another application ------------------------------------------------------------------------------------------
 
 

@@ -7,11 +7,13 @@ copy: otherwise nothing memmode does takes device memory and the runtime has no 
 :class:`~memmode_core.engine.moving.Moving` part, which it gets through its constructor, moves:
 
 - before a component's call (:meth:`DeviceRoom.admit`) it reads the room free now and makes the room the call is
-  predicted to need (:meth:`DeviceRoom.predicted_peak`): other handles that are not running give back what they
-  keep, then this runtime's idle components leave. The bytes the call may hold are capped at what there is then,
-  so that what is still short comes out of the component's own kept groups, one at a time as a later group needs
-  the room (:meth:`DeviceRoom.make_way`), rather than pushing the device over; a prefetch that would go over is
-  not issued (:meth:`DeviceRoom.fits_ahead`);
+  predicted to need: its weights (:meth:`DeviceRoom.predicted_peak`), plus its activations where the plan predicted
+  them (``auto`` given the call's shapes: a VAE's decode gets the room its activations take at those shapes).
+  Other handles that are not running give back what they keep, then this runtime's idle components leave. The
+  weight bytes the call may hold are capped at what there is then, less its activations, so that what is still
+  short comes out of the component's own kept groups, one at a time as a later group needs the room
+  (:meth:`DeviceRoom.make_way`), rather than pushing the device over; a prefetch that would go over is not issued
+  (:meth:`DeviceRoom.fits_ahead`);
 - an out-of-memory error where a group is onloaded (a shape nobody planned, fragmentation, another process)
   releases every group not needed now (:meth:`DeviceRoom.release_for`); Moving tries once more, and a group that
   still does not fit is a :class:`~memmode_core.contracts.errors.DeviceMemoryError` naming the component
@@ -22,6 +24,8 @@ Whatever leaves, and for whom, is written in the ledger (``report().evictions``,
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 
@@ -42,11 +46,21 @@ class DeviceRoom:
     the reports of the others, ``reserve`` is what it asks the share to keep free for what memmode does not own."""
 
     def __init__(
-        self, state: EngineState, moving: Moving, share: DeviceShare, *, label: str, reserve: int | float | None
+        self,
+        state: EngineState,
+        moving: Moving,
+        share: DeviceShare,
+        *,
+        label: str,
+        reserve: int | float | None,
+        activations: Mapping[str, int] | None = None,
     ) -> None:
         self.state = state
         self.moving = moving
         self.share = share
+        #: component -> the activation peak of its call predicted at the shapes the plan was made for (``auto`` given
+        #: the call's shapes); a component without one counts none, and the reserve covers its activations
+        self.activations = dict(activations or {})
         #: weight bytes this runtime may hold on the device in the call running now (None: before the first call)
         self.cap: int | None = None
         self.label = share.join(self, label, reserve)
@@ -72,14 +86,15 @@ class DeviceRoom:
         moving = self.moving
         mine = sum(g.nbytes for g in moving.resident(component))
         idle = sum(g.nbytes for name in moving.idle_components(component) for g in moving.resident(name))
-        need = max(self.predicted_peak(component) - mine, 0)
+        activations = self.activations.get(component, 0)
+        need = max(self.predicted_peak(component) - mine, 0) + activations
         room = self.share.make_room(self, need - idle, f"room for a call of {component!r}")
         if room + idle < need:
             moving.switch_to(component)  # this runtime's idle components leave now, not at the first onload
             room = self.share.room()
         # what is still short comes out of the component's own kept groups, one at a time as its later groups need
-        # the room (make_way), so that those needed first stay
-        self.cap = moving.held + max(room, 0)
+        # the room (make_way), so that those needed first stay; the call's activations keep theirs
+        self.cap = moving.held + max(room - activations, 0)
 
     def make_way(self, group: Group) -> None:
         """Before ``group`` is onloaded in a call: if it would take the runtime over the call's cap, the kept groups

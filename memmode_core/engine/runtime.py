@@ -82,6 +82,7 @@ class Runtime:
         storage: str | None = None,
         label: str = "a model",
         reserve: int | float | None = None,
+        activations: Mapping[str, int] | None = None,
     ) -> None:
         #: what the parts share (live groups of the ones ``prepare`` claimed, their slots taken from the model
         #: as it is now)
@@ -95,9 +96,14 @@ class Runtime:
         )
         self.moving = Moving(self.state, prefetch=prefetch, lookahead=lookahead, offload_after_call=offload_after_call)
         #: this runtime's tenancy of its device's share (None on a host device, and for a storage whose onloads copy
-        #: nothing); ``label`` names the handle to the others, ``reserve`` is kept free for what memmode does not own
+        #: nothing); ``label`` names the handle to the others, ``reserve`` is kept free for what memmode does not own,
+        #: ``activations`` are the predicted activation peaks of the components' calls (where the plan has them)
         share = None if self.moving.zero_copy else DeviceShare.of(self.state.streams, device)
-        self.room = DeviceRoom(self.state, self.moving, share, label=label, reserve=reserve) if share else None
+        self.room = (
+            DeviceRoom(self.state, self.moving, share, label=label, reserve=reserve, activations=activations)
+            if share
+            else None
+        )
         self.moving.room = self.room
         self.serving = Serving(self.state, self.moving, strict=strict)
         self.changes = Changes(self.state, self.moving, self.serving, relayout=relayout, refuse_edit=refuse_edit)
