@@ -559,6 +559,83 @@ def test_a_session_closed_by_the_garbage_collector_inside_another_sessions_lock_
     assert list(folder.iterdir()) == []
 
 
+#: a session is closed by the garbage collector at a chosen moment of another session's taking the folder's lock:
+#: inside the bookkeeping of who holds it, between the ``flock`` and that bookkeeping, or inside a cleanup that
+#: holds the lock itself
+_COLLECTED_WHILE_LOCKING = textwrap.dedent("""
+    import gc, sys
+    from memmode_core.files import folder as folder_module, folder_holders
+    from memmode_core.files.folder import OffloadFolder
+
+    path, moment = sys.argv[1], sys.argv[2]
+    gc.disable()  # the collector runs where this script says, not before
+
+    def session():
+        opened = OffloadFolder(path, keep_files=False)
+        opened.open()
+        return opened
+
+    armed = []  # what to drop at the chosen moment: the last reference to a session, whose cleanup then runs
+
+    def drop():
+        while armed:
+            armed.pop()
+            gc.collect()
+
+    if moment == "bookkeeping":
+        class DroppingHold(folder_holders._Hold):
+            def __init__(self, *args, **kwargs):
+                drop()
+                super().__init__(*args, **kwargs)
+        folder_holders._Hold = DroppingHold
+    else:
+        fcntl = folder_module.fcntl
+        class DroppingFcntl:
+            def __getattr__(self, name):
+                return getattr(fcntl, name)
+            def flock(self, fd, op):
+                fcntl.flock(fd, op)
+                if op == fcntl.LOCK_EX:
+                    drop()
+        folder_module.fcntl = DroppingFcntl()
+
+    keeper = session()
+    if moment == "cleanup":
+        # the first orphan's cleanup takes the lock; the second is dropped while it holds it
+        first = [session()]
+        first.append(first)  # a cycle: only the collector closes it
+        armed.append(session())
+        del first
+        gc.collect()
+        print("inside", flush=True)
+    else:
+        armed.append(session())
+        with keeper.locked():
+            print("inside", flush=True)
+    keeper.close()
+    print(sorted(p.name for p in __import__("pathlib").Path(path).iterdir()), flush=True)
+""")
+
+
+@pytest.mark.parametrize("moment", ["bookkeeping", "flock", "cleanup"])
+def test_a_session_the_collector_closes_while_the_lock_is_being_taken_waits_for_it(moment, tmp_path):
+    """The garbage collector can run anywhere: inside the record of who holds a folder's lock, right after the
+    ``flock`` and before that record, or inside a cleanup that holds the lock itself. A session it closes there runs
+    its cleanup once the lock is let go (its own thread holds or is taking it): nothing waits on itself, and every
+    lease is gone at the end."""
+    folder = tmp_path / "shared"
+    done = subprocess.run(
+        [sys.executable, "-c", _COLLECTED_WHILE_LOCKING, str(folder), moment],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    inside, left = done.stdout.splitlines()
+    assert inside == "inside"
+    assert eval(left) == [], "a lease outlived its session"
+
+
 _AT_EXIT = textwrap.dedent("""
     import sys, torch
     from memmode_core.files.store import GroupFileStore

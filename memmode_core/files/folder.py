@@ -15,8 +15,9 @@ processes, not bytes:
   next session that reserves room in the folder, unless that process asked to keep its files;
 - cleanup runs from a ``weakref.finalize``, so it also happens at interpreter exit, and never in a
   process forked from the one that made the folder; a cleanup the garbage collector starts while its
-  own thread holds the folder's lock through another session runs when that thread lets go of it
-  (:mod:`~memmode_core.files.folder_holders`: otherwise it waits forever on its own thread).
+  own thread holds (or is taking) the folder's lock through another session, or another cleanup, runs when
+  that thread lets go of it (:func:`holding`, :mod:`~memmode_core.files.folder_holders`: otherwise it waits
+  forever on its own thread).
 
 POSIX only (``fcntl.flock``).
 """
@@ -99,19 +100,9 @@ class OffloadFolder:
         except FileNotFoundError:
             return False
 
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
+    def locked(self) -> contextlib.AbstractContextManager[None]:
         """Hold the folder's lock: one session at a time checks, writes or deletes files in it."""
-        fd = self._cleanup.folder_fd
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        folder_holders.enter(fd)
-        try:
-            yield
-        finally:
-            waited = folder_holders.leave(fd)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            for cleanup in waited:
-                cleanup()
+        return holding(self._cleanup.folder_fd)
 
     def temporary_file(self) -> tuple[int, str]:
         """A new temporary file in the folder (same filesystem, so it can be renamed into place), locked
@@ -176,6 +167,28 @@ class OffloadFolder:
         self._finalizer()
 
 
+@contextlib.contextmanager
+def holding(fd: int) -> Iterator[None]:
+    """Hold the lock (``flock``) of the folder open as ``fd``, this thread's hold known to
+    :mod:`~memmode_core.files.folder_holders` from before the lock is taken until after it is let go: a session's
+    cleanup the garbage collector runs meanwhile in this thread is deferred until then, never left waiting on a lock
+    its own thread holds. Every blocking lock of a folder in this module is taken here."""
+    folder_holders.enter(fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        for cleanup in folder_holders.leave(fd):
+            cleanup()
+        raise
+    try:
+        yield
+    finally:
+        waited = folder_holders.leave(fd)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        for cleanup in waited:
+            cleanup()
+
+
 class _Cleanup:
     """What a session leaves in its folder and must undo: kept apart from :class:`OffloadFolder`
     so that the finalizer that runs it at exit does not keep the folder object alive."""
@@ -198,14 +211,11 @@ class _Cleanup:
             if self.private_folder is not None:
                 shutil.rmtree(self.private_folder, ignore_errors=True)
             elif self.lease is not None:
-                fcntl.flock(self.folder_fd, fcntl.LOCK_EX)
-                try:
+                with holding(self.folder_fd):
                     self.lease.finish(keep=self.keep_files)
                     if self.remove_when_empty:
                         with contextlib.suppress(OSError):  # not empty: another session still uses it
                             os.rmdir(self.lease.path.parent)
-                finally:
-                    fcntl.flock(self.folder_fd, fcntl.LOCK_UN)
         finally:
             if self.folder_fd is not None:
                 os.close(self.folder_fd)

@@ -8,6 +8,13 @@ packed). So :meth:`~memmode_core.files.folder.OffloadFolder.locked` says here wh
 that finds its own thread holding it is handed back when the outermost hold ends, to run after the unlock.
 Another thread's cleanup waits for the lock as another process would.
 
+The collector can run anywhere, this module's own bookkeeping included, so by construction:
+
+- a thread says it holds a folder *before* it takes the ``flock`` (and takes it back if that fails): a cleanup the
+  collector runs in between is deferred, never left to wait on a lock its own thread is about to hold;
+- the bookkeeping is guarded by a re-entrant lock and allocates nothing while it holds it (a hold is made before):
+  a cleanup the collector starts inside it re-enters it instead of waiting on its own thread.
+
 A folder is known by its device and inode: two sessions of one folder hold two descriptors of it.
 """
 
@@ -26,7 +33,7 @@ class _Hold:
     waiting: list[Callable[[], None]] = field(default_factory=list)
 
 
-_guard = threading.Lock()
+_guard = threading.RLock()
 _holds: dict[tuple[int, int], _Hold] = {}
 
 
@@ -36,10 +43,11 @@ def _folder(fd: int) -> tuple[int, int]:
 
 
 def enter(fd: int) -> None:
-    """This thread has just taken the lock of ``fd``'s folder."""
+    """This thread is about to take the lock of ``fd``'s folder (or holds it already: holds nest)."""
     key = _folder(fd)
+    new = _Hold(threading.get_ident())  # made outside the guard: the collector may run here, and then re-enter it
     with _guard:
-        hold = _holds.setdefault(key, _Hold(threading.get_ident()))
+        hold = _holds.setdefault(key, new)
         hold.depth += 1
 
 
