@@ -34,6 +34,7 @@ from memmode_core.contracts.group_specs import Policy
 from memmode_core.contracts.units import format_bytes
 from memmode_core.engine.device_share import DeviceShare
 from memmode_core.engine.groups import Group
+from memmode_core.engine.hooks import not_traced
 from memmode_core.engine.moving import Moving
 from memmode_core.engine.state import EngineState
 
@@ -80,6 +81,7 @@ class DeviceRoom:
         ahead = min(self.moving.lookahead(component), len(streamed))
         return kept + (1 + ahead) * max(streamed, default=0)
 
+    @not_traced
     def admit(self, component: str) -> None:
         """Before ``component``'s call: make the room it is predicted to need from the memory free now, and cap what
         this runtime holds during the call at what there is."""
