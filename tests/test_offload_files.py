@@ -5,6 +5,7 @@ are cut into staging chunks."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import multiprocessing
 import os
 import shutil
@@ -21,6 +22,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from fault_injection import in_forked_child
 from helpers import ACCELERATOR, on_accelerator
 from memmode_core import StorageUnavailableError
 from memmode_core.contracts import packing
@@ -559,16 +561,15 @@ def test_a_session_closed_by_the_garbage_collector_inside_another_sessions_lock_
     assert list(folder.iterdir()) == []
 
 
-#: a session is closed by the garbage collector at a chosen moment of another session's taking the folder's lock:
-#: inside the bookkeeping of who holds it, between the ``flock`` and that bookkeeping, or inside a cleanup that
-#: holds the lock itself
-_COLLECTED_WHILE_LOCKING = textwrap.dedent("""
-    import gc, sys
-    from memmode_core.files import folder as folder_module, folder_holders
+def _collected_while_locking(path: str, moment: str) -> list[str]:
+    """In a forked child: a session is closed by the garbage collector at ``moment`` of another session's taking
+    the folder's lock — inside the record of who holds it (``bookkeeping``), right after the ``flock`` (``flock``),
+    or inside a cleanup that holds the lock itself (``cleanup``). Returns what is left in the folder."""
+    from memmode_core.files import folder as folder_module
+    from memmode_core.files import folder_holders
     from memmode_core.files.folder import OffloadFolder
 
-    path, moment = sys.argv[1], sys.argv[2]
-    gc.disable()  # the collector runs where this script says, not before
+    gc.disable()  # the collector runs where this function says, not before (in the child's own process)
 
     def session():
         opened = OffloadFolder(path, keep_files=False)
@@ -583,20 +584,25 @@ _COLLECTED_WHILE_LOCKING = textwrap.dedent("""
             gc.collect()
 
     if moment == "bookkeeping":
+
         class DroppingHold(folder_holders._Hold):
             def __init__(self, *args, **kwargs):
                 drop()
                 super().__init__(*args, **kwargs)
+
         folder_holders._Hold = DroppingHold
     else:
         fcntl = folder_module.fcntl
+
         class DroppingFcntl:
             def __getattr__(self, name):
                 return getattr(fcntl, name)
+
             def flock(self, fd, op):
                 fcntl.flock(fd, op)
                 if op == fcntl.LOCK_EX:
                     drop()
+
         folder_module.fcntl = DroppingFcntl()
 
     keeper = session()
@@ -607,14 +613,12 @@ _COLLECTED_WHILE_LOCKING = textwrap.dedent("""
         armed.append(session())
         del first
         gc.collect()
-        print("inside", flush=True)
     else:
         armed.append(session())
         with keeper.locked():
-            print("inside", flush=True)
+            pass
     keeper.close()
-    print(sorted(p.name for p in __import__("pathlib").Path(path).iterdir()), flush=True)
-""")
+    return sorted(p.name for p in Path(path).iterdir())
 
 
 @pytest.mark.parametrize("moment", ["bookkeeping", "flock", "cleanup"])
@@ -623,17 +627,8 @@ def test_a_session_the_collector_closes_while_the_lock_is_being_taken_waits_for_
     ``flock`` and before that record, or inside a cleanup that holds the lock itself. A session it closes there runs
     its cleanup once the lock is let go (its own thread holds or is taking it): nothing waits on itself, and every
     lease is gone at the end."""
-    folder = tmp_path / "shared"
-    done = subprocess.run(
-        [sys.executable, "-c", _COLLECTED_WHILE_LOCKING, str(folder), moment],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    inside, left = done.stdout.splitlines()
-    assert inside == "inside"
-    assert eval(left) == [], "a lease outlived its session"
+    left = in_forked_child(_collected_while_locking, str(tmp_path / "shared"), moment, timeout=30)
+    assert left == [], "a lease outlived its session"
 
 
 _AT_EXIT = textwrap.dedent("""
