@@ -78,6 +78,8 @@ FAST_SUBSET = [
     # (the original names), its model classes' dtypes (the dtype a file loads in)
     "tests/test_default_dtype.py",
     "tests/test_gguf_iquants_load.py",
+    # one device shared by handles, and the page-locked budget the pinned plugin takes from the kit (host_pins)
+    "tests/test_device_sharing.py",
 ]
 #: what the suite needs beside memmode (requirements-test.txt's test tools, and matplotlib for ``memmode run
 #: --plot``), unpinned: the lane takes their newest releases too

@@ -387,9 +387,19 @@ def test_memmode_plan_takes_a_reserve(capsys):
 
 @pytest.fixture
 def pinned_budget():
-    """Set the process's budget of page-locked memory for the test (``host_pins.budget``), and put it back."""
-    saved = host_pins.budget
-    yield lambda nbytes: setattr(host_pins, "budget", nbytes)
+    """``set(nbytes)``: the process may page-lock ``nbytes`` more than it holds locked when the test starts (what
+    earlier tests of this process still hold: a live session's staging chunks), and ``locked()``: what the test
+    itself holds locked now; the budget is put back after."""
+    saved, before = host_pins.budget, host_pins.pinned
+
+    class Budget:
+        def set(self, nbytes: int) -> None:
+            host_pins.budget = before + nbytes
+
+        def locked(self) -> int:
+            return host_pins.pinned - before
+
+    yield Budget()
     host_pins.budget = saved
 
 
@@ -399,14 +409,14 @@ def test_page_locked_memory_never_exceeds_the_host_budget(blocks, pinned_budget,
     gives every locked byte back."""
     first, second, x, expected = blocks
     size = weight_bytes(first)
-    pinned_budget(size * 6 // 10)
+    pinned_budget.set(size * 6 // 10)
     strict = strict_device(size * 4)
     with installed(strict), torch.no_grad(), caplog.at_level("WARNING", logger="memmode"):
         one = memmode.apply(first, "model_group_offload", device="cpu", storage="pinned")
-        locked_by_one = host_pins.pinned
+        locked_by_one = pinned_budget.locked()
         two = memmode.apply(second, "model_group_offload", device="cpu", storage="pinned")
-        assert 0 < locked_by_one <= size * 6 // 10 and host_pins.pinned <= size * 6 // 10
-        assert strict.pinned_bytes == host_pins.pinned, "the budget counts exactly what is page-locked"
+        assert 0 < locked_by_one <= size * 6 // 10 and pinned_budget.locked() <= size * 6 // 10
+        assert strict.pinned_bytes == pinned_budget.locked(), "the budget counts exactly what is page-locked"
         stats = one.report().storage_bytes
         assert stats["pinned_bytes"] == locked_by_one and stats["pageable_bytes"] > 0
         assert_bit_equal(first(x), expected[0])
@@ -414,7 +424,7 @@ def test_page_locked_memory_never_exceeds_the_host_budget(blocks, pinned_budget,
         one.remove()
         two.remove()
         strict.check()
-    assert host_pins.pinned == 0 and strict.pinned_bytes == 0
+    assert pinned_budget.locked() == 0 and strict.pinned_bytes == 0
     assert any(
         "in pageable memory" in r.getMessage() and "MEMMODE_PINNED_BUDGET" in r.getMessage() for r in caplog.records
     )
@@ -426,12 +436,12 @@ def test_a_file_storage_stages_through_ordinary_memory_when_the_budget_is_spent(
     """``disk`` uploads through two page-locked staging chunks; with no page-locked budget left they are ordinary
     memory (copies synchronous), said once, and the output is the same."""
     first, _, x, expected = blocks
-    pinned_budget(0)
+    pinned_budget.set(0)
     strict = strict_device(weight_bytes(first) * 4)
     with installed(strict), torch.no_grad(), caplog.at_level("WARNING", logger="memmode"):
         handle = memmode.apply(first, "model_group_offload", device="cpu", storage="disk", offload_dir=tmp_path)
         assert_bit_equal(first(x), expected[0])
-        assert strict.pinned_bytes == 0 and host_pins.pinned == 0
+        assert strict.pinned_bytes == 0 and pinned_budget.locked() == 0
         handle.remove()
         strict.check()
     assert sum("staging buffers" in r.getMessage() for r in caplog.records) == 1
