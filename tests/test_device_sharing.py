@@ -11,6 +11,7 @@ share of what is free.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -46,6 +47,20 @@ def keep_everything(model: torch.nn.Module, storage: str = "ram", **options) -> 
     return memmode.apply(
         model, "model_group_offload", device="cpu", storage=storage, vram_budget=weight_bytes(model), **options
     )
+
+
+@contextlib.contextmanager
+def wan_after_its_first_call():
+    """The tiny Wan 2.2 pipeline under group offload keeping its experts' groups (``vram_budget`` covers them), on a
+    strict device of 1 GiB installed for the block, after a first call checked bit-equal: ``(strict, pipe, handle,
+    expected)``, ``expected`` the full load's two calls."""
+    expected = full_load_outputs("wan22")
+    pipe = make_pipeline("wan22")
+    strict = strict_device(1 << 30)
+    with installed(strict):
+        handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage="ram", vram_budget="1GiB")
+        assert_bit_equal(run(pipe, "wan22", 0), expected[0], "call 1")
+        yield strict, pipe, handle, expected
 
 
 @pytest.fixture
@@ -176,12 +191,7 @@ def test_memory_another_application_takes_between_calls_gives_a_smaller_residenc
     """A Wan 2.2 pipeline keeps its experts' groups (vram_budget covers them); between its calls another application
     takes most of the device. The next call reads the free memory again before each component runs and keeps fewer
     groups (the rest stream): no out-of-memory error, even caught, and the output is bit-equal."""
-    expected = full_load_outputs("wan22")
-    pipe = make_pipeline("wan22")
-    strict = strict_device(1 << 30)
-    with installed(strict):
-        handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage="ram", vram_budget="1GiB")
-        assert_bit_equal(run(pipe, "wan22", 0), expected[0], "call 1")
+    with wan_after_its_first_call() as (strict, pipe, handle, expected):
         alone = handle.report().peak_device_bytes
         assert strict.capacity.peak_used == alone
         strict.capacity.occupy(strict.capacity.total - alone * 3 // 4)
@@ -278,12 +288,7 @@ def test_an_out_of_memory_error_at_an_onload_is_recovered_and_the_output_is_bit_
 
 
 def test_a_pipeline_call_recovers_from_an_out_of_memory_error_in_the_middle():
-    expected = full_load_outputs("wan22")
-    pipe = make_pipeline("wan22")
-    strict = strict_device(1 << 30)
-    with installed(strict):
-        handle = memmode.apply(pipe, "model_group_offload", device="cpu", storage="ram", vram_budget="1GiB")
-        assert_bit_equal(run(pipe, "wan22", 0), expected[0], "call 1")
+    with wan_after_its_first_call() as (strict, pipe, handle, expected):
         strict.capacity.fail_allocations(1)
         assert_bit_equal(run(pipe, "wan22", 1), expected[1], "call 2, one onload refused")
         assert len(handle.report().recoveries) == 1
